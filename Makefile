@@ -1,0 +1,42 @@
+# The two commands: `make demo` and `make test`. Both install what they need first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: install etcd demo test lint proto bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --disable-pip-version-check --upgrade pip
+	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+# etcd from Debian's etcd-server package, only when no etcd binary is on PATH.
+etcd:
+	@command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ] || { \
+	  echo "installing etcd-server from Debian"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq etcd-server >/dev/null; }
+
+install: $(STAMP) etcd
+
+demo: install
+	$(VENV)/bin/tidings demo
+
+test: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+# Regenerate the committed protobuf code (tests/test_protocol_generated.py checks it is current).
+proto: $(STAMP)
+	$(PY) -m tidings.protocol.generate
+
+bench: install
+	$(PY) bench/append.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

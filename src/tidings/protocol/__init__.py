@@ -1,0 +1,1 @@
+"""Wire protocol: generated messages, Status, validation, labels and selectors."""

@@ -1,0 +1,59 @@
+"""Regenerate (or check) the committed protobuf code from ``protocol.proto``.
+
+``python -m tidings.protocol.generate`` rewrites ``protocol_pb2*.py[i]`` next to the .proto;
+``--check`` generates into a temporary folder and exits 1 if the committed files differ.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parent.parent  # the folder holding the `tidings` package
+PROTOS = ["tidings/protocol/protocol.proto"]
+OUTPUTS = ["protocol_pb2.py", "protocol_pb2.pyi", "protocol_pb2_grpc.py"]
+
+
+def generate(out_dir: Path) -> None:
+    """Run protoc (from grpcio-tools) with `out_dir` as the output root."""
+    from grpc_tools import protoc  # dev dependency: only needed to regenerate
+
+    args = [
+        "protoc",
+        f"-I{SRC}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        *PROTOS,
+    ]
+    if protoc.main(args) != 0:
+        raise SystemExit(f"protoc failed for {PROTOS}")
+
+
+def stale_files() -> list[str]:
+    """Names of committed generated files that differ from a fresh generation."""
+    with tempfile.TemporaryDirectory() as tmp:
+        generate(Path(tmp))
+        fresh = Path(tmp) / "tidings" / "protocol"
+        return [
+            name
+            for name in OUTPUTS
+            if not (HERE / name).exists() or not filecmp.cmp(fresh / name, HERE / name, shallow=False)
+        ]
+
+
+def main() -> None:
+    if "--check" in sys.argv:
+        stale = stale_files()
+        if stale:
+            print(f"generated protobuf code is stale: {stale}; run `make proto`", file=sys.stderr)
+            raise SystemExit(1)
+        return
+    generate(SRC)
+
+
+if __name__ == "__main__":
+    main()

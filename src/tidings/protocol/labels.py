@@ -1,0 +1,85 @@
+"""Label sets and selectors (journal labels, registers).
+
+A LabelSet is sorted by (name, value) and may hold several values per name. A selector
+matches a set when every `include` label is present (an include with an empty value matches
+any value of that name) and no `exclude` label is. Register semantics follow Gazette: an
+empty register set matches any `check_registers` selector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from tidings.protocol import protocol_pb2 as pb
+
+
+def label_set(pairs: Iterable[tuple[str, str]] | Mapping[str, str] | None = None) -> pb.LabelSet:
+    """Build a sorted, de-duplicated LabelSet."""
+    if pairs is None:
+        return pb.LabelSet()
+    items = pairs.items() if isinstance(pairs, Mapping) else pairs
+    uniq = sorted(set((str(k), str(v)) for k, v in items))
+    return pb.LabelSet(labels=[pb.Label(name=k, value=v) for k, v in uniq])
+
+
+def pairs(ls: pb.LabelSet | None) -> list[tuple[str, str]]:
+    return [] if ls is None else [(lb.name, lb.value) for lb in ls.labels]
+
+
+def union(a: pb.LabelSet, b: pb.LabelSet) -> pb.LabelSet:
+    """`a` with each name of `b` replaced by b's values (Gazette's UnionLabelSets semantics)."""
+    names_b = {lb.name for lb in b.labels}
+    return label_set([p for p in pairs(a) if p[0] not in names_b] + pairs(b))
+
+
+def subtract(a: pb.LabelSet, b: pb.LabelSet) -> pb.LabelSet:
+    """`a` without the labels of `b`; a label of b with an empty value removes the whole name."""
+    drop_names = {lb.name for lb in b.labels if lb.value == ""}
+    drop = set(pairs(b))
+    return label_set([p for p in pairs(a) if p not in drop and p[0] not in drop_names])
+
+
+def _contains(ls: pb.LabelSet, label: pb.Label) -> bool:
+    for lb in ls.labels:
+        if lb.name == label.name and (label.value == "" or lb.value == label.value):
+            return True
+    return False
+
+
+def matches(selector: pb.LabelSelector | None, ls: pb.LabelSet) -> bool:
+    if selector is None:
+        return True
+    return all(_contains(ls, lb) for lb in selector.include.labels) and not any(
+        _contains(ls, lb) for lb in selector.exclude.labels
+    )
+
+
+def registers_match(selector: pb.LabelSelector | None, registers: pb.LabelSet) -> bool:
+    """Gazette's check_registers: an empty register set matches any selector."""
+    if not registers.labels:
+        return True
+    return matches(selector, registers)
+
+
+def parse_selector(text: str) -> pb.LabelSelector:
+    """Parse ``name=value,name2,!name3=value,name4!=value`` into a LabelSelector.
+
+    ``name`` alone includes any value; ``!name`` excludes any value; ``name!=v`` excludes one.
+    """
+    inc: list[tuple[str, str]] = []
+    exc: list[tuple[str, str]] = []
+    for raw in filter(None, (p.strip() for p in text.split(","))):
+        if "!=" in raw:
+            k, v = raw.split("!=", 1)
+            exc.append((k.strip(), v.strip()))
+        elif raw.startswith("!"):
+            k, _, v = raw[1:].partition("=")
+            exc.append((k.strip(), v.strip()))
+        else:
+            k, _, v = raw.partition("=")
+            inc.append((k.strip(), v.strip()))
+    return pb.LabelSelector(include=label_set(inc), exclude=label_set(exc))
+
+
+def format_labels(ls: pb.LabelSet) -> str:
+    return ",".join(f"{k}={v}" if v else k for k, v in pairs(ls))

@@ -1,0 +1,166 @@
+"""Status values and the tidings error tree.
+
+::
+
+    TidingsError
+    ├── StatusError            a non-OK Status from a broker; one subclass per Status
+    │     (.status, .journal, .retriable, .refresh_route; found with for_status())
+    ├── TransportError         a gRPC failure (unavailable, deadline, ...); map_grpc_error()
+    ├── ValidationError        a malformed message or spec, with a dotted context
+    └── UsageError             misuse of an API (also a RuntimeError)
+
+Brokers return expected outcomes as a Status in a response carrying a Header; only surprises
+become gRPC errors. Messages name the journal, the status and the next step.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from tidings.protocol import protocol_pb2 as pb
+
+Status = pb.Status
+
+# What a client should do next, per status.
+_NEXT_STEP: dict[int, str] = {
+    pb.JOURNAL_NOT_FOUND: "check the name with `tidings journals list`, or create it with `journals apply`",
+    pb.NO_JOURNAL_PRIMARY_BROKER: "the journal has no primary yet; retry shortly",
+    pb.NOT_JOURNAL_PRIMARY_BROKER: "retry against the journal's current primary",
+    pb.NOT_JOURNAL_BROKER: "retry against a broker of the journal's route",
+    pb.INSUFFICIENT_JOURNAL_BROKERS: "start more brokers (or lower the journal's replication); retry",
+    pb.OFFSET_NOT_YET_AVAILABLE: "read with --block to wait for content",
+    pb.WRONG_ROUTE: "the route changed; retry",
+    pb.PROPOSAL_MISMATCH: "the replicas disagreed; the primary re-synchronizes, retry",
+    pb.ETCD_TRANSACTION_FAILED: "the spec changed concurrently; re-read it and apply again",
+    pb.NOT_ALLOWED: "the journal's flags forbid this operation",
+    pb.WRONG_APPEND_OFFSET: "the journal's write head moved; re-read it and retry with the new offset",
+    pb.INDEX_HAS_GREATER_OFFSET: (
+        "journal consistency was lost; once every old broker is gone run `tidings journals reset-head`"
+    ),
+    pb.REGISTER_MISMATCH: "the journal's registers do not match the expectation (another writer won)",
+}
+
+RETRIABLE = frozenset(
+    {
+        pb.NO_JOURNAL_PRIMARY_BROKER,
+        pb.NOT_JOURNAL_PRIMARY_BROKER,
+        pb.NOT_JOURNAL_BROKER,
+        pb.INSUFFICIENT_JOURNAL_BROKERS,
+        pb.WRONG_ROUTE,
+        pb.PROPOSAL_MISMATCH,
+    }
+)
+
+
+def status_name(status: int) -> str:
+    return pb.Status.Name(status)
+
+
+class TidingsError(Exception):
+    """Base of every error tidings raises on purpose."""
+
+
+class StatusError(TidingsError):
+    """A broker answered with a non-OK Status."""
+
+    status: int = -1
+    retriable: bool = False
+    refresh_route: bool = False
+
+    def __init__(self, journal: str = "", detail: str = "", header: pb.Header | None = None) -> None:
+        self.journal = journal
+        self.detail = detail
+        self.header = header
+        name = status_name(self.status)
+        parts = [f"journal {journal!r}: {name}" if journal else name]
+        if detail:
+            parts.append(detail)
+        parts.append(_NEXT_STEP.get(self.status, ""))
+        super().__init__(": ".join(p for p in parts if p))
+
+
+_BY_STATUS: dict[int, type[StatusError]] = {}
+
+
+def _define(status: int) -> type[StatusError]:
+    name = "".join(w.capitalize() for w in status_name(status).split("_")) + "Error"
+    cls = type(
+        name,
+        (StatusError,),
+        {
+            "status": status,
+            "retriable": status in RETRIABLE,
+            "refresh_route": status in RETRIABLE,
+            "__doc__": f"Status {status_name(status)}.",
+            "__module__": __name__,
+        },
+    )
+    _BY_STATUS[status] = cls
+    return cls
+
+
+JournalNotFoundError = _define(pb.JOURNAL_NOT_FOUND)
+NoJournalPrimaryBrokerError = _define(pb.NO_JOURNAL_PRIMARY_BROKER)
+NotJournalPrimaryBrokerError = _define(pb.NOT_JOURNAL_PRIMARY_BROKER)
+NotJournalBrokerError = _define(pb.NOT_JOURNAL_BROKER)
+InsufficientJournalBrokersError = _define(pb.INSUFFICIENT_JOURNAL_BROKERS)
+OffsetNotYetAvailableError = _define(pb.OFFSET_NOT_YET_AVAILABLE)
+WrongRouteError = _define(pb.WRONG_ROUTE)
+ProposalMismatchError = _define(pb.PROPOSAL_MISMATCH)
+EtcdTransactionFailedError = _define(pb.ETCD_TRANSACTION_FAILED)
+NotAllowedError = _define(pb.NOT_ALLOWED)
+WrongAppendOffsetError = _define(pb.WRONG_APPEND_OFFSET)
+IndexHasGreaterOffsetError = _define(pb.INDEX_HAS_GREATER_OFFSET)
+RegisterMismatchError = _define(pb.REGISTER_MISMATCH)
+
+
+def for_status(status: int) -> type[StatusError]:
+    """The StatusError subclass of a non-OK status."""
+    return _BY_STATUS[status]
+
+
+def raise_for_status(status: int, journal: str = "", detail: str = "", header: pb.Header | None = None) -> None:
+    if status != pb.OK:
+        raise for_status(status)(journal, detail, header)
+
+
+class TransportError(TidingsError):
+    """The broker could not be reached or the RPC failed in transport."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, retriable: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retriable = retriable
+
+
+_RETRIABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED})
+
+_CODE_HINTS = {
+    grpc.StatusCode.UNAVAILABLE: "is the cluster up? (tidings cluster up, or set --broker / TIDINGS_BROKER)",
+    grpc.StatusCode.INVALID_ARGUMENT: "fix the request",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the broker did not answer in time; retry",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "the message is too large; send smaller chunks",
+}
+
+
+def map_grpc_error(err: grpc.RpcError, target: str = "") -> TransportError:
+    """The one place gRPC errors become TidingsErrors."""
+    code = err.code() if hasattr(err, "code") else None
+    details = err.details() if hasattr(err, "details") else str(err)
+    where = f" from {target}" if target else ""
+    hint = _CODE_HINTS.get(code, "") if code is not None else ""
+    name = code.name if code is not None else "UNKNOWN"
+    msg = f"{name}{where}: {details}" + (f"; {hint}" if hint else "")
+    return TransportError(msg, code, retriable=code in _RETRIABLE_CODES)
+
+
+class ValidationError(TidingsError, ValueError):
+    """A message or spec is malformed; `context` is a dotted path to the bad field."""
+
+    def __init__(self, context: str, message: str) -> None:
+        self.context = context
+        super().__init__(f"{context}: {message}" if context else message)
+
+
+class UsageError(TidingsError, RuntimeError):
+    """An API was misused; the message says what to do instead."""

@@ -1,0 +1,179 @@
+"""Validation of every message a broker accepts (Gazette's Validate(), as functions).
+
+Each function raises ValidationError naming a dotted context (``spec.fragment.length``) and
+what to do. Handlers validate once at the edge and never check shapes again.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.status import ValidationError
+
+MAX_JOURNAL_NAME = 512
+MAX_REPLICATION = 5
+MAX_CHUNK = 4 * 1024 * 1024  # largest content chunk a broker accepts in one message
+MAX_OFFSET = 1 << 62
+MIN_FRAGMENT_LENGTH = 1024
+MAX_FRAGMENT_LENGTH = 1 << 34
+
+_NAME_CHARS = re.compile(r"^[A-Za-z0-9_\-+.=%/]+$")
+_TOKEN = re.compile(r"^[A-Za-z0-9_\-+.=%]+$")
+_LABEL_NAME = re.compile(r"^[a-z0-9][a-z0-9_\-./]*$")
+_STORE_SCHEMES = ("file://", "s3://", "gs://", "az://", "gcs://", "memory://")
+_VALID_FLAGS = {pb.JournalSpec.NOT_SPECIFIED, pb.JournalSpec.O_RDONLY, pb.JournalSpec.O_WRONLY, pb.JournalSpec.O_RDWR}
+
+
+def journal_name(name: str, ctx: str = "journal") -> None:
+    """Names are slash-separated segments of [A-Za-z0-9_-+.=%], without empty, '.' or '..' segments."""
+    if not name:
+        raise ValidationError(ctx, "journal name is empty; give a name such as `examples/foo`")
+    if len(name) > MAX_JOURNAL_NAME:
+        raise ValidationError(ctx, f"journal name is {len(name)} characters; at most {MAX_JOURNAL_NAME}")
+    if not _NAME_CHARS.match(name):
+        raise ValidationError(ctx, f"journal name {name!r} has characters outside [A-Za-z0-9_-+.=%/]")
+    for seg in name.split("/"):
+        if seg == "":
+            raise ValidationError(ctx, f"journal name {name!r} has an empty segment (leading, trailing or '//')")
+        if seg in (".", ".."):
+            raise ValidationError(ctx, f"journal name {name!r} has a {seg!r} segment")
+
+
+def token(value: str, ctx: str) -> None:
+    if not value or not _TOKEN.match(value) or len(value) > 128:
+        raise ValidationError(ctx, f"{value!r} must be 1-128 characters of [A-Za-z0-9_-+.=%]")
+
+
+def process_id(pid: pb.ProcessId, ctx: str = "process_id") -> None:
+    token(pid.zone, f"{ctx}.zone")
+    token(pid.suffix, f"{ctx}.suffix")
+
+
+def label_set(ls: pb.LabelSet, ctx: str = "labels") -> None:
+    prev: tuple[str, str] | None = None
+    for i, lb in enumerate(ls.labels):
+        if not _LABEL_NAME.match(lb.name) or len(lb.name) > 64:
+            raise ValidationError(f"{ctx}[{i}].name", f"label name {lb.name!r} must match [a-z0-9][a-z0-9_-./]*")
+        if len(lb.value) > 1024:
+            raise ValidationError(f"{ctx}[{i}].value", "label value longer than 1024 characters")
+        cur = (lb.name, lb.value)
+        if prev is not None and cur <= prev:
+            raise ValidationError(f"{ctx}[{i}]", "labels must be sorted and unique (build them with label_set())")
+        prev = cur
+
+
+def selector(sel: pb.LabelSelector, ctx: str = "selector") -> None:
+    label_set(sel.include, f"{ctx}.include")
+    label_set(sel.exclude, f"{ctx}.exclude")
+
+
+def fragment_spec(fs: pb.JournalSpec.FragmentSpec, ctx: str = "spec.fragment") -> None:
+    if not MIN_FRAGMENT_LENGTH <= fs.length <= MAX_FRAGMENT_LENGTH:
+        raise ValidationError(
+            f"{ctx}.length", f"{fs.length} is outside [{MIN_FRAGMENT_LENGTH}, {MAX_FRAGMENT_LENGTH}] bytes"
+        )
+    if fs.compression_codec == pb.INVALID or fs.compression_codec not in pb.CompressionCodec.values():
+        raise ValidationError(f"{ctx}.compression_codec", "must be one of none, gzip, zstd")
+    for i, store in enumerate(fs.stores):
+        if not store.startswith(_STORE_SCHEMES) or not store.endswith("/"):
+            raise ValidationError(
+                f"{ctx}.stores[{i}]", f"{store!r} must be a URL like file:///path/ or s3://bucket/prefix/ ending in '/'"
+            )
+    if fs.refresh_interval_ms < 1000 or fs.refresh_interval_ms > 24 * 3600 * 1000:
+        raise ValidationError(f"{ctx}.refresh_interval", "must be between 1s and 24h")
+    if fs.flush_interval_ms < 0:
+        raise ValidationError(f"{ctx}.flush_interval", "must not be negative")
+    if fs.retention_ms < 0:
+        raise ValidationError(f"{ctx}.retention", "must not be negative")
+
+
+def journal_spec(spec: pb.JournalSpec, ctx: str = "spec") -> None:
+    journal_name(spec.name, f"{ctx}.name")
+    if not 1 <= spec.replication <= MAX_REPLICATION:
+        raise ValidationError(f"{ctx}.replication", f"{spec.replication} is outside 1..{MAX_REPLICATION}")
+    label_set(spec.labels, f"{ctx}.labels")
+    fragment_spec(spec.fragment, f"{ctx}.fragment")
+    if spec.flags not in _VALID_FLAGS:
+        raise ValidationError(f"{ctx}.flags", "must be one of read-write, read-only, write-only")
+    if spec.max_append_rate < 0:
+        raise ValidationError(f"{ctx}.max_append_rate", "must not be negative")
+
+
+def route(rt: pb.Route, ctx: str = "route") -> None:
+    ids = [(m.zone, m.suffix) for m in rt.members]
+    for i, m in enumerate(rt.members):
+        process_id(m, f"{ctx}.members[{i}]")
+    if ids != sorted(set(ids)):
+        raise ValidationError(f"{ctx}.members", "must be sorted and unique")
+    if not -1 <= rt.primary < len(rt.members):
+        raise ValidationError(f"{ctx}.primary", f"{rt.primary} is not a member index")
+    if rt.endpoints and len(rt.endpoints) != len(rt.members):
+        raise ValidationError(f"{ctx}.endpoints", "must be empty or one per member")
+
+
+def header(h: pb.Header, ctx: str = "header") -> None:
+    if h.HasField("process_id") and (h.process_id.zone or h.process_id.suffix):
+        process_id(h.process_id, f"{ctx}.process_id")
+    route(h.route, f"{ctx}.route")
+    if h.etcd.revision < 0:
+        raise ValidationError(f"{ctx}.etcd.revision", "must not be negative")
+
+
+def fragment(f: pb.Fragment, ctx: str = "fragment") -> None:
+    journal_name(f.journal, f"{ctx}.journal")
+    if not 0 <= f.begin <= f.end <= MAX_OFFSET:
+        raise ValidationError(f"{ctx}", f"invalid span [{f.begin}, {f.end})")
+    if len(f.sum) not in (0, 20):
+        raise ValidationError(f"{ctx}.sum", "must be a 20-byte SHA1")
+    if f.compression_codec not in pb.CompressionCodec.values() or f.compression_codec == pb.INVALID:
+        raise ValidationError(f"{ctx}.compression_codec", "invalid codec")
+
+
+def read_request(r: pb.ReadRequest, ctx: str = "read") -> None:
+    if r.HasField("header"):
+        header(r.header, f"{ctx}.header")
+    journal_name(r.journal, f"{ctx}.journal")
+    if r.offset < -1 or r.offset > MAX_OFFSET:
+        raise ValidationError(f"{ctx}.offset", f"{r.offset} is invalid; use -1 for the write head or 0..2^62")
+    if r.end_offset < 0 or r.end_offset > MAX_OFFSET or (r.end_offset and 0 <= r.offset and r.end_offset < r.offset):
+        raise ValidationError(f"{ctx}.end_offset", f"{r.end_offset} is invalid (must be 0 or >= offset)")
+
+
+def append_request_first(r: pb.AppendRequest, ctx: str = "append") -> None:
+    if r.HasField("header"):
+        header(r.header, f"{ctx}.header")
+    journal_name(r.journal, f"{ctx}.journal")
+    if r.offset < 0 or r.offset > MAX_OFFSET:
+        raise ValidationError(f"{ctx}.offset", f"{r.offset} is invalid; expected offsets are 0..2^62")
+    if r.content:
+        raise ValidationError(f"{ctx}.content", "the first message carries metadata only; send content after it")
+    selector(r.check_registers, f"{ctx}.check_registers")
+    label_set(r.union_registers, f"{ctx}.union_registers")
+    label_set(r.subtract_registers, f"{ctx}.subtract_registers")
+
+
+def append_content(r: pb.AppendRequest, ctx: str = "append") -> None:
+    if r.journal or r.HasField("header") or r.offset or r.HasField("check_registers"):
+        raise ValidationError(ctx, "only the first message may carry metadata; later ones carry content only")
+    if len(r.content) > MAX_CHUNK:
+        raise ValidationError(
+            f"{ctx}.content", f"chunk of {len(r.content)} bytes exceeds {MAX_CHUNK}; send smaller chunks"
+        )
+
+
+def replicate_request(r: pb.ReplicateRequest, ctx: str = "replicate") -> None:
+    if r.HasField("header"):
+        header(r.header, f"{ctx}.header")
+    if r.HasField("proposal"):
+        fragment(r.proposal, f"{ctx}.proposal")
+        label_set(r.registers, f"{ctx}.registers")
+        if r.content:
+            raise ValidationError(ctx, "a request carries a proposal or content, not both")
+    elif r.content:
+        if len(r.content) > MAX_CHUNK:
+            raise ValidationError(f"{ctx}.content", f"chunk of {len(r.content)} bytes exceeds {MAX_CHUNK}")
+        if r.content_delta < 0:
+            raise ValidationError(f"{ctx}.content_delta", "must not be negative")
+    else:
+        raise ValidationError(ctx, "expected a proposal or content")
