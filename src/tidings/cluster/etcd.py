@@ -1,0 +1,114 @@
+"""A private etcd child process on loopback, for `tidings cluster up`, the demo and tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from tidings.protocol.status import UsageError
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (the kernel picks it; callers bind it soon after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_etcd() -> str:
+    path = shutil.which("etcd") or ("/usr/bin/etcd" if os.access("/usr/bin/etcd", os.X_OK) else None)
+    if path is None:
+        raise UsageError("no etcd binary found: install Debian's etcd-server (`make install` does) or pass --etcd URL")
+    return path
+
+
+class EtcdProcess:
+    """One etcd member on 127.0.0.1 with its own data dir; `start()` returns once it serves.
+
+    Uses short heartbeat/election timeouts so a fresh member is ready in ~0.2 s.
+    """
+
+    def __init__(self, data_dir: str | Path | None = None, client_port: int = 0, peer_port: int = 0) -> None:
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="tidings-etcd-"))
+        self.client_port = client_port or free_port()
+        self.peer_port = peer_port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.endpoint}"
+
+    def start(self, timeout: float = 20.0) -> EtcdProcess:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.data_dir / "etcd.log", "ab")
+        client = f"http://127.0.0.1:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        self.proc = subprocess.Popen(
+            [
+                find_etcd(),
+                "--name=tidings",
+                f"--data-dir={self.data_dir / 'member-data'}",
+                f"--listen-client-urls={client}",
+                f"--advertise-client-urls={client}",
+                f"--listen-peer-urls={peer}",
+                f"--initial-advertise-peer-urls={peer}",
+                f"--initial-cluster=tidings={peer}",
+                "--heartbeat-interval=10",
+                "--election-timeout=100",
+                "--log-level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = (self.data_dir / "etcd.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}:\n{tail}")
+            if self._healthy():
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise TimeoutError(f"etcd did not become ready on {self.endpoint} within {timeout}s")
+
+    def _healthy(self) -> bool:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=0.5) as resp:
+                return b"true" in resp.read()
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        """Stop the child by PID (SIGTERM, then SIGKILL) and remove a data dir we created."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

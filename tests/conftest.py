@@ -1,0 +1,27 @@
+"""Session fixtures: one real etcd child for the whole run; a unique key prefix per test."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from tidings.cluster.etcd import EtcdProcess
+
+
+@pytest.fixture(scope="session")
+def etcd() -> Iterator[EtcdProcess]:
+    """A real etcd on free loopback ports, stopped by PID at the end of the session."""
+    proc = EtcdProcess()
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def etcd_root() -> str:
+    """A unique root prefix per test, so tests never see each other's keys."""
+    return f"/tidings-test/{uuid.uuid4().hex[:12]}"

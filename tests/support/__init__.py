@@ -1,0 +1,1 @@
+"""Shared test support: a real etcd per session, unique prefixes, wait_until."""
