@@ -25,3 +25,24 @@ def etcd() -> Iterator[EtcdProcess]:
 def etcd_root() -> str:
     """A unique root prefix per test, so tests never see each other's keys."""
     return f"/tidings-test/{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+async def cluster(etcd: EtcdProcess, etcd_root: str, tmp_path):
+    """Three in-process brokers in three zones over the session etcd; stopped and cleaned after."""
+    from tidings.keyspace.etcd import Etcd
+
+    from tests.support.cluster import TestCluster
+
+    tc = TestCluster(etcd.endpoint, etcd_root, tmp_path)
+    try:
+        for zone in ("zone-a", "zone-b", "zone-c"):
+            await tc.add_broker(zone)
+        yield tc
+    finally:
+        await tc.stop()
+        client = await Etcd.connect(etcd.endpoint)
+        try:
+            await client.delete_prefix(etcd_root + "/")
+        finally:
+            await client.aclose()

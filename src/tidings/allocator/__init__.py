@@ -1,0 +1,47 @@
+"""allocator: members, items and assignments in etcd, leader election, the solver, converge.
+
+Brokers coordinate through a distributed allocator to keep journal assignments up to date
+(gazette-transactional-appends.txt, *Components*). Each broker announces itself with a leased
+member key (``announce``); journals are items; an assignment key places a journal on a member at a
+slot, slot 0 being the primary, and its value is the Route the primary last synchronized. The
+member with the oldest key leads: its ``Allocator`` runs the pure ``solver`` on every KeySpace
+change and applies the difference in guarded etcd transactions (``converge``).
+
+Guarantee (Invariant 5): an assignment is never removed while its journal's Route is not
+consistent, or if fewer than R consistent replicas would remain; the allocator over-subscribes
+(adds first) and removes later. Only assignments of members whose key is gone, and of journals
+that no longer exist, are dropped without that check.
+"""
+
+from tidings.allocator.announce import Announcement, MemberConflictError, announce
+from tidings.allocator.converge import Allocator, AllocatorStats, Change, advertise_consistency, plan
+from tidings.allocator.keys import AssignKey, assign_key, item_key, member_key, parse_assign_key
+from tidings.allocator.solver import Current, Slot, SolverItem, SolverMember, solve
+from tidings.allocator.state import Assignment, Item, Member, State, route_of, routes_equivalent
+
+__all__ = [
+    "Allocator",
+    "AllocatorStats",
+    "Announcement",
+    "AssignKey",
+    "Assignment",
+    "Change",
+    "Current",
+    "Item",
+    "Member",
+    "MemberConflictError",
+    "Slot",
+    "SolverItem",
+    "SolverMember",
+    "State",
+    "advertise_consistency",
+    "announce",
+    "assign_key",
+    "item_key",
+    "member_key",
+    "parse_assign_key",
+    "plan",
+    "route_of",
+    "routes_equivalent",
+    "solve",
+]

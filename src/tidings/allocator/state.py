@@ -1,0 +1,139 @@
+"""State: the allocator's typed view of a KeySpace at one revision (members, items, assignments).
+
+Cheap to build (one pass over the mirrored keys), so it is rebuilt on every change rather than
+maintained incrementally. Routes are derived here: a journal's Route is the set of its
+assignments' members sorted by (zone, suffix), with the slot-0 member as primary; a journal is
+*consistent* when every assignment's value (the Route its primary last synchronized) is
+equivalent to that Route, which is how brokers advertise consistency to the allocator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tidings.allocator import keys
+from tidings.keyspace import KeySpace
+from tidings.protocol import protocol_pb2 as pb
+
+__all__ = ["Assignment", "Item", "Member", "MemberId", "State", "route_of", "routes_equivalent"]
+
+MemberId = tuple[str, str]  # (zone, suffix)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Member:
+    """A live broker: its leased member key and spec."""
+
+    spec: pb.BrokerSpec
+    create_revision: int
+    key: str
+
+    @property
+    def id(self) -> MemberId:
+        return (self.spec.id.zone, self.spec.id.suffix)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Item:
+    """A journal spec as an allocator item."""
+
+    spec: pb.JournalSpec
+    mod_revision: int
+    create_revision: int
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Assignment:
+    """A journal assigned to a member at a slot (0 = primary); ``value`` is its last synced Route."""
+
+    journal: str
+    zone: str
+    suffix: str
+    slot: int
+    value: pb.Route
+    key: str
+    mod_revision: int
+
+    @property
+    def member(self) -> MemberId:
+        return (self.zone, self.suffix)
+
+
+def routes_equivalent(a: pb.Route, b: pb.Route) -> bool:
+    """Same members and same primary; endpoints are ignored (they change with restarts, not topology)."""
+    if a.primary != b.primary or len(a.members) != len(b.members):
+        return False
+    return all(x.zone == y.zone and x.suffix == y.suffix for x, y in zip(a.members, b.members, strict=True))
+
+
+def route_of(assignments: list[Assignment], members: dict[MemberId, Member]) -> pb.Route:
+    """The Route of a journal's assignments: members sorted, slot-0 member as primary (-1 if none)."""
+    ids = sorted({a.member for a in assignments})
+    primary_member = next((a.member for a in assignments if a.slot == 0), None)
+    route = pb.Route(primary=ids.index(primary_member) if primary_member is not None else -1)
+    for zone, suffix in ids:
+        route.members.add(zone=zone, suffix=suffix)
+        member = members.get((zone, suffix))
+        route.endpoints.append(member.spec.endpoint if member is not None else "")
+    return route
+
+
+@dataclass(slots=True)
+class State:
+    """Members, items and assignments under ``root`` at ``revision``."""
+
+    root: str
+    revision: int
+    members: dict[MemberId, Member] = field(default_factory=dict)
+    items: dict[str, Item] = field(default_factory=dict)
+    assignments: dict[str, list[Assignment]] = field(default_factory=dict)  # sorted by slot
+
+    @classmethod
+    def from_keyspace(cls, ks: KeySpace) -> State:
+        """Build from a KeySpace using ``keyspace.decoder`` (invalid keys are already skipped)."""
+        root = ks.root
+        state = cls(root=root, revision=ks.revision)
+        for kv in ks.prefixed(keys.members_prefix(root)):
+            member = Member(kv.decoded, kv.create_revision, kv.key)
+            state.members[member.id] = member
+        for kv in ks.prefixed(keys.items_prefix(root)):
+            item = Item(kv.decoded, kv.mod_revision, kv.create_revision)
+            state.items[item.name] = item
+        for kv in ks.prefixed(keys.assign_prefix(root)):
+            ak = keys.parse_assign_key(root, kv.key)
+            state.assignments.setdefault(ak.journal, []).append(
+                Assignment(ak.journal, ak.zone, ak.suffix, ak.slot, kv.decoded, kv.key, kv.mod_revision)
+            )
+        for assignments in state.assignments.values():
+            assignments.sort(key=lambda a: (a.slot, a.member))
+        return state
+
+    def leader(self) -> MemberId | None:
+        """The member with the oldest key (smallest create revision): the one that allocates."""
+        if not self.members:
+            return None
+        return min(self.members.values(), key=lambda m: (m.create_revision, m.id)).id
+
+    def route(self, journal: str) -> pb.Route:
+        return route_of(self.assignments.get(journal, []), self.members)
+
+    def is_consistent(self, journal: str) -> bool:
+        """Every assignment of the journal advertises a Route equivalent to the current one.
+
+        A journal without assignments is trivially consistent.
+        """
+        route = self.route(journal)
+        return all(routes_equivalent(a.value, route) for a in self.assignments.get(journal, []))
+
+    def assignments_of(self, zone: str, suffix: str) -> list[Assignment]:
+        """The member's assignments, by journal then slot."""
+        return [
+            a
+            for journal in sorted(self.assignments)
+            for a in self.assignments[journal]
+            if a.zone == zone and a.suffix == suffix
+        ]

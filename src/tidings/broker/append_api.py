@@ -1,0 +1,117 @@
+"""Append RPC: validate the first message, run the AppendFSM, map its end state to a response.
+
+This is the only place an FSM's end state becomes an answer: a Status returns as a normal
+response with a Header (so clients refresh their Route); a surprise becomes a gRPC error; a
+client's cancellation rolls back quietly. Non-primary brokers proxy the stream to the primary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from tidings.broker import _metrics as metrics
+from tidings.broker.append_fsm import AppendFSM, AppendState
+from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol import validate
+from tidings.protocol.protocol_pb2_grpc import JournalStub
+from tidings.protocol.status import ValidationError
+
+if TYPE_CHECKING:
+    from tidings.broker.service import Broker
+
+log = logging.getLogger(__name__)
+
+
+class ClientStalled(Exception):
+    """The client streamed slower than the minimum flow rate; its append is rolled back."""
+
+
+def _reader(broker: Broker, context: grpc.aio.ServicerContext):
+    """Return next_message(): the client's next validated message, None at end-of-stream.
+
+    Enforces the minimum flow rate: each message must arrive within `stall_timeout`, and after
+    that long the stream must average at least `min_append_rate` bytes per second.
+    """
+    started = time.monotonic()
+    received = 0
+    cfg = broker.config
+
+    async def next_message() -> pb.AppendRequest | None:
+        nonlocal received
+        try:
+            msg = await asyncio.wait_for(context.read(), cfg.stall_timeout)
+        except TimeoutError:
+            raise ClientStalled(f"no content for {cfg.stall_timeout}s") from None
+        if msg is grpc.aio.EOF:
+            return None
+        validate.append_content(msg)
+        received += len(msg.content)
+        elapsed = time.monotonic() - started
+        if elapsed > cfg.stall_timeout and received / elapsed < cfg.min_append_rate:
+            raise ClientStalled(f"{received / elapsed:.0f} B/s is below the minimum {cfg.min_append_rate} B/s")
+        return msg
+
+    return next_message
+
+
+async def serve_append(broker: Broker, context: grpc.aio.ServicerContext) -> pb.AppendResponse:
+    first = await context.read()
+    if first is grpc.aio.EOF:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "append: empty stream; send the journal first")
+    try:
+        validate.append_request_first(first)
+    except ValidationError as exc:
+        metrics.RPC_STATUS.labels("append", "INVALID_ARGUMENT").inc()
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    fsm = AppendFSM(broker, first)
+    next_message = _reader(broker, context)
+    try:
+        end = await fsm.run(next_message)
+    except ValidationError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    assert fsm.resolved is not None or end is AppendState.ERROR
+    header = fsm.resolved.header if fsm.resolved is not None else pb.Header()
+    if end is AppendState.PROXY:
+        if first.do_not_proxy:
+            return _respond("append", pb.AppendResponse(status=pb.NOT_JOURNAL_PRIMARY_BROKER, header=header))
+        return await _proxy(broker, fsm, first, next_message, context)
+    if end is AppendState.FINISHED:
+        assert fsm.commit is not None
+        return _respond(
+            "append",
+            pb.AppendResponse(status=pb.OK, header=header, commit=fsm.commit, registers=fsm.registers),
+        )
+    if fsm.status != pb.OK:
+        return _respond("append", pb.AppendResponse(status=fsm.status, header=header, registers=fsm.registers))
+    metrics.RPC_STATUS.labels("append", "ABORTED").inc()
+    await context.abort(grpc.StatusCode.ABORTED, f"append to {first.journal!r} rolled back: {fsm.error}")
+    raise AssertionError("unreachable")
+
+
+def _respond(rpc: str, resp: pb.AppendResponse) -> pb.AppendResponse:
+    metrics.RPC_STATUS.labels(rpc, pb.Status.Name(resp.status)).inc()
+    return resp
+
+
+async def _proxy(broker: Broker, fsm: AppendFSM, first: pb.AppendRequest, next_message, context) -> pb.AppendResponse:
+    """Forward the whole stream to the primary, with our Header so it reads through our revision."""
+    assert fsm.resolved is not None
+    endpoint = fsm.resolved.primary_endpoint()
+    req = pb.AppendRequest()
+    req.CopyFrom(first)
+    req.header.CopyFrom(fsm.resolved.header)
+    req.do_not_proxy = True
+    call = JournalStub(broker.channel(endpoint)).Append()
+    await call.write(req)
+    while True:
+        msg = await next_message()
+        if msg is None:
+            break
+        await call.write(msg)
+    await call.done_writing()
+    return await call

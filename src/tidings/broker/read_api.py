@@ -1,0 +1,152 @@
+"""Read RPC: committed content from an offset (or the write head), optionally blocking and tailing.
+
+Any replica serves reads, from its local spool files or from persisted fragments (proxied from
+the store); a broker not holding the journal proxies to one that does. Each fragment's metadata
+(the Fragment, its store URL if persisted, the write head) precedes its content frames. Only
+committed bytes are served: the index learns of spool content only when it commits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from typing import TYPE_CHECKING
+
+import grpc
+
+from tidings.broker import _metrics as metrics
+from tidings.fragment.store import store_for
+from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol import validate
+from tidings.protocol.protocol_pb2_grpc import JournalStub
+from tidings.protocol.status import ValidationError
+
+if TYPE_CHECKING:
+    from tidings.broker.service import Broker
+
+CHUNK = 256 * 1024
+
+
+async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.ServicerContext) -> None:
+    try:
+        validate.read_request(req)
+    except ValidationError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    res = await broker.resolver.resolve(req.journal, req.header.etcd.revision if req.HasField("header") else 0)
+    if res.status != pb.OK:
+        await context.write(pb.ReadResponse(status=res.status, header=res.header))
+        return
+    if res.spec.flags == pb.JournalSpec.O_WRONLY:
+        await context.write(pb.ReadResponse(status=pb.NOT_ALLOWED, header=res.header))
+        return
+    replica = res.replica
+    if replica is None:
+        if req.do_not_proxy or not res.route.members:
+            status = pb.NOT_JOURNAL_BROKER if res.route.members else pb.NO_JOURNAL_PRIMARY_BROKER
+            await context.write(pb.ReadResponse(status=status, header=res.header))
+            return
+        await _proxy(broker, req, res, context)
+        return
+    index = replica.index
+    await index.wait_first_refresh()
+    offset = req.offset if req.offset >= 0 else index.end_offset
+    first = True
+    while req.end_offset == 0 or offset < req.end_offset:
+        found = index.query(offset)
+        if found is None:
+            if not req.block:
+                await context.write(
+                    pb.ReadResponse(
+                        status=pb.OFFSET_NOT_YET_AVAILABLE,
+                        header=res.header if first else None,
+                        offset=offset,
+                        write_head=index.end_offset,
+                    )
+                )
+                return
+            await _wait_beyond(index, offset, replica.closed)
+            if replica.closed.is_set():
+                return  # the replica moved away; the client re-resolves and continues
+            continue
+        frag, path = found
+        offset = max(offset, frag.begin)
+        until = frag.end if req.end_offset == 0 else min(frag.end, req.end_offset)
+        await context.write(
+            pb.ReadResponse(
+                status=pb.OK,
+                header=res.header if first else None,
+                offset=offset,
+                write_head=index.end_offset,
+                fragment=frag.to_proto(),
+                fragment_url=store_for(frag.backing_store).url(frag) if frag.backing_store else "",
+            )
+        )
+        first = False
+        if req.metadata_only:
+            return
+        try:
+            offset = await _send_content(context, frag, path, offset, until)
+        except FileNotFoundError:
+            continue  # the local file was persisted and removed meanwhile: query again
+
+
+async def _wait_beyond(index, offset: int, closed: asyncio.Event) -> None:
+    waiter = asyncio.ensure_future(index.wait_for_end_offset_beyond(offset))
+    stop = asyncio.ensure_future(closed.wait())
+    try:
+        await asyncio.wait([waiter, stop], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (waiter, stop):
+            t.cancel()
+
+
+async def _send_content(context, frag, path: str | None, offset: int, until: int) -> int:
+    """Stream [offset, until) of `frag` from its local file or its store; returns the new offset."""
+    if path is not None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while offset < until:
+                n = min(CHUNK, until - offset)
+                data = os.pread(fd, n, offset - frag.begin)
+                if not data:
+                    raise FileNotFoundError(path)
+                await context.write(pb.ReadResponse(offset=offset, content=data))
+                metrics.READ_BYTES.inc(len(data))
+                offset += len(data)
+        finally:
+            os.close(fd)
+        return offset
+    stream = await asyncio.to_thread(store_for(frag.backing_store).open, frag)
+    try:
+        skip = offset - frag.begin
+        while skip > 0:
+            data = await asyncio.to_thread(stream.read, min(CHUNK, skip))
+            if not data:
+                raise OSError(f"fragment {frag.content_name()} is shorter than its name says")
+            skip -= len(data)
+        while offset < until:
+            data = await asyncio.to_thread(stream.read, min(CHUNK, until - offset))
+            if not data:
+                raise OSError(f"fragment {frag.content_name()} is shorter than its name says")
+            await context.write(pb.ReadResponse(offset=offset, content=data))
+            metrics.READ_BYTES.inc(len(data))
+            offset += len(data)
+    finally:
+        with contextlib.suppress(Exception):
+            stream.close()
+    return offset
+
+
+async def _proxy(broker: Broker, req: pb.ReadRequest, res, context) -> None:
+    """Relay the read from a replica of the route (preferring one in our zone)."""
+    route = res.route
+    order = sorted(range(len(route.members)), key=lambda i: route.members[i].zone != broker.process_id.zone)
+    endpoint = route.endpoints[order[0]]
+    fwd = pb.ReadRequest()
+    fwd.CopyFrom(req)
+    fwd.header.CopyFrom(res.header)
+    fwd.do_not_proxy = True
+    call = JournalStub(broker.channel(endpoint)).Read(fwd)
+    async for resp in call:
+        await context.write(resp)

@@ -1,0 +1,161 @@
+"""Replica: one broker's share of one journal (its Spool, Pipeline, fragment index and daemons).
+
+Ownership follows Gazette's one-slot channels: `spool_slot` and `pipeline_slot` are
+``asyncio.Queue(maxsize=1)`` filled at construction (the pipeline slot with ``None``: none built
+yet). ``await slot.get()`` acquires; ``slot.put_nowait(x)`` in a ``finally`` releases. Release is
+synchronous so cancellation cannot interrupt it, and a double release raises ``QueueFull``.
+A Replicate RPC (peer side) owns the spool for its stream's life; on the primary, the Pipeline
+owns the spool and an AppendFSM owns the pipeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tidings.fragment.fragment import Fragment
+from tidings.fragment.index import FragmentIndex
+from tidings.fragment.spool import Spool
+from tidings.fragment.store import store_for
+from tidings.protocol import protocol_pb2 as pb
+
+if TYPE_CHECKING:
+    from tidings.broker.pipeline import Pipeline
+    from tidings.fragment.persister import Persister
+
+log = logging.getLogger(__name__)
+
+
+class Replica:
+    """A local replica of `journal`: created when this broker is assigned it, closed when unassigned."""
+
+    def __init__(self, journal: str, spec: pb.JournalSpec, data_dir: Path, persister: Persister) -> None:
+        self.journal = journal
+        self.spec = spec
+        self.persister = persister
+        self.index = FragmentIndex(journal)
+        self.directory = data_dir / "spools" / journal.replace("/", "%2F")
+        self.spool_slot: asyncio.Queue[Spool] = asyncio.Queue(maxsize=1)
+        self.spool_slot.put_nowait(Spool(journal, self.directory, observer=self))
+        self.pipeline_slot: asyncio.Queue[Pipeline | None] = asyncio.Queue(maxsize=1)
+        self.pipeline_slot.put_nowait(None)
+        self.closed = asyncio.Event()
+        self.route_changed = asyncio.Event()  # set (and replaced) whenever the route or spec changes
+        self._tasks: list[asyncio.Task[None]] = []
+        self._refresh_lock = asyncio.Lock()
+
+    # -- SpoolObserver ---------------------------------------------------------------------
+
+    def spool_commit(self, fragment: Fragment, path: str) -> None:
+        self.index.add_local(fragment, path)
+
+    def spool_complete(self, fragment: Fragment, path: str) -> None:
+        self.index.add_local(fragment, path)
+        stores = list(self.spec.fragment.stores)
+        if stores:
+            self.persister.submit(fragment, path, stores[0])
+
+    def fragment_persisted(self, fragment: Fragment, path: str) -> None:
+        """The persister stored `fragment`: refresh the listing, which swaps the local entry for the
+        remote one and deletes the local file only once a listing covers it."""
+        if not self.closed.is_set():
+            task = asyncio.get_running_loop().create_task(self.refresh_now(), name=f"refresh-now:{self.journal}")
+            self._tasks.append(task)
+            task.add_done_callback(self._tasks.remove)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def update(self, spec: pb.JournalSpec) -> None:
+        """The spec or route changed: wake everything waiting on the old view."""
+        self.spec = spec
+        self.route_changed.set()
+        self.route_changed = asyncio.Event()
+
+    def start(self, pulse: Callable[[Replica], Awaitable[None]]) -> None:
+        self._tasks.append(asyncio.create_task(self._refresh_loop(), name=f"refresh:{self.journal}"))
+        self._tasks.append(asyncio.create_task(pulse(self), name=f"pulse:{self.journal}"))
+
+    async def _refresh_loop(self) -> None:
+        """List the fragment stores every refresh interval (the index's remote half)."""
+        while True:
+            try:
+                await self.refresh_now()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a store outage must not kill the replica
+                log.warning("journal %s: listing fragment stores failed: %s", self.journal, exc)
+            interval = max(self.spec.fragment.refresh_interval_ms, 1000) / 1000
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.closed.wait(), interval)
+            if self.closed.is_set():
+                return
+
+    async def refresh_now(self) -> None:
+        """List every store and replace the index's remote half (serialized: a stale listing must
+        never be applied after a newer one)."""
+        async with self._refresh_lock:
+            found: list[Fragment] = []
+            for url in self.spec.fragment.stores:
+                found.extend(await asyncio.to_thread(store_for(url).list, self.journal))
+            dropped = self.index.replace_remote(found)
+            for _frag, local in dropped:
+                if local:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(local)
+
+    async def aclose(self) -> None:
+        """Stop daemons, tear down the pipeline, complete the spool (its fragment is persisted)."""
+        self.closed.set()
+        self.route_changed.set()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        pipeline = await self.pipeline_slot.get()
+        if pipeline is not None:
+            spool = await pipeline.close()
+            self.spool_slot.put_nowait(spool)
+        self.pipeline_slot.put_nowait(None)
+        spool = await self.spool_slot.get()
+        try:
+            spool.close()
+        finally:
+            self.spool_slot.put_nowait(spool)
+
+
+async def acquire(slot: asyncio.Queue, *cancel_on: asyncio.Event) -> tuple[bool, Any]:
+    """Take the token from `slot` -> (True, token), or (False, None) if one of `cancel_on` fires first.
+
+    If the get finished concurrently with a cancellation we still own the token, so it is put
+    back before returning None or re-raising (STYLE.md, "Ownership tokens").
+    """
+    getter = asyncio.ensure_future(slot.get())
+    waiters = [asyncio.ensure_future(ev.wait()) for ev in cancel_on]
+    try:
+        await asyncio.wait([getter, *waiters], return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        getter.cancel()
+        if getter.done() and not getter.cancelled():
+            slot.put_nowait(getter.result())
+        raise
+    finally:
+        for w in waiters:
+            w.cancel()
+    if not getter.done():
+        getter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await getter
+        if getter.cancelled():
+            return False, None
+    token = getter.result()
+    if any(ev.is_set() for ev in cancel_on):
+        slot.put_nowait(token)
+        return False, None
+    return True, token

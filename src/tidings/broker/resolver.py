@@ -1,0 +1,125 @@
+"""Resolver: maps a journal to its current Route, spec and local Replica at a KeySpace revision.
+
+It layers on the KeySpace (gazette-transactional-appends.txt, *Components*): on every applied
+watch batch it rebuilds the allocator State, creates Replicas for journals newly assigned to
+this broker, updates those whose spec or route changed, and closes those no longer assigned.
+Disagreements about topology are settled by etcd revision: a request carrying a later revision
+than ours first waits for the KeySpace to reach it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from tidings.allocator.state import State, routes_equivalent
+from tidings.broker.replica import Replica
+from tidings.fragment.persister import Persister
+from tidings.keyspace import KeySpace
+from tidings.protocol import protocol_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+READ_THROUGH_TIMEOUT = 5.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Resolution:
+    """The outcome of resolving a journal: a status, and if OK, everything needed to serve it."""
+
+    status: int
+    header: pb.Header
+    spec: pb.JournalSpec | None = None
+    replica: Replica | None = None
+
+    @property
+    def route(self) -> pb.Route:
+        return self.header.route
+
+    @property
+    def is_primary(self) -> bool:
+        r = self.header.route
+        return r.primary >= 0 and _same(r.members[r.primary], self.header.process_id)
+
+    def primary_endpoint(self) -> str | None:
+        r = self.header.route
+        return r.endpoints[r.primary] if r.primary >= 0 and r.endpoints else None
+
+
+def _same(a: pb.ProcessId, b: pb.ProcessId) -> bool:
+    return a.zone == b.zone and a.suffix == b.suffix
+
+
+class Resolver:
+    """Keeps `replicas` in step with this broker's assignments and resolves requests."""
+
+    def __init__(
+        self,
+        keyspace: KeySpace,
+        process_id: pb.ProcessId,
+        data_dir: Path,
+        persister: Persister,
+        pulse: Callable[[Replica], Awaitable[None]],
+    ) -> None:
+        self.keyspace = keyspace
+        self.process_id = process_id
+        self.data_dir = data_dir
+        self.persister = persister
+        self.pulse = pulse
+        self.replicas: dict[str, Replica] = {}
+        self.state = State.from_keyspace(keyspace)
+        self._closing: set[asyncio.Task[None]] = set()
+        keyspace.add_observer(self._on_keyspace_update)
+        self._on_keyspace_update()
+
+    def _on_keyspace_update(self) -> None:
+        """Atomically with a KeySpace update: rebuild State and reconcile local replicas."""
+        old = self.state
+        self.state = state = State.from_keyspace(self.keyspace)
+        mine = {a.journal for a in state.assignments_of(self.process_id.zone, self.process_id.suffix)}
+        for journal in mine:
+            item = state.items.get(journal)
+            if item is None:
+                continue
+            replica = self.replicas.get(journal)
+            if replica is None:
+                replica = Replica(journal, item.spec, self.data_dir, self.persister)
+                self.replicas[journal] = replica
+                replica.start(self.pulse)
+                log.info("journal %s: replica created", journal)
+            elif item.spec != replica.spec or not routes_equivalent(old.route(journal), state.route(journal)):
+                replica.update(item.spec)
+        for journal in list(self.replicas):
+            if journal not in mine or journal not in state.items:
+                replica = self.replicas.pop(journal)
+                task = asyncio.get_running_loop().create_task(replica.aclose(), name=f"close:{journal}")
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+                log.info("journal %s: replica removed", journal)
+
+    def header(self, route: pb.Route) -> pb.Header:
+        return pb.Header(
+            process_id=self.process_id,
+            route=route,
+            etcd=pb.Header.Etcd(revision=self.keyspace.revision),
+        )
+
+    async def resolve(self, journal: str, min_revision: int = 0) -> Resolution:
+        """Resolve `journal` once the KeySpace has reached `min_revision` (bounded wait)."""
+        if min_revision > self.keyspace.revision:
+            with contextlib.suppress(TimeoutError):
+                await self.keyspace.wait_for_revision(min_revision, timeout=READ_THROUGH_TIMEOUT)
+        state = self.state
+        item = state.items.get(journal)
+        if item is None:
+            return Resolution(pb.JOURNAL_NOT_FOUND, self.header(pb.Route(primary=-1)))
+        route = state.route(journal)
+        return Resolution(pb.OK, self.header(route), item.spec, self.replicas.get(journal))
+
+    async def aclose(self) -> None:
+        replicas, self.replicas = self.replicas, {}
+        await asyncio.gather(*(r.aclose() for r in replicas.values()), *self._closing, return_exceptions=True)

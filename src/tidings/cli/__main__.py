@@ -1,0 +1,3 @@
+from tidings.cli.app import main
+
+main()

@@ -1,0 +1,329 @@
+"""`tidings`: run a local cluster or a broker, and manage journals.
+
+Client commands reach the cluster through `--broker HOST:PORT` (env TIDINGS_BROKER, default
+127.0.0.1:8080); any broker will do. Every flag has a TIDINGS_* environment variable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from tidings.protocol import labels
+from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.specs import documents, spec_from_dict, spec_to_dict
+from tidings.protocol.status import TidingsError
+
+app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+journals = typer.Typer(help="Create, list, append to and read journals.", no_args_is_help=True)
+cluster = typer.Typer(help="Run a local cluster (private etcd + brokers).", no_args_is_help=True)
+app.add_typer(journals, name="journals")
+app.add_typer(cluster, name="cluster")
+err = Console(stderr=True)
+out = Console()
+
+BrokerOpt = Annotated[str, typer.Option("--broker", envvar="TIDINGS_BROKER", help="Any broker, HOST:PORT.")]
+DEFAULT_BROKER = "127.0.0.1:8080"
+
+
+def main() -> None:
+    """Entry point: run the app, turning TidingsErrors into one clear line and exit code 1."""
+    try:
+        app()
+    except TidingsError as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise SystemExit(1) from None
+
+
+def _run(coro):
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        return asyncio.run(coro)
+
+
+def _client(broker: str):
+    from tidings.client import AsyncClient
+
+    return AsyncClient(broker, retries=8)
+
+
+# -- broker and cluster --------------------------------------------------------------------
+
+
+@app.command()
+def broker(
+    etcd: Annotated[str, typer.Option(envvar="TIDINGS_ETCD", help="etcd endpoint HOST:PORT.")],
+    zone: Annotated[str, typer.Option(envvar="TIDINGS_ZONE")] = "local",
+    id: Annotated[str, typer.Option("--id", envvar="TIDINGS_ID", help="Broker suffix, unique in its zone.")] = "b0",
+    listen: Annotated[str, typer.Option(envvar="TIDINGS_LISTEN")] = "127.0.0.1:8080",
+    data_dir: Annotated[Path, typer.Option(envvar="TIDINGS_DATA_DIR")] = Path("data/broker"),
+    root: Annotated[str, typer.Option(envvar="TIDINGS_ROOT", help="etcd key prefix.")] = "/tidings/cluster",
+    journal_limit: Annotated[int, typer.Option(envvar="TIDINGS_JOURNAL_LIMIT")] = 1024,
+    metrics: Annotated[str, typer.Option(envvar="TIDINGS_METRICS", help="HOST:PORT for /metrics; '' off.")] = "",
+    stall_timeout: Annotated[float, typer.Option(envvar="TIDINGS_STALL_TIMEOUT")] = 10.0,
+    min_append_rate: Annotated[int, typer.Option(envvar="TIDINGS_MIN_APPEND_RATE")] = 16 * 1024,
+    pulse_interval: Annotated[float, typer.Option(envvar="TIDINGS_PULSE_INTERVAL")] = 2.0,
+    lease_ttl: Annotated[int, typer.Option(envvar="TIDINGS_LEASE_TTL")] = 5,
+    log_level: Annotated[str, typer.Option(envvar="TIDINGS_LOG_LEVEL")] = "info",
+) -> None:
+    """Run one broker in the foreground. Prints `READY HOST:PORT` once it serves; SIGTERM hands
+    its journals to other brokers, then exits."""
+    from tidings.broker.service import Broker, BrokerConfig
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = BrokerConfig(
+        etcd=etcd,
+        zone=zone,
+        suffix=id,
+        listen=listen,
+        data_dir=data_dir,
+        root=root,
+        journal_limit=journal_limit,
+        metrics_listen=metrics or None,
+        stall_timeout=stall_timeout,
+        min_append_rate=min_append_rate,
+        pulse_interval=pulse_interval,
+        lease_ttl=lease_ttl,
+    )
+
+    async def run() -> None:
+        b = await Broker(cfg).start()
+        print(f"READY {b.endpoint}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        lost = asyncio.ensure_future(b.announcement.lost.wait())
+        await asyncio.wait([asyncio.ensure_future(stop.wait()), lost], return_when=asyncio.FIRST_COMPLETED)
+        await b.stop(graceful=not lost.done())
+
+    _run(run())
+
+
+@cluster.command("up")
+def cluster_up(
+    brokers: Annotated[int, typer.Option(help="Number of brokers.")] = 3,
+    zones: Annotated[int, typer.Option(help="Spread brokers over this many zones.")] = 1,
+    data_dir: Annotated[Path, typer.Option(envvar="TIDINGS_DATA_DIR")] = Path("data"),
+    port: Annotated[int, typer.Option(help="First broker's port; the others follow.")] = 8080,
+) -> None:
+    """Private etcd + N brokers on loopback, in the foreground; Ctrl-C stops everything."""
+    from tidings.cluster import LocalCluster
+
+    lc = LocalCluster(brokers=brokers, zones=zones, data_dir=data_dir, port=port)
+    stop = False
+
+    def on_signal(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        lc.start()
+        out.print(f"etcd     {lc.etcd_endpoint}")
+        for b in lc.brokers:
+            out.print(f"broker   {b.endpoint}  zone={b.zone} id={b.suffix}")
+        out.print(f"store    {lc.store_url}")
+        out.print("ready; Ctrl-C stops the cluster", style="bold")
+        while not stop and all(b.alive() for b in lc.brokers):
+            _pause(lambda: stop)
+    finally:
+        lc.stop()
+        out.print("cluster stopped")
+
+
+def _pause(done) -> None:
+    """Idle up to half a second in the foreground, returning early once `done()`."""
+    import time
+
+    t = time.monotonic()
+    while not done() and time.monotonic() - t < 0.5:
+        time.sleep(0.05)
+
+
+# -- journals ------------------------------------------------------------------------------
+
+
+@journals.command("apply")
+def journals_apply(file: Path, broker: BrokerOpt = DEFAULT_BROKER) -> None:
+    """Create, update or delete journals from a YAML file (see `tidings.protocol.specs`)."""
+    try:
+        loaded = yaml.safe_load(file.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        err.print(f"[red]error:[/red] cannot read {file}: {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    docs = documents(loaded)
+    specs = [(d, spec_from_dict(d, f"{file.name}[{i}]")) for i, d in enumerate(docs)]
+
+    async def go() -> None:
+        async with _client(broker) as c:
+            current = {j.spec.name: j.mod_revision for j in (await c.list()).journals}
+            changes = []
+            for d, spec in specs:
+                rev = int(d["revision"]) if "revision" in d else current.get(spec.name, 0)
+                if d.get("delete"):
+                    changes.append(pb.ApplyRequest.Change(delete=spec.name, expect_mod_revision=rev))
+                else:
+                    changes.append(pb.ApplyRequest.Change(upsert=spec, expect_mod_revision=rev))
+            await c.apply(changes)
+            for _d, spec in specs:
+                out.print(f"applied {spec.name}")
+
+    _run(go())
+
+
+@journals.command("list")
+def journals_list(
+    broker: BrokerOpt = DEFAULT_BROKER,
+    selector: Annotated[str, typer.Option(help="Label selector, e.g. app=shop,!tmp")] = "",
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_yaml: Annotated[bool, typer.Option("--yaml")] = False,
+) -> None:
+    """List journals with their routes."""
+
+    async def go() -> pb.ListResponse:
+        async with _client(broker) as c:
+            return await c.list(labels.parse_selector(selector) if selector else None)
+
+    resp = _run(go())
+    rows = []
+    for j in resp.journals:
+        r = j.route
+        members = [f"{m.zone}/{m.suffix}" for m in r.members]
+        primary = members[r.primary] if r.primary >= 0 else ""
+        rows.append({**spec_to_dict(j.spec), "revision": j.mod_revision, "primary": primary, "replicas": members})
+    if as_json:
+        for row in rows:
+            print(json.dumps(row))
+    elif as_yaml:
+        print(yaml.safe_dump({"journals": rows}, sort_keys=False))
+    else:
+        t = Table("name", "R", "primary", "replicas", "labels", "revision")
+        for row in rows:
+            lbls = ",".join(f"{k}={v}" for k, v in row["labels"].items())
+            t.add_row(
+                row["name"],
+                str(row["replication"]),
+                row["primary"],
+                " ".join(row["replicas"]),
+                lbls,
+                str(row["revision"]),
+            )
+        out.print(t)
+
+
+@journals.command("append")
+def journals_append(
+    journal: str,
+    broker: BrokerOpt = DEFAULT_BROKER,
+    file: Annotated[Path | None, typer.Option(help="Read content from FILE instead of stdin.")] = None,
+    offset: Annotated[int, typer.Option(help="Expected write head (0: any).")] = 0,
+) -> None:
+    """Append stdin (or --file) atomically; print the committed span as JSON."""
+
+    def chunks():
+        src = open(file, "rb") if file else sys.stdin.buffer
+        try:
+            while chunk := src.read(256 * 1024):
+                yield chunk
+        finally:
+            if file:
+                src.close()
+
+    async def go():
+        async with _client(broker) as c:
+            return await c.append(journal, chunks(), offset=offset)
+
+    print(json.dumps(_run(go()).to_json()))
+
+
+@journals.command("read")
+def journals_read(
+    journal: str,
+    broker: BrokerOpt = DEFAULT_BROKER,
+    offset: Annotated[int, typer.Option(help="Start offset; -1 is the write head.")] = 0,
+    block: Annotated[bool, typer.Option(help="Wait for and tail new content.")] = False,
+    end_offset: Annotated[int, typer.Option(help="Stop at this offset (0: none).")] = 0,
+) -> None:
+    """Write the journal's committed bytes to stdout."""
+
+    async def go() -> None:
+        async with _client(broker) as c:
+            async for chunk in c.read(journal, offset, block=block, end_offset=end_offset):
+                sys.stdout.buffer.write(chunk.content)
+            sys.stdout.buffer.flush()
+
+    try:
+        _run(go())
+    except BrokenPipeError:
+        os._exit(0)
+
+
+@journals.command("fragments")
+def journals_fragments(
+    journal: str, broker: BrokerOpt = DEFAULT_BROKER, as_json: Annotated[bool, typer.Option("--json")] = False
+) -> None:
+    """List the journal's fragments (local spools and persisted files)."""
+    from tidings.fragment.fragment import Fragment
+
+    async def go() -> pb.FragmentsResponse:
+        async with _client(broker) as c:
+            return await c.fragments(journal)
+
+    resp = _run(go())
+    t = Table("begin", "end", "sha1", "store", "url")
+    for e in resp.fragments:
+        f = Fragment.from_proto(e.spec)
+        row = {"begin": f.begin, "end": f.end, "sum": f.sum.hex(), "store": f.backing_store, "url": e.url}
+        if as_json:
+            print(json.dumps(row))
+        else:
+            t.add_row(str(f.begin), str(f.end), f.sum.hex()[:12], f.backing_store or "(local)", e.url)
+    if not as_json:
+        out.print(t)
+
+
+@journals.command("reset-head")
+def journals_reset_head(journal: str, broker: BrokerOpt = DEFAULT_BROKER) -> None:
+    """Confirm that every earlier broker is gone: let appends continue at the fragment index's end.
+
+    Needed after INDEX_HAS_GREATER_OFFSET. It issues a zero-byte append whose expected offset is
+    the largest offset of the journal's fragment index."""
+
+    async def go():
+        async with _client(broker) as c:
+            frags = await c.fragments(journal)
+            end = max((e.spec.end for e in frags.fragments), default=0)
+            return await c.append(journal, b"", offset=end) if end else None
+
+    result = _run(go())
+    print(json.dumps({"journal": journal, "write_head": result.end if result else 0}))
+
+
+@app.command()
+def demo(
+    data_dir: Annotated[Path, typer.Option(envvar="TIDINGS_DATA_DIR")] = Path("data/demo"),
+) -> None:
+    """Start etcd + 3 brokers, create a journal at R=3, append and read back, stop everything."""
+    from tidings.cli.demo import run_demo
+
+    run_demo(data_dir, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,455 @@
+"""A thin async etcd v3 client over aetcd's channel and raw gRPC stubs.
+
+aetcd 1.0.0 provides the connection; its high-level API drops what tidings needs (the response
+header revision of a transaction, watch progress notifications, one persistent lease keep-alive
+stream), so this module drives ``KVStub``, ``WatchStub`` and ``LeaseStub`` directly.
+
+Keys are ``str`` (UTF-8 on the wire) and values ``bytes``. Every gRPC failure surfaces as a
+:class:`~tidings.protocol.status.TransportError` naming the etcd endpoint; a compacted watch start
+revision raises :class:`CompactedError`; a lease that etcd no longer knows raises
+:class:`LeaseLostError`.
+
+Cancellation: a cancelled unary call may or may not have been applied by etcd (as with any RPC);
+callers that care guard their writes with compares (``mod_revision_is`` ...) and re-read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Literal
+
+import aetcd
+import grpc
+from aetcd import rpc
+
+from tidings.protocol.status import TidingsError, TransportError, UsageError, map_grpc_error
+
+__all__ = [
+    "KV",
+    "CompactedError",
+    "Compare",
+    "RequestOp",
+    "Etcd",
+    "Event",
+    "LeaseLostError",
+    "Watch",
+    "WatchBatch",
+    "create_revision_is",
+    "delete_op",
+    "mod_revision_is",
+    "prefix_end",
+    "put_op",
+    "value_is",
+]
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT = 5.0  # seconds to wait for an unreachable endpoint before failing
+RPC_TIMEOUT = 10.0  # deadline of each unary call
+PAGE_SIZE = 1000  # keys per Range page in get_prefix
+
+
+class CompactedError(TidingsError):
+    """A watch's start revision was compacted away; reload the prefix and watch again."""
+
+    def __init__(self, compact_revision: int) -> None:
+        self.compact_revision = compact_revision
+        super().__init__(f"etcd compacted revisions before {compact_revision}; reload and watch again")
+
+
+class LeaseLostError(TidingsError):
+    """etcd no longer holds the lease (it expired or was revoked): keys attached to it are gone."""
+
+    def __init__(self, lease_id: int, detail: str = "") -> None:
+        self.lease_id = lease_id
+        msg = f"etcd lease {lease_id:x} was lost"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
+
+
+@dataclass(frozen=True, slots=True)
+class KV:
+    """One etcd key-value with its revisions (``lease`` 0 when not leased)."""
+
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """A watch event. For a delete, ``kv`` holds the key and the deletion's ``mod_revision``."""
+
+    type: Literal["put", "delete"]
+    kv: KV
+
+
+@dataclass(frozen=True, slots=True)
+class WatchBatch:
+    """Events of one watch response, and the revision through which the watcher is now current.
+
+    ``revision`` is the last event's revision for an event batch (safe even when etcd splits a
+    catch-up into several responses) and the header revision of a progress notification, whose
+    ``events`` are empty.
+    """
+
+    events: list[Event]
+    revision: int
+
+
+def prefix_end(prefix: str) -> bytes:
+    """The range end covering every key starting with ``prefix``."""
+    raw = bytearray(prefix.encode())
+    while raw:
+        if raw[-1] < 0xFF:
+            raw[-1] += 1
+            return bytes(raw)
+        raw.pop()
+    return b"\0"  # an empty prefix: every key
+
+
+def _kv(pbkv: rpc.KeyValue) -> KV:
+    return KV(
+        key=pbkv.key.decode(),
+        value=bytes(pbkv.value),
+        create_revision=pbkv.create_revision,
+        mod_revision=pbkv.mod_revision,
+        lease=pbkv.lease,
+    )
+
+
+# --- compare and operation builders (for Etcd.txn) ---------------------------------------
+
+Compare = rpc.Compare  # a txn guard, built by the functions below
+RequestOp = rpc.RequestOp  # a txn operation, built by put_op / delete_op
+
+
+def mod_revision_is(key: str, rev: int) -> rpc.Compare:
+    """The key's mod revision equals ``rev``; ``rev`` 0 means the key must not exist."""
+    return rpc.Compare(
+        result=rpc.Compare.CompareResult.EQUAL,
+        target=rpc.Compare.CompareTarget.MOD,
+        key=key.encode(),
+        mod_revision=rev,
+    )
+
+
+def create_revision_is(key: str, rev: int) -> rpc.Compare:
+    """The key's create revision equals ``rev`` (0: the key must not exist)."""
+    return rpc.Compare(
+        result=rpc.Compare.CompareResult.EQUAL,
+        target=rpc.Compare.CompareTarget.CREATE,
+        key=key.encode(),
+        create_revision=rev,
+    )
+
+
+def value_is(key: str, value: bytes) -> rpc.Compare:
+    return rpc.Compare(
+        result=rpc.Compare.CompareResult.EQUAL,
+        target=rpc.Compare.CompareTarget.VALUE,
+        key=key.encode(),
+        value=value,
+    )
+
+
+def put_op(key: str, value: bytes, lease: int = 0) -> rpc.RequestOp:
+    return rpc.RequestOp(request_put=rpc.PutRequest(key=key.encode(), value=value, lease=lease))
+
+
+def delete_op(key: str) -> rpc.RequestOp:
+    return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key.encode()))
+
+
+# --- the client --------------------------------------------------------------------------
+
+
+def _parse_endpoint(endpoint: str) -> tuple[str, int]:
+    rest = endpoint
+    if rest.startswith("https://"):
+        raise UsageError(f"etcd endpoint {endpoint!r}: TLS is not supported; use an http:// or host:port endpoint")
+    if rest.startswith("http://"):
+        rest = rest[len("http://") :]
+    rest = rest.rstrip("/")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UsageError(f"etcd endpoint {endpoint!r} must look like 127.0.0.1:2379 or http://127.0.0.1:2379")
+    return host, int(port)
+
+
+class Etcd:
+    """An open connection to one etcd endpoint.
+
+    Usage::
+
+        etcd = await Etcd.connect("127.0.0.1:2379")
+        try:
+            rev = await etcd.put("/a", b"1")
+            kv, header_rev = await etcd.get("/a")
+        finally:
+            await etcd.aclose()
+    """
+
+    def __init__(self, endpoint: str, client: aetcd.Client) -> None:
+        self.endpoint = endpoint
+        self._client = client
+        channel = client.channel
+        self._metadata = client.metadata
+        self._kv = rpc.KVStub(channel)
+        self._watch = rpc.WatchStub(channel)
+        self._lease = rpc.LeaseStub(channel)
+
+    @classmethod
+    async def connect(cls, endpoint: str, timeout: float = CONNECT_TIMEOUT) -> Etcd:
+        """Connect and wait until the channel is ready; TransportError after ``timeout`` seconds."""
+        host, port = _parse_endpoint(endpoint)
+        options = {"grpc.max_receive_message_length": 64 * 1024 * 1024, "grpc.keepalive_time_ms": 30_000}
+        client = aetcd.Client(host=host, port=port, options=options)
+        try:
+            await client.connect()
+            await asyncio.wait_for(client.channel.channel_ready(), timeout)
+        except (TimeoutError, aetcd.exceptions.ClientError, grpc.RpcError) as err:
+            await client.close()
+            raise TransportError(
+                f"UNAVAILABLE from etcd {endpoint}: not reachable within {timeout:g}s ({type(err).__name__}); "
+                "is etcd running there? (pass --etcd or set TIDINGS_ETCD)",
+                grpc.StatusCode.UNAVAILABLE,
+                retriable=True,
+            ) from err
+        return cls(endpoint, client)
+
+    async def aclose(self) -> None:
+        """Close the channel; open watches and keep-alives fail with TransportError."""
+        await self._client.close()
+
+    def _error(self, err: grpc.RpcError) -> TransportError:
+        return map_grpc_error(err, f"etcd {self.endpoint}")
+
+    # --- KV ---
+
+    async def _range(self, req: rpc.RangeRequest) -> rpc.RangeResponse:
+        try:
+            return await self._kv.Range(req, timeout=RPC_TIMEOUT, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise self._error(err) from err
+
+    async def get(self, key: str) -> tuple[KV | None, int]:
+        """The key (or None) and the header revision the read was served at."""
+        resp = await self._range(rpc.RangeRequest(key=key.encode()))
+        return (_kv(resp.kvs[0]) if resp.kvs else None), resp.header.revision
+
+    async def get_prefix(self, prefix: str) -> tuple[list[KV], int]:
+        """Every key under ``prefix`` sorted by key, read page by page at one revision."""
+        start, end = prefix.encode(), prefix_end(prefix)
+        out: list[KV] = []
+        rev = 0
+        while True:
+            resp = await self._range(rpc.RangeRequest(key=start, range_end=end, limit=PAGE_SIZE, revision=rev))
+            if rev == 0:
+                rev = resp.header.revision
+            out.extend(_kv(kv) for kv in resp.kvs)
+            if not resp.more or not resp.kvs:
+                return out, rev
+            start = resp.kvs[-1].key + b"\0"
+
+    async def prefix_summary(self, prefix: str) -> tuple[int, int, int]:
+        """(key count, largest mod revision, header revision) of the prefix, keys only.
+
+        Lets a KeySpace prove it is current at the header revision without a progress
+        notification: same count and same largest mod revision mean no change reached the
+        prefix after the KeySpace's last applied event (see ``KeySpace.wait_for_revision``).
+        """
+        resp = await self._range(
+            rpc.RangeRequest(
+                key=prefix.encode(),
+                range_end=prefix_end(prefix),
+                limit=1,
+                keys_only=True,
+                sort_order=rpc.RangeRequest.SortOrder.DESCEND,
+                sort_target=rpc.RangeRequest.SortTarget.MOD,
+            )
+        )
+        top = resp.kvs[0].mod_revision if resp.kvs else 0
+        return resp.count, top, resp.header.revision
+
+    async def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        try:
+            resp = await self._kv.Put(
+                rpc.PutRequest(key=key.encode(), value=value, lease=lease), timeout=RPC_TIMEOUT, metadata=self._metadata
+            )
+        except grpc.RpcError as err:
+            raise self._error(err) from err
+        return resp.header.revision
+
+    async def compact(self, revision: int) -> None:
+        """Compact etcd's history below ``revision`` (operators and tests; watches older than it fail)."""
+        try:
+            await self._kv.Compact(
+                rpc.CompactionRequest(revision=revision, physical=True), timeout=RPC_TIMEOUT, metadata=self._metadata
+            )
+        except grpc.RpcError as err:
+            raise self._error(err) from err
+
+    async def _delete(self, req: rpc.DeleteRangeRequest) -> int:
+        try:
+            resp = await self._kv.DeleteRange(req, timeout=RPC_TIMEOUT, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise self._error(err) from err
+        return resp.header.revision
+
+    async def delete(self, key: str) -> int:
+        return await self._delete(rpc.DeleteRangeRequest(key=key.encode()))
+
+    async def delete_prefix(self, prefix: str) -> int:
+        return await self._delete(rpc.DeleteRangeRequest(key=prefix.encode(), range_end=prefix_end(prefix)))
+
+    async def txn(
+        self,
+        compares: Iterable[Compare],
+        success: Iterable[RequestOp],
+        failure: Iterable[RequestOp] = (),
+    ) -> tuple[bool, int]:
+        """(succeeded, header revision). On success the revision is the one the ops wrote at."""
+        req = rpc.TxnRequest(compare=list(compares), success=list(success), failure=list(failure))
+        try:
+            resp = await self._kv.Txn(req, timeout=RPC_TIMEOUT, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise self._error(err) from err
+        return resp.succeeded, resp.header.revision
+
+    # --- Watch ---
+
+    def watch(self, prefix: str, start_revision: int) -> Watch:
+        """Watch every key under ``prefix`` from ``start_revision`` (inclusive), with progress notifications.
+
+        Returns a :class:`Watch`: iterate it (``async for batch in etcd.watch(...)``) and close it
+        (``aclose()`` or ``async with``).
+        """
+        return Watch(self, prefix, start_revision)
+
+    # --- Leases ---
+
+    async def grant_lease(self, ttl: int) -> int:
+        try:
+            resp = await self._lease.LeaseGrant(
+                rpc.LeaseGrantRequest(TTL=ttl), timeout=RPC_TIMEOUT, metadata=self._metadata
+            )
+        except grpc.RpcError as err:
+            raise self._error(err) from err
+        if resp.error:
+            raise TransportError(f"etcd {self.endpoint} refused a lease of {ttl}s: {resp.error}")
+        return resp.ID
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        """Revoke the lease, deleting its keys; a lease that is already gone is not an error."""
+        try:
+            await self._lease.LeaseRevoke(
+                rpc.LeaseRevokeRequest(ID=lease_id), timeout=RPC_TIMEOUT, metadata=self._metadata
+            )
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                return
+            raise self._error(err) from err
+
+    async def keep_alive(self, lease_id: int, ttl: int) -> None:
+        """Refresh the lease every ``ttl/3`` seconds over one persistent stream, until cancelled.
+
+        A broken stream is reopened; raises LeaseLostError when etcd reports the lease gone
+        (TTL <= 0) or no refresh succeeded for ``ttl`` seconds (the lease has surely expired).
+        """
+        interval = max(ttl / 3.0, 0.05)
+        last_ok = time.monotonic()
+        while True:
+            call = self._lease.LeaseKeepAlive(metadata=self._metadata)
+            try:
+                while True:
+                    await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
+                    resp = await asyncio.wait_for(call.read(), timeout=ttl)
+                    if resp is grpc.aio.EOF:
+                        raise TransportError(f"etcd {self.endpoint} closed the lease keep-alive stream")
+                    if resp.TTL <= 0:
+                        raise LeaseLostError(lease_id, "etcd reports it expired or revoked")
+                    last_ok = time.monotonic()
+                    await asyncio.sleep(interval)
+            except (grpc.RpcError, TransportError, TimeoutError) as err:
+                lapsed = time.monotonic() - last_ok
+                if lapsed >= ttl:
+                    raise LeaseLostError(lease_id, f"no refresh for {lapsed:.1f}s ({err})") from err
+                log.warning("lease %x keep-alive to etcd %s failed, retrying: %s", lease_id, self.endpoint, err)
+                await asyncio.sleep(min(interval, 0.5))
+            finally:
+                call.cancel()
+
+
+class Watch:
+    """One etcd watch over a prefix: an async iterator of :class:`WatchBatch`.
+
+    Raises CompactedError if the start revision was compacted, and TransportError if the stream
+    fails or etcd cancels the watch. Progress notifications arrive as batches without events.
+    """
+
+    def __init__(self, etcd: Etcd, prefix: str, start_revision: int) -> None:
+        self._etcd = etcd
+        self.prefix = prefix
+        self.start_revision = start_revision
+        self._call: grpc.aio.StreamStreamCall | None = None
+
+    async def _open(self) -> grpc.aio.StreamStreamCall:
+        call = self._etcd._watch.Watch(metadata=self._etcd._metadata)
+        self._call = call
+        create = rpc.WatchCreateRequest(
+            key=self.prefix.encode(),
+            range_end=prefix_end(self.prefix),
+            start_revision=self.start_revision,
+            progress_notify=True,
+        )
+        try:
+            await call.write(rpc.WatchRequest(create_request=create))
+        except grpc.RpcError as err:
+            raise self._etcd._error(err) from err
+        return call
+
+    def __aiter__(self) -> Watch:
+        return self
+
+    async def __anext__(self) -> WatchBatch:
+        call = self._call or await self._open()
+        while True:
+            try:
+                resp = await call.read()
+            except grpc.RpcError as err:
+                raise self._etcd._error(err) from err
+            if resp is grpc.aio.EOF:
+                raise TransportError(f"etcd {self._etcd.endpoint} ended the watch of {self.prefix!r}")
+            if resp.compact_revision:
+                raise CompactedError(resp.compact_revision)
+            if resp.canceled:
+                raise TransportError(
+                    f"etcd {self._etcd.endpoint} canceled the watch of {self.prefix!r}: {resp.cancel_reason}"
+                )
+            if resp.created and not resp.events:
+                continue  # the creation acknowledgement carries no progress guarantee
+            events = [
+                Event("put" if ev.type == rpc.Event.EventType.PUT else "delete", _kv(ev.kv)) for ev in resp.events
+            ]
+            revision = events[-1].kv.mod_revision if events else resp.header.revision
+            return WatchBatch(events, revision)
+
+    async def aclose(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            call.cancel()
+
+    async def __aenter__(self) -> Watch:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()

@@ -1,0 +1,133 @@
+"""Journal specs as YAML (for `tidings journals apply` and `list --format yaml`).
+
+A file holds one journal mapping, a list of them, or ``{journals: [...]}``. Fields::
+
+    name: examples/orders          # required
+    replication: 3                 # 1..5, default 1
+    labels: {app: shop}            # content-type here selects message framing
+    flags: read-write              # read-write | read-only | write-only
+    max_append_rate: 0             # bytes/s, 0 = unlimited
+    fragment:
+      length: 64MiB                # target fragment size
+      compression_codec: zstd      # none | gzip | zstd
+      stores: [file:///var/tidings/fragments/]
+      refresh_interval: 30s
+      flush_interval: 0s           # 0 = roll on size only
+      retention: 0s                # 0 = keep forever
+    revision: 1234                 # optional: expected mod revision (0 = must not exist)
+    delete: true                   # optional: delete the journal
+
+Without `revision`, apply behaves as an upsert at the journal's current revision.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from tidings.protocol import labels as lbl
+from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol import validate
+from tidings.protocol.status import ValidationError
+
+CODECS = {"none": pb.NONE, "gzip": pb.GZIP, "zstd": pb.ZSTANDARD, "zstandard": pb.ZSTANDARD}
+CODEC_NAMES = {pb.NONE: "none", pb.GZIP: "gzip", pb.ZSTANDARD: "zstd"}
+FLAGS = {
+    "read-write": pb.JournalSpec.O_RDWR,
+    "read-only": pb.JournalSpec.O_RDONLY,
+    "write-only": pb.JournalSpec.O_WRONLY,
+    "": pb.JournalSpec.NOT_SPECIFIED,
+}
+FLAG_NAMES = {v: k for k, v in FLAGS.items() if k} | {pb.JournalSpec.NOT_SPECIFIED: "read-write"}
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B?|B)?\s*$", re.I)
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_DUR_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "": 1000}
+
+
+def parse_size(value: Any, ctx: str) -> int:
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ValidationError(ctx, f"{value!r} is not a size like 64MiB or 1048576")
+    return int(m.group(1)) * _UNITS[(m.group(2) or "")[:1].lower()]
+
+
+def parse_duration_ms(value: Any, ctx: str) -> int:
+    if isinstance(value, int | float):
+        return int(value * 1000)
+    m = _DURATION.match(str(value))
+    if not m:
+        raise ValidationError(ctx, f"{value!r} is not a duration like 30s, 500ms, 5m or 1h")
+    return int(float(m.group(1)) * _DUR_MS[m.group(2) or ""])
+
+
+DEFAULT_FRAGMENT = {"length": "64MiB", "compression_codec": "none", "refresh_interval": "30s"}
+
+
+def spec_from_dict(d: dict[str, Any], ctx: str = "journal") -> pb.JournalSpec:
+    """Build and validate a JournalSpec from a YAML mapping; errors name the field."""
+    if not isinstance(d, dict):
+        raise ValidationError(ctx, "expected a mapping with at least `name`")
+    known = {"name", "replication", "labels", "flags", "max_append_rate", "fragment", "revision", "delete"}
+    unknown = set(d) - known
+    if unknown:
+        raise ValidationError(ctx, f"unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
+    frag = {**DEFAULT_FRAGMENT, **(d.get("fragment") or {})}
+    codec = str(frag.get("compression_codec", "none")).lower()
+    if codec not in CODECS:
+        raise ValidationError(f"{ctx}.fragment.compression_codec", f"{codec!r}: use none, gzip or zstd")
+    flags = str(d.get("flags", "read-write"))
+    if flags not in FLAGS:
+        raise ValidationError(f"{ctx}.flags", f"{flags!r}: use read-write, read-only or write-only")
+    stores = frag.get("stores") or []
+    if isinstance(stores, str):
+        stores = [stores]
+    spec = pb.JournalSpec(
+        name=str(d.get("name", "")),
+        replication=int(d.get("replication", 1)),
+        labels=lbl.label_set({str(k): str(v) for k, v in (d.get("labels") or {}).items()}),
+        flags=FLAGS[flags],
+        max_append_rate=parse_size(d.get("max_append_rate", 0), f"{ctx}.max_append_rate"),
+        fragment=pb.JournalSpec.FragmentSpec(
+            length=parse_size(frag["length"], f"{ctx}.fragment.length"),
+            compression_codec=CODECS[codec],
+            stores=[str(s) for s in stores],
+            refresh_interval_ms=parse_duration_ms(frag["refresh_interval"], f"{ctx}.fragment.refresh_interval"),
+            flush_interval_ms=parse_duration_ms(frag.get("flush_interval", 0), f"{ctx}.fragment.flush_interval"),
+            retention_ms=parse_duration_ms(frag.get("retention", 0), f"{ctx}.fragment.retention"),
+        ),
+    )
+    validate.journal_spec(spec, ctx)
+    return spec
+
+
+def spec_to_dict(spec: pb.JournalSpec) -> dict[str, Any]:
+    f = spec.fragment
+    return {
+        "name": spec.name,
+        "replication": spec.replication,
+        "labels": {k: v for k, v in lbl.pairs(spec.labels)},
+        "flags": FLAG_NAMES.get(spec.flags, "read-write"),
+        "max_append_rate": spec.max_append_rate,
+        "fragment": {
+            "length": f.length,
+            "compression_codec": CODEC_NAMES.get(f.compression_codec, "none"),
+            "stores": list(f.stores),
+            "refresh_interval": f"{f.refresh_interval_ms / 1000:g}s",
+            "flush_interval": f"{f.flush_interval_ms / 1000:g}s",
+            "retention": f"{f.retention_ms / 1000:g}s",
+        },
+    }
+
+
+def documents(loaded: Any) -> list[dict[str, Any]]:
+    """The journal mappings of a loaded YAML document."""
+    if isinstance(loaded, dict) and "journals" in loaded:
+        loaded = loaded["journals"]
+    if isinstance(loaded, dict):
+        return [loaded]
+    if isinstance(loaded, list):
+        return loaded
+    raise ValidationError("file", "expected a journal mapping, a list of them, or {journals: [...]}")
