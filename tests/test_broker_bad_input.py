@@ -76,7 +76,7 @@ async def test_unknown_journal_is_a_status(ready) -> None:
     "req",
     [
         pytest.param(pb.ReadRequest(journal="it/bad", offset=-7), id="negative-offset"),
-        pytest.param(pb.ReadRequest(journal="it/bad", offset=1 << 63 - 1), id="huge-offset"),
+        pytest.param(pb.ReadRequest(journal="it/bad", offset=(1 << 63) - 1), id="huge-offset"),
         pytest.param(pb.ReadRequest(journal="it/bad", offset=10, end_offset=5), id="end-before-offset"),
         pytest.param(pb.ReadRequest(journal=""), id="empty-name"),
     ],

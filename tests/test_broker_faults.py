@@ -24,7 +24,7 @@ FAST = ["--pulse-interval", "0.5", "--lease-ttl", "2", "--stall-timeout", "5"]
 
 @pytest.fixture
 def local_cluster(etcd, etcd_root, tmp_path):
-    lc = LocalCluster(brokers=3, zones=3, data_dir=tmp_path, etcd=etcd.endpoint)
+    lc = LocalCluster(brokers=4, zones=3, data_dir=tmp_path, etcd=etcd.endpoint)  # a spare for R=3
     lc.extra = [*FAST, "--root", etcd_root]
     try:
         lc.start()

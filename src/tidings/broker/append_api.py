@@ -88,6 +88,9 @@ async def serve_append(broker: Broker, context: grpc.aio.ServicerContext) -> pb.
         )
     if fsm.status != pb.OK:
         return _respond("append", pb.AppendResponse(status=fsm.status, header=header, registers=fsm.registers))
+    if isinstance(fsm.client_error, ValidationError):
+        metrics.RPC_STATUS.labels("append", "INVALID_ARGUMENT").inc()
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{fsm.client_error} (the append was rolled back)")
     metrics.RPC_STATUS.labels("append", "ABORTED").inc()
     await context.abort(grpc.StatusCode.ABORTED, f"append to {first.journal!r} rolled back: {fsm.error}")
     raise AssertionError("unreachable")

@@ -20,7 +20,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from tidings.allocator.state import advertise_consistency, routes_equivalent
+from tidings.allocator.converge import advertise_consistency
+from tidings.allocator.state import routes_equivalent
 from tidings.broker import _metrics as metrics
 from tidings.broker.pipeline import Pipeline, PipelineError
 from tidings.broker.replica import Replica, acquire
@@ -66,6 +67,7 @@ class AppendFSM:
         self.state = S.RESOLVE
         self.status = pb.OK
         self.error: str | None = None
+        self.client_error: Exception | None = None  # why the client's stream failed, if it did
         self.resolved: Resolution | None = None
         self.read_through_rev = req.header.etcd.revision if req.HasField("header") else 0
         self.pipeline: Pipeline | None = None
@@ -123,7 +125,7 @@ class AppendFSM:
                 self.abort()
                 raise
             except Exception as exc:
-                msg = exc
+                self.client_error = msg = exc
             await self.on_stream_content(msg)
         return await self.run_to()
 

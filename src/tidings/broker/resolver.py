@@ -73,11 +73,14 @@ class Resolver:
         self.replicas: dict[str, Replica] = {}
         self.state = State.from_keyspace(keyspace)
         self._closing: set[asyncio.Task[None]] = set()
+        self._closed = False
         keyspace.add_observer(self._on_keyspace_update)
         self._on_keyspace_update()
 
     def _on_keyspace_update(self) -> None:
         """Atomically with a KeySpace update: rebuild State and reconcile local replicas."""
+        if self._closed:
+            return
         old = self.state
         self.state = state = State.from_keyspace(self.keyspace)
         mine = {a.journal for a in state.assignments_of(self.process_id.zone, self.process_id.suffix)}
@@ -121,5 +124,7 @@ class Resolver:
         return Resolution(pb.OK, self.header(route), item.spec, self.replicas.get(journal))
 
     async def aclose(self) -> None:
+        """Close every replica (their spools complete and go to the persister); ignore later updates."""
+        self._closed = True
         replicas, self.replicas = self.replicas, {}
         await asyncio.gather(*(r.aclose() for r in replicas.values()), *self._closing, return_exceptions=True)

@@ -113,16 +113,19 @@ class Broker:
     async def stop(self, graceful: bool = True) -> None:
         """Graceful: hand journals off first. Either way: stop serving and release everything."""
         cfg = self.config
+        log.info("broker %s/%s stopping (graceful=%s)", cfg.zone, cfg.suffix, graceful)
         if graceful:
             spec = pb.BrokerSpec(id=self.process_id, endpoint=self.endpoint, journal_limit=0, exiting=True)
             with contextlib.suppress(Exception):
                 await self.announcement.update(spec)
                 await self._wait_no_assignments(cfg.exit_timeout)
-        await self.server.stop(grace=1.0 if graceful else 0)
+        log.info("broker %s/%s: journals handed off; stopping the server", cfg.zone, cfg.suffix)
         for task in self._tasks:
             task.cancel()
         with contextlib.suppress(Exception):
             await self.allocator.aclose()
+        # Stop serving first: cancelled Replicate streams give their spools back.
+        await self.server.stop(grace=1.0 if graceful else 0)
         await self.resolver.aclose()
         if graceful:
             with contextlib.suppress(Exception):
@@ -135,10 +138,20 @@ class Broker:
             await ch.close()
         await self.etcd.aclose()
         self.stopped.set()
+        log.info("broker %s/%s stopped", cfg.zone, cfg.suffix)
 
     async def _wait_no_assignments(self, timeout: float) -> None:
+        """Wait until our journals have moved away, or until no other member could take them
+        (the whole cluster is stopping): then there is nothing to wait for."""
+        me = (self.config.zone, self.config.suffix)
         async with asyncio.timeout(timeout):
-            while self.resolver.state.assignments_of(self.config.zone, self.config.suffix):
+            while True:
+                state = self.resolver.state
+                others = [
+                    m for mid, m in state.members.items() if mid != me and not m.spec.exiting and m.spec.journal_limit
+                ]
+                if not state.assignments_of(*me) or not others:
+                    return
                 await self.keyspace.wait_for_update(self.keyspace.revision)
 
     # -- shared services -------------------------------------------------------------------

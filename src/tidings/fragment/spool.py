@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Protocol
 
 from tidings.fragment.fragment import EMPTY_SUM, Fragment
-
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import ValidationError

@@ -130,7 +130,7 @@ Compare = rpc.Compare  # a txn guard, built by the functions below
 RequestOp = rpc.RequestOp  # a txn operation, built by put_op / delete_op
 
 
-def mod_revision_is(key: str, rev: int) -> rpc.Compare:
+def mod_revision_is(key: str, rev: int) -> Compare:
     """The key's mod revision equals ``rev``; ``rev`` 0 means the key must not exist."""
     return rpc.Compare(
         result=rpc.Compare.CompareResult.EQUAL,
@@ -140,7 +140,7 @@ def mod_revision_is(key: str, rev: int) -> rpc.Compare:
     )
 
 
-def create_revision_is(key: str, rev: int) -> rpc.Compare:
+def create_revision_is(key: str, rev: int) -> Compare:
     """The key's create revision equals ``rev`` (0: the key must not exist)."""
     return rpc.Compare(
         result=rpc.Compare.CompareResult.EQUAL,
@@ -150,7 +150,7 @@ def create_revision_is(key: str, rev: int) -> rpc.Compare:
     )
 
 
-def value_is(key: str, value: bytes) -> rpc.Compare:
+def value_is(key: str, value: bytes) -> Compare:
     return rpc.Compare(
         result=rpc.Compare.CompareResult.EQUAL,
         target=rpc.Compare.CompareTarget.VALUE,
@@ -159,11 +159,11 @@ def value_is(key: str, value: bytes) -> rpc.Compare:
     )
 
 
-def put_op(key: str, value: bytes, lease: int = 0) -> rpc.RequestOp:
+def put_op(key: str, value: bytes, lease: int = 0) -> RequestOp:
     return rpc.RequestOp(request_put=rpc.PutRequest(key=key.encode(), value=value, lease=lease))
 
 
-def delete_op(key: str) -> rpc.RequestOp:
+def delete_op(key: str) -> RequestOp:
     return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key.encode()))
 
 
