@@ -30,9 +30,8 @@ def etcd_root() -> str:
 @pytest.fixture
 async def cluster(etcd: EtcdProcess, etcd_root: str, tmp_path):
     """Three in-process brokers in three zones over the session etcd; stopped and cleaned after."""
-    from tidings.keyspace.etcd import Etcd
-
     from tests.support.cluster import TestCluster
+    from tidings.keyspace.etcd import Etcd
 
     tc = TestCluster(etcd.endpoint, etcd_root, tmp_path)
     try:

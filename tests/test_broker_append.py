@@ -9,9 +9,9 @@ import random
 
 import grpc
 import pytest
+
 from tidings.fragment.fragment import Fragment
 from tidings.fragment.store import store_for
-
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.protocol_pb2_grpc import JournalStub

@@ -6,9 +6,9 @@ import hashlib
 import shutil
 
 import pytest
+
 from tidings.fragment.fragment import Fragment
 from tidings.fragment.store import store_for
-
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import IndexHasGreaterOffsetError
 
@@ -22,6 +22,17 @@ def _store_end(store_url: str, journal: str) -> int:
         if f.begin <= covered:
             covered = max(covered, f.end)
     return covered
+
+
+def write_foreign_fragment(cluster, journal: str, begin: int, content: bytes, codec: str = "none") -> None:
+    """Persist a fragment into the journal's store as another, disconnected broker would have."""
+    codecs = {"none": pb.NONE, "gzip": pb.GZIP, "zstd": pb.ZSTANDARD}
+    frag = Fragment(
+        journal=journal, begin=begin, end=begin + len(content), sum=hashlib.sha1(content).digest(), codec=codecs[codec]
+    )
+    path = cluster.data_dir / f"foreign-{begin}.raw"
+    path.write_bytes(content)
+    store_for(cluster.store_url).persist(frag, str(path))
 
 
 async def test_broker_restarted_with_empty_disk_serves_old_content_from_store(cluster) -> None:
@@ -53,10 +64,7 @@ async def test_index_has_greater_offset_until_reset_head(cluster) -> None:
         await c.append("it/greater", b"abc")
     # Another (disconnected) writer left a fragment beyond our head in the store.
     foreign = b"0123456789"
-    frag = Fragment(journal="it/greater", begin=100, end=110, sum=hashlib.sha1(foreign).digest(), codec=pb.NONE)
-    path = cluster.data_dir / "foreign.raw"
-    path.write_bytes(foreign)
-    store_for(cluster.store_url).persist(frag, str(path))
+    write_foreign_fragment(cluster, "it/greater", 100, foreign)
 
     async def refused() -> bool:
         async with cluster.client(0) as c:

@@ -6,8 +6,8 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from tidings.fragment.fragment import EMPTY_SUM, Fragment
 
+from tidings.fragment.fragment import EMPTY_SUM, Fragment
 from tidings.fragment.spool import Spool, Transition, apply_registers
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb

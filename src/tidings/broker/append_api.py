@@ -44,7 +44,8 @@ def _reader(broker: Broker, context: grpc.aio.ServicerContext):
     async def next_message() -> pb.AppendRequest | None:
         nonlocal received
         try:
-            msg = await asyncio.wait_for(context.read(), cfg.stall_timeout)
+            async with asyncio.timeout(cfg.stall_timeout):
+                msg = await context.read()
         except TimeoutError:
             raise ClientStalled(f"no content for {cfg.stall_timeout}s") from None
         if msg is grpc.aio.EOF:

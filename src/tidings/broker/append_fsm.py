@@ -13,7 +13,6 @@ Expected refusals set `self.status` (REGISTER_MISMATCH, WRONG_APPEND_OFFSET, ...
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import time
@@ -24,7 +23,7 @@ from tidings.allocator.converge import advertise_consistency
 from tidings.allocator.state import routes_equivalent
 from tidings.broker import _metrics as metrics
 from tidings.broker.pipeline import Pipeline, PipelineError
-from tidings.broker.replica import Replica, acquire
+from tidings.broker.replica import Replica, acquire, cancel_and_wait
 from tidings.broker.resolver import Resolution
 from tidings.fragment.fragment import Fragment
 from tidings.fragment.spool import Spool, apply_registers
@@ -326,7 +325,8 @@ class AppendFSM:
         """
         assert self.resolved is not None and self.resolved.spec is not None
         replica = self.replica
-        await self._wait_or_invalidated(replica.index.wait_first_refresh())
+        if not replica.index.first_refresh:
+            await self._wait_or_invalidated(replica.index.wait_first_refresh())
         if self._invalidated.is_set():
             return S.RESOLVE
         spool = self.spool
@@ -461,8 +461,4 @@ class AppendFSM:
         try:
             await asyncio.wait([task, inval], return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for t in (task, inval):
-                if not t.done():
-                    t.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await t
+            await cancel_and_wait(task, inval)

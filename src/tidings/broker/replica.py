@@ -91,7 +91,8 @@ class Replica:
                 log.warning("journal %s: listing fragment stores failed: %s", self.journal, exc)
             interval = max(self.spec.fragment.refresh_interval_ms, 1000) / 1000
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.closed.wait(), interval)
+                async with asyncio.timeout(interval):
+                    await self.closed.wait()
             if self.closed.is_set():
                 return
 
@@ -112,12 +113,7 @@ class Replica:
         """Stop daemons, tear down the pipeline, complete the spool (its fragment is persisted)."""
         self.closed.set()
         self.route_changed.set()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(*self._tasks)
         pipeline = await self.pipeline_slot.get()
         if pipeline is not None:
             spool = await pipeline.close()
@@ -130,16 +126,34 @@ class Replica:
             self.spool_slot.put_nowait(spool)
 
 
+async def cancel_and_wait(*futures: asyncio.Future) -> None:
+    """Cancel `futures` and wait until each has finished.
+
+    Unlike `with suppress(CancelledError): await f`, a cancellation of the *caller* while it
+    waits still propagates (a swallowed cancel leaves a task that never stops).
+    """
+    for f in futures:
+        f.cancel()
+    if futures:
+        await asyncio.wait(futures)
+
+
 async def acquire(slot: asyncio.Queue, *cancel_on: asyncio.Event) -> tuple[bool, Any]:
     """Take the token from `slot` -> (True, token), or (False, None) if one of `cancel_on` fires first.
 
     If the get finished concurrently with a cancellation we still own the token, so it is put
     back before returning None or re-raising (STYLE.md, "Ownership tokens").
     """
+    if any(ev.is_set() for ev in cancel_on):
+        return False, None
+    if not slot.empty():  # fast path: uncontended, no tasks needed
+        return True, slot.get_nowait()
     getter = asyncio.ensure_future(slot.get())
     waiters = [asyncio.ensure_future(ev.wait()) for ev in cancel_on]
     try:
         await asyncio.wait([getter, *waiters], return_when=asyncio.FIRST_COMPLETED)
+        if not getter.done():
+            await cancel_and_wait(getter)
     except BaseException:
         getter.cancel()
         if getter.done() and not getter.cancelled():
@@ -148,12 +162,8 @@ async def acquire(slot: asyncio.Queue, *cancel_on: asyncio.Event) -> tuple[bool,
     finally:
         for w in waiters:
             w.cancel()
-    if not getter.done():
-        getter.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await getter
-        if getter.cancelled():
-            return False, None
+    if getter.cancelled():
+        return False, None
     token = getter.result()
     if any(ev.is_set() for ev in cancel_on):
         slot.put_nowait(token)

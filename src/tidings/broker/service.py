@@ -78,6 +78,7 @@ class Broker:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.stopped = asyncio.Event()
+        self._metrics_server = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -106,7 +107,7 @@ class Broker:
             from prometheus_client import start_http_server
 
             mhost, mport = cfg.metrics_listen.rsplit(":", 1)
-            start_http_server(int(mport), addr=mhost)
+            self._metrics_server, _thread = start_http_server(int(mport), addr=mhost)
         log.info("broker %s/%s serving on %s", cfg.zone, cfg.suffix, self.endpoint)
         return self
 
@@ -137,6 +138,9 @@ class Broker:
         for ch in self._channels.values():
             await ch.close()
         await self.etcd.aclose()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
         self.stopped.set()
         log.info("broker %s/%s stopped", cfg.zone, cfg.suffix)
 
@@ -190,7 +194,8 @@ class Broker:
             except Exception as exc:
                 log.debug("journal %s: pulse: %s", replica.journal, exc)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), self.config.pulse_interval)
+                async with asyncio.timeout(self.config.pulse_interval):
+                    await changed.wait()
 
     async def _pulse_once(self, replica: Replica) -> None:
         res = await self.resolver.resolve(replica.journal)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tidings.protocol.status import UsageError
@@ -19,6 +23,26 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` making the child receive SIGTERM if its parent dies (Linux `PR_SET_PDEATHSIG`).
+
+    Children run in their own session so Ctrl-C reaches them only through our orderly stop; this
+    makes sure a parent killed outright (SIGKILL, CI timeout) still leaves nothing running. The
+    signal fires when the *thread* that forked exits, so it is armed only from the main thread.
+    """
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getpid()
+
+    def arm() -> None:
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the prctl took effect
+            os._exit(1)
+
+    return arm
 
 
 def find_etcd() -> str:
@@ -72,6 +96,7 @@ class EtcdProcess:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=die_with_parent(),
         )
         log.close()
         deadline = time.monotonic() + timeout

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from tidings.cluster.etcd import EtcdProcess, free_port
+from tidings.cluster.etcd import EtcdProcess, die_with_parent, free_port
 
 
 class BrokerProcess:
@@ -49,7 +49,12 @@ class BrokerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.data_dir / "broker.log", "ab")
         self.proc = subprocess.Popen(
-            self.args, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True
+            self.args,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_parent(),
         )
         log.close()
         assert self.proc.stdout is not None

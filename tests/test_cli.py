@@ -1,0 +1,111 @@
+"""The `tidings` command against a real cluster: journals apply/list/append/read/fragments/reset-head,
+and bad input that prints one clear line and exits non-zero, without a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def tidings(*args: str, broker: str = "", stdin: bytes = b"", cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TIDINGS_BROKER": broker} if broker else dict(os.environ)
+    return subprocess.run(
+        [sys.executable, "-m", "tidings.cli", *args], input=stdin, capture_output=True, env=env, cwd=cwd, timeout=60
+    )
+
+
+async def run(*args: str, **kw) -> subprocess.CompletedProcess:
+    return await asyncio.to_thread(tidings, *args, **kw)
+
+
+@pytest.fixture
+async def spec_file(cluster, tmp_path: Path) -> Path:
+    f = tmp_path / "journals.yaml"
+    f.write_text(
+        "journals:\n"
+        "  - name: cli/hello\n"
+        "    replication: 3\n"
+        "    labels: {app: cli}\n"
+        f"    fragment: {{length: 1MiB, compression_codec: gzip, refresh_interval: 1s, stores: ['{cluster.store_url}']}}\n"
+    )
+    return f
+
+
+async def test_apply_list_append_read_fragments(cluster, spec_file: Path) -> None:
+    ep = cluster.brokers[1].endpoint
+    r = await run("journals", "apply", str(spec_file), broker=ep)
+    assert r.returncode == 0, r.stderr
+    await cluster.wait_consistent("cli/hello", 3)
+    r = await run("journals", "list", "--json", "--selector", "app=cli", broker=ep)
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["name"] for row in rows] == ["cli/hello"] and len(rows[0]["replicas"]) == 3
+    r = await run("journals", "append", "cli/hello", broker=ep, stdin=b"one\n")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["begin"] == 0 and json.loads(r.stdout)["end"] == 4
+    r = await run("journals", "append", "cli/hello", broker=ep, stdin=b"two\n")
+    assert json.loads(r.stdout)["begin"] == 4
+    r = await run("journals", "read", "cli/hello", broker=cluster.brokers[2].endpoint)
+    assert r.returncode == 0 and r.stdout == b"one\ntwo\n"
+    r = await run("journals", "read", "cli/hello", "--offset", "4", "--end-offset", "7", broker=ep)
+    assert r.stdout == b"two"
+    r = await run("journals", "fragments", "cli/hello", "--json", broker=ep)
+    assert r.returncode == 0 and json.loads(r.stdout.splitlines()[0])["begin"] == 0
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        pytest.param(("journals", "append", "no/such"), "JOURNAL_NOT_FOUND", id="unknown-journal"),
+        pytest.param(("journals", "read", "a//b"), "empty segment", id="invalid-name"),
+        pytest.param(("journals", "read", "cli/hello", "--offset", "-9"), "offset", id="bad-offset"),
+    ],
+)
+async def test_bad_input_prints_one_clear_line(cluster, spec_file: Path, args, needle) -> None:
+    await run("journals", "apply", str(spec_file), broker=cluster.brokers[0].endpoint)
+    r = await run(*args, broker=cluster.brokers[0].endpoint)
+    err = r.stderr.decode()
+    assert r.returncode != 0 and needle in err and "Traceback" not in err
+
+
+async def test_invalid_spec_file_is_named(cluster, tmp_path: Path) -> None:
+    f = tmp_path / "bad.yaml"
+    f.write_text("name: x/y\nreplication: 7\n")
+    r = await run("journals", "apply", str(f), broker=cluster.brokers[0].endpoint)
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "replication" in err and "Traceback" not in err
+
+
+def test_unreachable_cluster_says_what_to_do(tmp_path: Path) -> None:
+    from tidings.cluster import free_port
+
+    r = tidings("journals", "list", broker=f"127.0.0.1:{free_port()}")
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "UNAVAILABLE" in err and "cluster up" in err and "Traceback" not in err
+
+
+async def test_reset_head_after_index_has_greater_offset(cluster, spec_file: Path) -> None:
+    from tests.test_broker_recovery import write_foreign_fragment
+
+    ep = cluster.brokers[0].endpoint
+    await run("journals", "apply", str(spec_file), broker=ep)
+    await cluster.wait_consistent("cli/hello", 3)
+    await run("journals", "append", "cli/hello", broker=ep, stdin=b"abc")
+    write_foreign_fragment(cluster, "cli/hello", 50, b"0123456789", codec="gzip")
+
+    async def refused() -> bool:
+        r = await run("journals", "append", "cli/hello", broker=ep, stdin=b"x")
+        return r.returncode == 1 and b"INDEX_HAS_GREATER_OFFSET" in r.stderr and b"reset-head" in r.stderr
+
+    from tests.support.waiting import wait_until
+
+    await wait_until(refused, 30, interval=0.2)
+    r = await run("journals", "reset-head", "cli/hello", broker=ep)
+    assert r.returncode == 0 and json.loads(r.stdout)["write_head"] == 60
+    r = await run("journals", "append", "cli/hello", broker=ep, stdin=b"xyz")
+    assert json.loads(r.stdout)["begin"] == 60
