@@ -32,7 +32,11 @@ async def spec_file(cluster, tmp_path: Path) -> Path:
         "  - name: cli/hello\n"
         "    replication: 3\n"
         "    labels: {app: cli}\n"
-        f"    fragment: {{length: 1MiB, compression_codec: gzip, refresh_interval: 1s, stores: ['{cluster.store_url}']}}\n"
+        "    fragment:\n"
+        "      length: 1MiB\n"
+        "      compression_codec: gzip\n"
+        "      refresh_interval: 1s\n"
+        f"      stores: ['{cluster.store_url}']\n"
     )
     return f
 
