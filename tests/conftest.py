@@ -45,3 +45,27 @@ async def cluster(etcd: EtcdProcess, etcd_root: str, tmp_path):
             await client.delete_prefix(etcd_root + "/")
         finally:
             await client.aclose()
+
+
+def _dump_asyncio_tasks(signum, frame) -> None:  # debugging aid: `kill -USR1 <pytest pid>`
+    import asyncio
+    import sys
+
+    try:
+        tasks = asyncio.all_tasks(asyncio.get_event_loop())
+    except RuntimeError:
+        return
+    for t in tasks:
+        print("TASK", t.get_name(), file=sys.stderr)
+        coro = t.get_coro()
+        while coro is not None:
+            fr = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
+            if fr is not None:
+                print("   ", fr.f_code.co_filename, fr.f_lineno, fr.f_code.co_name, file=sys.stderr)
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
+    sys.stderr.flush()
+
+
+import signal as _signal  # noqa: E402
+
+_signal.signal(_signal.SIGUSR1, _dump_asyncio_tasks)

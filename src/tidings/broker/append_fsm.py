@@ -117,15 +117,18 @@ class AppendFSM:
         """
         if await self.run_to(S.STREAM_CONTENT) is not S.STREAM_CONTENT:
             return self.state
-        while self.state is S.STREAM_CONTENT:
-            try:
-                msg: pb.AppendRequest | BaseException | None = await next_message()
-            except asyncio.CancelledError:
-                self.abort()
-                raise
-            except Exception as exc:
-                self.client_error = msg = exc
-            await self.on_stream_content(msg)
+        try:
+            while self.state is S.STREAM_CONTENT:
+                try:
+                    msg: pb.AppendRequest | BaseException | None = await next_message()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    self.client_error = msg = exc
+                await self.on_stream_content(msg)
+        except BaseException:  # cancelled (client gone, server stopping): give the pipeline back
+            self.abort()
+            raise
         return await self.run_to()
 
     def abort(self) -> None:
