@@ -1,0 +1,108 @@
+"""Exactly-once messages over at-least-once journals (gazette-exactly-once.txt, *Message UUIDs* and *Sequencer*).
+
+Journal appends are at-least-once, so a journal may hold a message twice, and messages of transactions that are
+still pending or were rolled back. This package gives messages the means to be read exactly once:
+
+* :mod:`~tidings.message.uuid` - RFC 4122 v1 message UUIDs: a random ProducerID, a strictly monotonic
+  :class:`Clock` per producer, and transaction flags (OUTSIDE_TXN, CONTINUE_TXN, ACK_TXN).
+* :mod:`~tidings.message.framing` - how messages sit in a journal's bytes, by its ``content-type`` label
+  (``application/x-ndjson``, ``application/x-protobuf-fixed``), with incremental decoders that report undecodable
+  byte ranges instead of failing; and how a message carries its UUID (:func:`get_uuid`, :func:`set_uuid`).
+* :mod:`~tidings.message.sequencer` - the read-committed :class:`Sequencer`: each committed message exactly once,
+  in journal order per producer, never a rolled-back one (DESIGN.md invariant 7), with a ring buffer, replays of
+  long transactions, and checkpoints to resume from.
+
+Everything here is pure (no I/O) and synchronous; readers and publishers in ``client``/``consumer`` drive it.
+"""
+
+from __future__ import annotations
+
+from tidings.message.framing import (
+    CONTENT_TYPE_LABEL,
+    DEFAULT_MAX_MESSAGE_SIZE,
+    FIXED_FRAME_HEADER_LENGTH,
+    FIXED_FRAME_WORD,
+    NDJSON,
+    PROTOBUF_FIXED,
+    Decoder,
+    Frame,
+    Framing,
+    Garbage,
+    framing_for,
+    get_uuid,
+    set_uuid,
+    supports_uuid,
+)
+from tidings.message.sequencer import (
+    DEFAULT_PRODUCER_HORIZON,
+    DEFAULT_RING_SIZE,
+    Checkpoint,
+    Envelope,
+    JournalCheckpoint,
+    ProducerState,
+    QueueOutcome,
+    Replay,
+    ReplayRequiredError,
+    Sequencer,
+    SequencerStatistics,
+)
+from tidings.message.uuid import (
+    ACK_TXN,
+    CONTINUE_TXN,
+    OUTSIDE_TXN,
+    Clock,
+    Flags,
+    ProducerID,
+    build_uuid,
+    clock_from_unix_ns,
+    get_clock,
+    get_flags,
+    get_producer_id,
+    new_clock,
+    new_producer_id,
+    parse,
+    unix_ns_from_clock,
+)
+
+__all__ = [
+    "ACK_TXN",
+    "CONTENT_TYPE_LABEL",
+    "CONTINUE_TXN",
+    "Checkpoint",
+    "Clock",
+    "DEFAULT_MAX_MESSAGE_SIZE",
+    "DEFAULT_PRODUCER_HORIZON",
+    "DEFAULT_RING_SIZE",
+    "Decoder",
+    "Envelope",
+    "FIXED_FRAME_HEADER_LENGTH",
+    "FIXED_FRAME_WORD",
+    "Flags",
+    "Frame",
+    "Framing",
+    "Garbage",
+    "JournalCheckpoint",
+    "NDJSON",
+    "OUTSIDE_TXN",
+    "PROTOBUF_FIXED",
+    "ProducerID",
+    "ProducerState",
+    "QueueOutcome",
+    "Replay",
+    "ReplayRequiredError",
+    "Sequencer",
+    "SequencerStatistics",
+    "build_uuid",
+    "clock_from_unix_ns",
+    "framing_for",
+    "get_clock",
+    "get_flags",
+    "get_producer_id",
+    "get_uuid",
+    "new_clock",
+    "new_producer_id",
+    "parse",
+    "set_uuid",
+    "supports_uuid",
+    "unix_ns_from_clock",
+]
