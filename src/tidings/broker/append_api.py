@@ -111,11 +111,24 @@ async def _proxy(broker: Broker, fsm: AppendFSM, first: pb.AppendRequest, next_m
     req.header.CopyFrom(fsm.resolved.header)
     req.do_not_proxy = True
     call = JournalStub(broker.channel(endpoint)).Append()
-    await call.write(req)
-    while True:
-        msg = await next_message()
-        if msg is None:
-            break
-        await call.write(msg)
-    await call.done_writing()
-    return await call
+    try:
+        try:
+            await call.write(req)
+            while (msg := await next_message()) is not None:
+                await call.write(msg)
+            await call.done_writing()
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            pass  # the primary answered early (a refusal, or it failed): its status follows
+        resp = await call
+    except grpc.RpcError as exc:
+        await context.abort(exc.code(), f"proxied to the primary {endpoint}: {exc.details()}")
+        raise AssertionError("unreachable") from None
+    except (ClientStalled, ValidationError) as exc:
+        call.cancel()  # the primary rolls the append back
+        code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, ValidationError) else grpc.StatusCode.ABORTED
+        await context.abort(code, f"append to {first.journal!r} rolled back: {exc}")
+        raise AssertionError("unreachable") from None
+    except BaseException:
+        call.cancel()
+        raise
+    return _respond("append", resp)
