@@ -48,6 +48,17 @@ def test_content_then_commit_adopts_fragment_and_registers(spool) -> None:
     assert rec.commits == [frag(0, 11, b"hello world")]
 
 
+def test_last_chunk_and_its_commit_in_one_request(spool) -> None:
+    sp, rec = spool
+    sp.apply(pb.ReplicateRequest(content=b"hello ", content_delta=0))
+    req = pb.ReplicateRequest(content=b"world", content_delta=6, proposal=frag(0, 11, b"hello world").to_proto())
+    assert sp.apply(req).status == pb.OK
+    assert sp.fragment == frag(0, 11, b"hello world") and sp.delta == 0
+    bad = pb.ReplicateRequest(content=b"!", content_delta=0, proposal=frag(0, 12, b"hello world?").to_proto())
+    assert sp.apply(bad).status == pb.PROPOSAL_MISMATCH  # the chunk is held as delta; the proposal is refused
+    assert sp.fragment == frag(0, 11, b"hello world") and rec.commits == [frag(0, 11, b"hello world")]
+
+
 def test_wrong_content_delta_aborts_the_stream(spool) -> None:
     sp, _ = spool
     sp.apply_content(b"abc", 0)

@@ -78,6 +78,7 @@ class AppendFSM:
         self._started = False
         self._commit_requested = False
         self._rolled_back = False
+        self._held: bytes | None = None  # the latest chunk, forwarded with the next message
         self._close_after: asyncio.Future[None] | None = None
         self._wait_for: asyncio.Future[None] | None = None
         self._handlers: dict[AppendState, Callable[[], Awaitable[AppendState]]] = {
@@ -353,8 +354,11 @@ class AppendFSM:
         """Handle one client message: forward content; on end-of-stream commit, else roll back.
 
         The first call may roll to a new Fragment (target length reached, codec changed, flush
-        interval elapsed, or an explicit reset-head offset). -> STREAM_CONTENT after content;
-        READ_ACKNOWLEDGEMENTS once the commit or roll-back proposal is out.
+        interval elapsed, or an explicit reset-head offset). Each chunk is held until the next
+        message arrives, so the last one travels to the peers in the same ReplicateRequest as
+        the commit proposal: one message and one acknowledgement per peer for a small append.
+        -> STREAM_CONTENT after content; READ_ACKNOWLEDGEMENTS once the commit or roll-back
+        proposal is out.
         """
         assert self.state is S.STREAM_CONTENT and self.pipeline is not None and self.resolved is not None
         spool = self.spool
@@ -379,8 +383,16 @@ class AppendFSM:
             self.status = pb.NOT_ALLOWED
             await self._send_rollback(spool, "journal is read-only")
             return
-        await self.pipeline.scatter(pb.ReplicateRequest(content=msg.content, content_delta=spool.delta))
-        spool.apply_content(msg.content, spool.delta)
+        if self._held is not None:
+            await self.pipeline.scatter(self._forward_held(spool))
+        self._held = msg.content
+
+    def _forward_held(self, spool: Spool, **fields: object) -> pb.ReplicateRequest:
+        """The held chunk as a ReplicateRequest (plus `fields`), applied to our own spool too."""
+        content, self._held = self._held, None
+        req = pb.ReplicateRequest(content=content, content_delta=spool.delta, **fields)
+        spool.apply_content(content, spool.delta)  # type: ignore[arg-type]
+        return req
 
     async def _maybe_roll(self, spool: Spool) -> None:
         assert self.resolved is not None and self.resolved.spec is not None and self.pipeline is not None
@@ -404,6 +416,7 @@ class AppendFSM:
             )
 
     async def _send_commit(self, spool: Spool) -> None:
+        final = self._forward_held(spool) if self._held is not None else pb.ReplicateRequest()
         if spool.delta:
             registers = apply_registers(spool.registers, self.req.union_registers, self.req.subtract_registers)
             proposal = spool.next_fragment()
@@ -415,22 +428,24 @@ class AppendFSM:
         assert resp.status == pb.OK, "the primary's own commit must apply"
         self.commit = pb.Fragment(journal=self.journal, begin=self._begin, end=self._begin + appended)
         self.registers = registers
-        await self._send_final(proposal, registers)
+        await self._send_final(final, proposal, registers)
         metrics.APPENDED_BYTES.inc(appended)
 
     async def _send_rollback(self, spool: Spool, reason: str) -> None:
+        self._held = None  # never forwarded: the peers do not have it
         spool.rollback()
         self._rolled_back = True
         self.error = None if self.status != pb.OK else reason
-        await self._send_final(spool.fragment, spool.registers)
+        await self._send_final(pb.ReplicateRequest(), spool.fragment, spool.registers)
         metrics.ROLLBACKS.inc()
 
-    async def _send_final(self, proposal: Fragment, registers: pb.LabelSet) -> None:
+    async def _send_final(self, req: pb.ReplicateRequest, proposal: Fragment, registers: pb.LabelSet) -> None:
         """Send the acknowledged proposal, take our place in the barrier, give up the send side."""
         assert self.pipeline is not None
-        await self.pipeline.scatter(
-            pb.ReplicateRequest(proposal=proposal.to_proto(), registers=registers, acknowledge=True)
-        )
+        req.proposal.CopyFrom(proposal.to_proto())
+        req.registers.CopyFrom(registers)
+        req.acknowledge = True
+        await self.pipeline.scatter(req)
         self._wait_for, self._close_after = self.pipeline.barrier()
         self._release_pipeline()
         self.state = S.READ_ACKNOWLEDGEMENTS

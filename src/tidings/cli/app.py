@@ -82,9 +82,11 @@ def broker(
 ) -> None:
     """Run one broker in the foreground. Prints `READY HOST:PORT` once it serves; SIGTERM hands
     its journals to other brokers, then exits."""
+    from tidings.broker._malloc import tune_malloc
     from tidings.broker.service import Broker, BrokerConfig
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tune_malloc()
     cfg = BrokerConfig(
         etcd=etcd,
         zone=zone,

@@ -4,8 +4,9 @@ A Spool holds the Fragment currently being built (in a local file), the journal'
 and `delta`: bytes received beyond the committed end that are not yet committed. It is a
 small state machine driven by ReplicateRequests, and every replica runs it independently:
 
-- **content**: a chunk whose `content_delta` equals `delta` is written after the committed
-  end and folded into a running SHA1 (`delta` grows). Any other delta is an invalid transition.
+- **content**: a chunk (alone, or ahead of a proposal in the same request) whose
+  `content_delta` equals `delta` is written after the committed end and folded into a running
+  SHA1 (`delta` grows). Any other delta is an invalid transition.
 - **commit**: a proposal that extends the current Fragment by exactly `delta` bytes, with the
   SHA1 of all content so far, is adopted (the end moves; registers are replaced).
 - **rollback**: a proposal equal to the current Fragment discards the uncommitted `delta`
@@ -104,11 +105,14 @@ class Spool:
     # -- transitions -----------------------------------------------------------------------
 
     def apply(self, req: pb.ReplicateRequest) -> pb.ReplicateResponse:
-        """Apply one validated ReplicateRequest. Raises ValidationError on a bad content delta,
-        which aborts the stream; a refused proposal is a PROPOSAL_MISMATCH response instead."""
+        """Apply one validated ReplicateRequest: its content chunk, then its proposal (a request
+        may carry both: an append's last chunk travels with its commit). Raises ValidationError
+        on a bad content delta, which aborts the stream; a refused proposal is a
+        PROPOSAL_MISMATCH response instead."""
+        if req.content:
+            self.apply_content(req.content, req.content_delta)
         if req.HasField("proposal"):
             return self.apply_proposal(Fragment.from_proto(req.proposal), req.registers)
-        self.apply_content(req.content, req.content_delta)
         return pb.ReplicateResponse(status=pb.OK)
 
     def apply_content(self, content: bytes | memoryview, content_delta: int) -> None:

@@ -165,15 +165,13 @@ def append_content(r: pb.AppendRequest, ctx: str = "append") -> None:
 def replicate_request(r: pb.ReplicateRequest, ctx: str = "replicate") -> None:
     if r.HasField("header"):
         header(r.header, f"{ctx}.header")
+    if not r.content and not r.HasField("proposal"):
+        raise ValidationError(ctx, "expected a proposal, content, or content then a proposal")
     if r.HasField("proposal"):
         fragment(r.proposal, f"{ctx}.proposal")
         label_set(r.registers, f"{ctx}.registers")
-        if r.content:
-            raise ValidationError(ctx, "a request carries a proposal or content, not both")
-    elif r.content:
+    if r.content:
         if len(r.content) > MAX_CHUNK:
             raise ValidationError(f"{ctx}.content", f"chunk of {len(r.content)} bytes exceeds {MAX_CHUNK}")
         if r.content_delta < 0:
             raise ValidationError(f"{ctx}.content_delta", "must not be negative")
-    else:
-        raise ValidationError(ctx, "expected a proposal or content")
