@@ -47,6 +47,21 @@ async def cluster(etcd: EtcdProcess, etcd_root: str, tmp_path):
             await client.aclose()
 
 
+@pytest.fixture
+def local_cluster(etcd: EtcdProcess, etcd_root: str, tmp_path):
+    """Four brokers as child processes over three zones (a spare for R=3), on the session etcd."""
+    from tests.support.cluster import FAST_BROKER_FLAGS
+    from tidings.cluster import LocalCluster
+
+    lc = LocalCluster(brokers=4, zones=3, data_dir=tmp_path, etcd=etcd.endpoint)
+    lc.extra = [*FAST_BROKER_FLAGS, "--root", etcd_root]
+    try:
+        lc.start()
+        yield lc
+    finally:
+        lc.stop()
+
+
 def _dump_asyncio_tasks(signum, frame) -> None:  # debugging aid: `kill -USR1 <pytest pid>`
     import asyncio
     import sys

@@ -8,43 +8,15 @@ import itertools
 import random
 
 import grpc
-import pytest
 
 from tidings.client import AsyncClient
 from tidings.cluster import LocalCluster
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.protocol_pb2_grpc import JournalStub
-from tidings.protocol.specs import spec_from_dict
 from tidings.protocol.status import TidingsError
 
+from .support.cluster import create_local_journal
 from .support.waiting import wait_until
-
-FAST = ["--pulse-interval", "0.5", "--lease-ttl", "2", "--stall-timeout", "5"]
-
-
-@pytest.fixture
-def local_cluster(etcd, etcd_root, tmp_path):
-    lc = LocalCluster(brokers=4, zones=3, data_dir=tmp_path, etcd=etcd.endpoint)  # a spare for R=3
-    lc.extra = [*FAST, "--root", etcd_root]
-    try:
-        lc.start()
-        yield lc
-    finally:
-        lc.stop()
-
-
-async def _create(lc: LocalCluster, name: str, replication: int = 3) -> None:
-    spec = spec_from_dict(
-        {"name": name, "replication": replication, "fragment": {"length": "64KiB", "stores": [lc.store_url]}}
-    )
-    async with AsyncClient(lc.endpoints[0]) as c:
-        await c.apply([pb.ApplyRequest.Change(upsert=spec)])
-        await wait_until(lambda: _has_primary(c, name), 30)
-
-
-async def _has_primary(c: AsyncClient, name: str) -> bool:
-    resp = await c.list()
-    return any(j.spec.name == name and j.route.primary >= 0 and len(j.route.members) >= 1 for j in resp.journals)
 
 
 async def _route(endpoint: str, name: str) -> pb.Route:
@@ -55,7 +27,7 @@ async def _route(endpoint: str, name: str) -> pb.Route:
 async def test_kill_9_of_the_primary_loses_no_acknowledged_append(local_cluster: LocalCluster) -> None:
     """Invariants 1-2: every append that returned OK reads back at its offsets after the primary dies."""
     lc = local_cluster
-    await _create(lc, "faults/kill9")
+    await create_local_journal(lc, "faults/kill9")
     acked: list[tuple[int, int, bytes]] = []
     stop = asyncio.Event()
 
@@ -97,7 +69,7 @@ async def test_kill_9_of_the_primary_loses_no_acknowledged_append(local_cluster:
 async def test_join_and_sigterm_leave_under_load_keep_replication(local_cluster: LocalCluster) -> None:
     """Invariant 5: a broker joins, another leaves by SIGTERM; appends keep succeeding, R holds."""
     lc = local_cluster
-    await _create(lc, "faults/churn")
+    await create_local_journal(lc, "faults/churn")
     errors: list[str] = []
     acked: list[tuple[int, int, bytes]] = []
     stop = asyncio.Event()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tidings.broker.service import Broker, BrokerConfig
 from tidings.client import AsyncClient
+from tidings.cluster import LocalCluster
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import spec_from_dict
 
@@ -84,3 +85,20 @@ class TestCluster:
             if not b.stopped.is_set():
                 with contextlib.suppress(Exception):
                     await b.stop(graceful=False)
+
+
+FAST_BROKER_FLAGS = ["--pulse-interval", "0.5", "--lease-ttl", "2", "--stall-timeout", "5"]
+
+
+async def create_local_journal(lc: LocalCluster, name: str, replication: int = 3, **fields: object) -> None:
+    """Create a journal on a LocalCluster (brokers as child processes) and wait for its primary."""
+    frag = {"length": "64KiB", "stores": [lc.store_url], **fields.pop("fragment", {})}  # type: ignore[dict-item]
+    spec = spec_from_dict({"name": name, "replication": replication, "fragment": frag, **fields})
+    async with AsyncClient(lc.endpoints[0]) as c:
+        await c.apply([pb.ApplyRequest.Change(upsert=spec)])
+
+        async def has_primary() -> bool:
+            resp = await c.list()
+            return any(j.spec.name == name and j.route.primary >= 0 for j in resp.journals)
+
+        await wait_until(has_primary, 30)

@@ -1,11 +1,39 @@
-"""Client of the broker's Journal service (asyncio, with a thin sync facade later).
+"""The client of a tidings cluster (gazette-transactional-appends.txt; Gazette's broker/client).
 
-This first cut covers what the CLI, tests and benchmarks need: append (streamed chunks, with
-register and offset expectations), read (blocking, tailing), list, apply, fragments. Non-OK
-statuses raise the StatusError subclass of `tidings.protocol.status`; transient ones
-(no primary yet, route changing) are retried with backoff.
+* `AsyncClient` (asyncio, grpc.aio) and `Client`, its synchronous facade with the same methods.
+  Both keep a Route cache fed by response headers, so appends go straight to a journal's primary
+  and reads to a replica in the client's zone; transient statuses and unreachable brokers are
+  retried with backoff, and definite refusals raise the `StatusError` subclass naming the journal
+  and status (`tidings.protocol.status`).
+* `Appender`: one streamed append; as a context manager it commits on success and rolls back on
+  an exception.
+* `Reader`: content from an offset, surviving broker restarts and Route changes, reporting offset
+  jumps, optionally reading persisted fragments straight from their store.
+* `AppendService`: batched appends with a future per append, ordered per journal, spilled to a
+  temporary file beyond a memory threshold, retried until committed, with back-pressure.
+
+Modules: `_base` (results, Route cache, retry policy: no I/O), `_async`, `_append_service`, `_sync`.
 """
 
-from tidings.client._async import AppendResult, AsyncClient, ReadChunk
+from tidings.client._append_service import AppendService, AppendServiceStatistics
+from tidings.client._async import Appender, AsyncClient, Reader
+from tidings.client._base import AppendResult, ReadChunk, RetryPolicy, RouteCache
+from tidings.client._sync import Client, SyncAppender, SyncReader
 
-__all__ = ["AppendResult", "AsyncClient", "ReadChunk"]
+__all__ = [
+    "AppendResult",
+    "AppendService",
+    "AppendServiceStatistics",
+    "Appender",
+    "AsyncClient",
+    "Client",
+    "ReadChunk",
+    "Reader",
+    "RetryPolicy",
+    "RouteCache",
+    "SyncAppender",
+    "SyncReader",
+]
+
+for _name in __all__:
+    globals()[_name].__module__ = __name__

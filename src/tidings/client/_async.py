@@ -1,68 +1,105 @@
-"""AsyncClient: grpc.aio calls to any broker, with retries on transient statuses."""
+"""AsyncClient, Appender and Reader: the asyncio client of the broker's Journal service (grpc.aio).
+
+Cancellation: an `append()` or `Appender` cancelled before its commit chunk is sent is rolled
+back by the broker. Once the commit chunk is out the outcome is unknown; retry with an expected
+`offset` or registers when that matters. A retried append whose first attempt did commit is
+written twice: appends are at-least-once, and message UUIDs (`tidings.message`) de-duplicate.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import random
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+import logging
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from typing import Any
 
 import grpc
 
-from tidings.protocol import labels
+from tidings.client._base import (
+    CHUNK,
+    GRPC_OPTIONS,
+    AppendResult,
+    ReadChunk,
+    RetryPolicy,
+    RouteCache,
+    first_append_request,
+    registers_dict,
+)
+from tidings.fragment.fragment import Fragment
+from tidings.fragment.store import store_for
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.protocol_pb2_grpc import JournalStub
-from tidings.protocol.status import TransportError, for_status, map_grpc_error
+from tidings.protocol.status import (
+    StatusError,
+    TidingsError,
+    TransportError,
+    UsageError,
+    for_status,
+    map_grpc_error,
+)
 
-CHUNK = 256 * 1024
-GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+__all__ = ["Appender", "AsyncClient", "Reader"]
 
+log = logging.getLogger(__name__)
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class AppendResult:
-    """The committed span of an append, and the journal's registers after it."""
-
-    journal: str
-    begin: int
-    end: int
-    registers: dict[str, list[str]]
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ReadChunk:
-    offset: int
-    content: bytes
-    write_head: int
-
-
-def _registers(ls: pb.LabelSet) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for k, v in labels.pairs(ls):
-        out.setdefault(k, []).append(v)
-    return out
+Content = bytes | bytearray | memoryview | Iterable[bytes] | AsyncIterable[bytes]
+DOWN_FOR = 2.0  # seconds an unreachable endpoint is avoided
 
 
 class AsyncClient:
-    """A client of one broker endpoint ("host:port"); any broker of the cluster will do.
+    """A client of a tidings cluster, reached through `endpoint` ("host:port", any broker).
 
-    Appends go to whichever broker is addressed and are proxied to the primary; the client
-    retries statuses marked retriable and transport unavailability, never definite refusals.
+    Appends go to the journal's primary and reads to a replica in `zone` once a response has
+    told the client the journal's Route; until then the given broker proxies. Transient statuses
+    and unreachable brokers are retried with backoff; definite refusals raise their StatusError.
+
+    **Parameters:**
+    * `endpoint` - any broker of the cluster.
+    * `retries` - how many times one operation is retried before its error is raised.
+    * `zone` - the client's zone, for reads from a nearby replica.
+
+    Usage::
+
+        async with AsyncClient("127.0.0.1:8080") as c:
+            span = await c.append("shop/orders", b"hello\\n")
+            async for chunk in c.reader("shop/orders", block=False):
+                ...
     """
 
-    def __init__(self, endpoint: str, retries: int = 20) -> None:
+    def __init__(self, endpoint: str, retries: int = 20, *, zone: str | None = None) -> None:
         self.endpoint = endpoint
-        self.retries = retries
+        self.retry = RetryPolicy(attempts=retries)
+        self.routes = RouteCache(endpoint, zone)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._down: dict[str, float] = {}
 
-    def _stub(self, endpoint: str | None = None) -> JournalStub:
+    # -- plumbing --------------------------------------------------------------------------
+
+    def stub(self, endpoint: str | None = None) -> JournalStub:
         ep = endpoint or self.endpoint
         ch = self._channels.get(ep)
         if ch is None:
             ch = self._channels[ep] = grpc.aio.insecure_channel(ep, options=GRPC_OPTIONS)
         return JournalStub(ch)
+
+    def _pick(self, preferred: str) -> str:
+        """`preferred`, unless it failed moments ago: then the configured broker or another known one."""
+        now = time.monotonic()
+        for ep in (preferred, *self.routes.endpoints):
+            if self._down.get(ep, 0) <= now:
+                return ep
+        return preferred
+
+    def _failed(self, journal: str, endpoint: str, err: TidingsError) -> None:
+        """Forget what an error says is stale: the Route, and for a transport failure the endpoint."""
+        if isinstance(err, TransportError) and err.code == grpc.StatusCode.UNAVAILABLE:
+            self._down[endpoint] = time.monotonic() + DOWN_FOR
+        if getattr(err, "refresh_route", True):
+            self.routes.invalidate(journal)
+
+    async def backoff(self, attempt: int) -> None:
+        await asyncio.sleep(self.retry.delay(attempt))
 
     async def aclose(self) -> None:
         for ch in self._channels.values():
@@ -75,154 +112,445 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _backoff(self, attempt: int) -> None:
-        await asyncio.sleep(min(1.0, 0.02 * (2**attempt)) * (0.5 + random.random()))
+    # -- appends ---------------------------------------------------------------------------
 
     async def append(
         self,
         journal: str,
-        content: bytes | Iterable[bytes] | AsyncIterable[bytes] = b"",
+        content: Content = b"",
         *,
         offset: int = 0,
         check_registers: pb.LabelSelector | None = None,
         union_registers: pb.LabelSet | None = None,
         subtract_registers: pb.LabelSet | None = None,
     ) -> AppendResult:
-        """Append `content` atomically; returns the committed span. Retried only when `content`
-        is bytes (a stream cannot be replayed) and the failure happened before any commit."""
-        first = pb.AppendRequest(journal=journal, offset=offset)
-        if check_registers is not None:
-            first.check_registers.CopyFrom(check_registers)
-        if union_registers is not None:
-            first.union_registers.CopyFrom(union_registers)
-        if subtract_registers is not None:
-            first.subtract_registers.CopyFrom(subtract_registers)
+        """Append `content` atomically; returns the committed span.
+
+        Bytes are retried on transient failures; a stream (iterable) cannot be replayed, so its
+        append is tried once. `offset` (expected write head), `check_registers`,
+        `union_registers` and `subtract_registers` are Gazette's check-and-set expectations.
+        """
+        first = first_append_request(journal, offset, check_registers, union_registers, subtract_registers)
         replayable = isinstance(content, bytes | bytearray | memoryview)
         attempt = 0
         while True:
+            endpoint = self._pick(self.routes.append_endpoint(journal))
             try:
-                resp = await self._append_once(first, content)
-            except grpc.RpcError as exc:
-                err = map_grpc_error(exc, self.endpoint)
-                if not (replayable and err.retriable and attempt < self.retries):
-                    raise err from None
-            else:
-                if resp.status == pb.OK:
-                    return AppendResult(journal, resp.commit.begin, resp.commit.end, _registers(resp.registers))
-                cls = for_status(resp.status)
-                if not (replayable and cls.retriable and attempt < self.retries):
-                    raise cls(journal, header=resp.header)
-            await self._backoff(attempt)
+                return await self._append_once(endpoint, first, content)
+            except (StatusError, TransportError) as exc:
+                self._failed(journal, endpoint, exc)
+                if not (replayable and exc.retriable and attempt < self.retry.attempts):
+                    raise
+            await self.backoff(attempt)
             attempt += 1
 
-    async def _append_once(self, first: pb.AppendRequest, content) -> pb.AppendResponse:
+    async def _append_once(self, endpoint: str, first: pb.AppendRequest, content: Content) -> AppendResult:
         """One Append RPC. Messages are handed to grpc as an iterator (about half the cost of
-        awaiting each write); the empty chunk before end-of-stream commits."""
+        awaiting each write); the empty chunk before end-of-stream commits.
 
-        async def messages():
-            yield first
-            async for chunk in _chunks(content):
-                yield pb.AppendRequest(content=chunk)
-            yield pb.AppendRequest()
+        grpc.aio turns an exception of the request iterator into a cancelled call; such an
+        exception (the content source failed) is raised here instead of the CancelledError.
+        """
+        failed: list[Exception] = []
 
-        call = self._stub().Append(messages())
+        async def messages() -> AsyncIterator[pb.AppendRequest]:
+            try:
+                yield first
+                async for chunk in chunks(content):
+                    yield pb.AppendRequest(content=chunk)
+                yield pb.AppendRequest()
+            except Exception as exc:
+                failed.append(exc)
+                raise
+
+        call = self.stub(endpoint).Append(messages())
         try:
-            return await call
+            resp = await call
+        except grpc.RpcError as exc:
+            raise map_grpc_error(exc, endpoint) from None
+        except asyncio.CancelledError:
+            call.cancel()
+            task = asyncio.current_task()
+            if failed and task is not None and not task.cancelling():
+                raise failed[0] from None
+            raise
         except BaseException:
             call.cancel()
             raise
+        return self._append_result(first.journal, resp)
 
-    async def read(
-        self, journal: str, offset: int = 0, *, block: bool = False, end_offset: int = 0
-    ) -> AsyncIterator[ReadChunk]:
-        """Yield committed content from `offset` (-1: the write head). Non-blocking reads stop at
-        the write head; blocking reads tail until `end_offset` (0: forever)."""
-        attempt = 0
-        while True:
-            req = pb.ReadRequest(journal=journal, offset=offset, block=block, end_offset=end_offset)
-            try:
-                async for resp in self._stub().Read(req):
-                    if resp.status == pb.OFFSET_NOT_YET_AVAILABLE:
-                        return
-                    if resp.status != pb.OK:
-                        cls = for_status(resp.status)
-                        if cls.retriable and attempt < self.retries:
-                            raise _Retry
-                        raise cls(journal, header=resp.header)
-                    if resp.content:
-                        yield ReadChunk(resp.offset, resp.content, resp.write_head)
-                        offset = resp.offset + len(resp.content)
-                        attempt = 0
-                    elif resp.HasField("fragment"):
-                        offset = max(offset, resp.offset)
-                if not block or (end_offset and offset >= end_offset):
-                    return
-            except _Retry:
-                pass
-            except grpc.RpcError as exc:
-                err = map_grpc_error(exc, self.endpoint)
-                if not (err.retriable and attempt < self.retries):
-                    raise err from None
-            await self._backoff(attempt)
-            attempt += 1
+    def _append_result(self, journal: str, resp: pb.AppendResponse) -> AppendResult:
+        if resp.HasField("header"):
+            self.routes.update(journal, resp.header)
+        if resp.status != pb.OK:
+            raise for_status(resp.status)(journal, header=resp.header)
+        return AppendResult(journal, resp.commit.begin, resp.commit.end, registers_dict(resp.registers))
+
+    def appender(
+        self,
+        journal: str,
+        *,
+        offset: int = 0,
+        check_registers: pb.LabelSelector | None = None,
+        union_registers: pb.LabelSet | None = None,
+        subtract_registers: pb.LabelSet | None = None,
+    ) -> Appender:
+        """A streaming append to `journal`: `async with client.appender(j) as a: await a.write(...)`."""
+        first = first_append_request(journal, offset, check_registers, union_registers, subtract_registers)
+        return Appender(self, first)
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def reader(
+        self,
+        journal: str,
+        offset: int = 0,
+        *,
+        block: bool = True,
+        end_offset: int = 0,
+        direct: bool = False,
+        on_jump: Callable[[int, int], Any] | None = None,
+    ) -> Reader:
+        """An iterator of committed content of `journal` from `offset` (-1: the write head); see `Reader`."""
+        return Reader(self, journal, offset, block=block, end_offset=end_offset, direct=direct, on_jump=on_jump)
+
+    def read(self, journal: str, offset: int = 0, *, block: bool = False, end_offset: int = 0) -> Reader:
+        """Committed content from `offset`: non-blocking reads stop at the write head; blocking
+        reads tail until `end_offset` (0: forever)."""
+        return self.reader(journal, offset, block=block, end_offset=end_offset)
 
     async def read_all(self, journal: str, offset: int = 0, end_offset: int = 0) -> bytes:
-        parts = [c.content async for c in self.read(journal, offset, end_offset=end_offset)]
-        return b"".join(parts)
+        """Every committed byte of `journal` from `offset` to the write head (or `end_offset`)."""
+        return b"".join([c.content async for c in self.read(journal, offset, end_offset=end_offset)])
+
+    async def write_head(self, journal: str) -> int:
+        """The journal's current write head (from a metadata-only read at -1)."""
+        req = pb.ReadRequest(journal=journal, offset=-1, metadata_only=True)
+        resp = await self._unary(journal, lambda stub: _first_response(stub.Read(req)))
+        if resp.status not in (pb.OK, pb.OFFSET_NOT_YET_AVAILABLE):
+            raise for_status(resp.status)(journal, header=resp.header)
+        return resp.write_head
+
+    # -- journals --------------------------------------------------------------------------
 
     async def list(self, selector: pb.LabelSelector | None = None) -> pb.ListResponse:
-        try:
-            async for resp in self._stub().List(pb.ListRequest(selector=selector)):
-                return resp
-        except grpc.RpcError as exc:
-            raise map_grpc_error(exc, self.endpoint) from None
-        raise TransportError(f"List from {self.endpoint} returned no response")
+        """Journals (specs, mod revisions and Routes) matching `selector` (all when None)."""
+        return await self._unary("", lambda stub: _first_response(stub.List(pb.ListRequest(selector=selector))))
+
+    async def watch(self, selector: pb.LabelSelector | None = None) -> AsyncIterator[pb.ListResponse]:
+        """The journal list matching `selector`, again after every change; survives broker restarts."""
+        attempt = 0
+        while True:
+            endpoint = self._pick(self.endpoint)
+            try:
+                async for resp in self.stub(endpoint).List(pb.ListRequest(selector=selector, watch=True)):
+                    attempt = 0
+                    yield resp
+            except grpc.RpcError as exc:
+                err = map_grpc_error(exc, endpoint)
+                self._failed("", endpoint, err)
+                if not (err.retriable and attempt < self.retry.attempts):
+                    raise err from None
+            await self.backoff(attempt)
+            attempt += 1
 
     async def apply(self, changes: list[pb.ApplyRequest.Change]) -> pb.ApplyResponse:
-        try:
-            resp = await self._stub().Apply(pb.ApplyRequest(changes=changes))
-        except grpc.RpcError as exc:
-            raise map_grpc_error(exc, self.endpoint) from None
+        """Create, update or delete journal specs atomically (each guarded by its expected mod revision)."""
+        resp = await self._unary("", lambda stub: stub.Apply(pb.ApplyRequest(changes=changes)))
         if resp.status != pb.OK:
             raise for_status(resp.status)(", ".join(c.upsert.name or c.delete for c in changes))
         return resp
 
     async def fragments(self, journal: str) -> pb.FragmentsResponse:
-        try:
-            resp = await self._stub().ListFragments(pb.FragmentsRequest(journal=journal))
-        except grpc.RpcError as exc:
-            raise map_grpc_error(exc, self.endpoint) from None
+        """The journal's fragments: local spools and persisted files (with their store URLs)."""
+        resp = await self._unary(journal, lambda stub: stub.ListFragments(pb.FragmentsRequest(journal=journal)))
         if resp.status != pb.OK:
             raise for_status(resp.status)(journal, header=resp.header)
         return resp
 
-    async def write_head(self, journal: str) -> int:
-        """The journal's current write head (from a metadata-only read at -1)."""
-        req = pb.ReadRequest(journal=journal, offset=-1, metadata_only=True)
+    async def _unary(self, journal: str, call: Callable[[JournalStub], Any]) -> Any:
+        """One request/response exchange with any broker, retried while the failure is transient."""
+        attempt = 0
+        while True:
+            endpoint = self._pick(self.routes.read_endpoint(journal) if journal else self.endpoint)
+            try:
+                resp = await call(self.stub(endpoint))
+            except grpc.RpcError as exc:
+                err = map_grpc_error(exc, endpoint)
+                self._failed(journal, endpoint, err)
+                if not (err.retriable and attempt < self.retry.attempts):
+                    raise err from None
+            else:
+                status = getattr(resp, "status", pb.OK)
+                if journal and resp.HasField("header"):
+                    self.routes.update(journal, resp.header)
+                if status == pb.OK or not for_status(status).retriable or attempt >= self.retry.attempts:
+                    return resp
+                self.routes.invalidate(journal)
+            await self.backoff(attempt)
+            attempt += 1
+
+
+async def _first_response(stream: Any) -> Any:
+    async for resp in stream:
+        stream.cancel()
+        return resp
+    raise TransportError("the broker closed the stream without a response", grpc.StatusCode.UNAVAILABLE, True)
+
+
+class Appender:
+    """One streaming append: `write()` chunks, then `commit()`; or `abort()` to roll it back.
+
+    As an async context manager it commits when the block succeeds and rolls back when it
+    raises. Content streams to the broker as it is written (nothing is buffered), so a stream is
+    not retried; `commit()` raises the refusal (REGISTER_MISMATCH, ...) if the broker refused.
+    """
+
+    def __init__(self, client: AsyncClient, first: pb.AppendRequest) -> None:
+        self.client = client
+        self.journal = first.journal
+        self._first = first
+        self._call: Any = None
+        self._endpoint = ""
+        self.result: AppendResult | None = None
+
+    async def __aenter__(self) -> Appender:
+        await self.open()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if exc_type is None:
+            await self.commit()
+        else:
+            self.abort()
+
+    async def open(self) -> None:
+        if self._call is not None:
+            raise UsageError(f"appender of {self.journal!r} is already open")
+        self._endpoint = self.client._pick(self.client.routes.append_endpoint(self.journal))
+        self._call = self.client.stub(self._endpoint).Append()
+        await self._send(self._first)
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Stream `data` (in chunks) as part of this append."""
+        if self._call is None:
+            await self.open()
+        async for chunk in chunks(data):
+            await self._send(pb.AppendRequest(content=chunk))
+
+    async def commit(self) -> AppendResult:
+        """Send the commit chunk and end the stream; returns the committed span."""
+        if self._call is None:
+            await self.open()
+        await self._send(pb.AppendRequest())
         try:
-            async for resp in self._stub().Read(req):
-                if resp.status not in (pb.OK, pb.OFFSET_NOT_YET_AVAILABLE):
-                    raise for_status(resp.status)(journal, header=resp.header)
-                return resp.write_head
+            await self._call.done_writing()
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            pass  # the broker answered early; its answer follows
+        self.result = await self._outcome()
+        return self.result
+
+    def abort(self) -> None:
+        """Roll the append back (cancel the stream). Safe to call at any time."""
+        if self._call is not None and self.result is None:
+            self._call.cancel()
+
+    async def _send(self, req: pb.AppendRequest) -> None:
+        try:
+            await self._call.write(req)
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            await self._outcome()  # the broker refused or failed early: raise what it said
+            raise UsageError(f"append to {self.journal!r} ended before it was committed") from None
+
+    async def _outcome(self) -> AppendResult:
+        try:
+            resp = await self._call
         except grpc.RpcError as exc:
-            raise map_grpc_error(exc, self.endpoint) from None
-        return 0
+            err = map_grpc_error(exc, self._endpoint)
+            self.client._failed(self.journal, self._endpoint, err)
+            raise err from None
+        return self.client._append_result(self.journal, resp)
 
 
-class _Retry(Exception):
-    pass
+class Reader:
+    """Committed content of a journal from an offset, as an async iterator of ReadChunk.
+
+    It survives broker restarts and Route changes: a failed or ended stream is re-opened at the
+    next unread offset, against a replica chosen from the newest Route. When the journal skips
+    ahead (content removed by retention, or never written), the jump is recorded in `jumps` and
+    passed to `on_jump(from, to)`. With `direct`, persisted fragments are read straight from
+    their store (fsspec) instead of through the broker.
+
+    **Parameters:**
+    * `offset` - where to start; -1 is the write head.
+    * `block` - wait for content at the write head (tail the journal); else stop there.
+    * `end_offset` - stop here (0: no end).
+    """
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        journal: str,
+        offset: int = 0,
+        *,
+        block: bool = True,
+        end_offset: int = 0,
+        direct: bool = False,
+        on_jump: Callable[[int, int], Any] | None = None,
+    ) -> None:
+        self.client = client
+        self.journal = journal
+        self.offset = offset
+        self.block = block
+        self.end_offset = end_offset
+        self.direct = direct
+        self.on_jump = on_jump
+        self.write_head = 0
+        self.jumps: list[tuple[int, int]] = []
+        self.direct_reads = 0  # fragments read straight from their store
+        self._it: AsyncIterator[ReadChunk] | None = None
+
+    def __aiter__(self) -> Reader:
+        return self
+
+    async def __anext__(self) -> ReadChunk:
+        if self._it is None:
+            self._it = self._chunks()
+        return await self._it.__anext__()
+
+    async def aclose(self) -> None:
+        if self._it is not None:
+            await self._it.aclose()  # type: ignore[attr-defined]
+
+    def _done(self) -> bool:
+        return bool(self.end_offset) and self.offset >= self.end_offset
+
+    def _jump_to(self, offset: int) -> None:
+        if self.offset >= 0 and offset > self.offset:
+            log.info("journal %s: read offset jumps from %d to %d", self.journal, self.offset, offset)
+            self.jumps.append((self.offset, offset))
+            if self.on_jump is not None:
+                self.on_jump(self.offset, offset)
+        self.offset = offset
+
+    async def _chunks(self) -> AsyncIterator[ReadChunk]:
+        client = self.client
+        attempt = 0
+        while not self._done():
+            endpoint = client._pick(client.routes.read_endpoint(self.journal))
+            req = pb.ReadRequest(
+                journal=self.journal,
+                offset=self.offset,
+                block=self.block,
+                end_offset=self.end_offset,
+                metadata_only=self.direct,
+            )
+            stream = client.stub(endpoint).Read(req)
+            fragment: Fragment | None = None
+            try:
+                async for resp in stream:
+                    if resp.HasField("header"):
+                        client.routes.update(self.journal, resp.header)
+                    if resp.status == pb.OFFSET_NOT_YET_AVAILABLE:
+                        self.write_head = resp.write_head
+                        return
+                    if resp.status != pb.OK:
+                        raise for_status(resp.status)(self.journal, header=resp.header)
+                    if resp.write_head:
+                        self.write_head = resp.write_head
+                    if resp.HasField("fragment"):
+                        self._jump_to(resp.offset)
+                        fragment = Fragment.from_proto(resp.fragment)
+                        continue
+                    if resp.content:
+                        if resp.offset != self.offset:
+                            self._jump_to(resp.offset)
+                        self.offset = resp.offset + len(resp.content)
+                        attempt = 0
+                        yield ReadChunk(resp.offset, resp.content, self.write_head)
+            except grpc.RpcError as exc:
+                err: TidingsError = map_grpc_error(exc, endpoint)
+            except StatusError as exc:
+                err = exc
+            else:
+                if self.direct and fragment is not None:
+                    async for chunk in self._from_store_or_broker(endpoint, fragment):
+                        attempt = 0
+                        yield chunk
+                    continue
+                if not self.block:
+                    return
+                await client.backoff(0)  # the broker ended a blocking read (the replica moved?): re-open it
+                continue
+            finally:
+                stream.cancel()
+            client._failed(self.journal, endpoint, err)
+            if not (getattr(err, "retriable", False) and attempt < client.retry.attempts):
+                raise err
+            await client.backoff(attempt)
+            attempt += 1
+
+    async def _from_store_or_broker(self, endpoint: str, fragment: Fragment) -> AsyncIterator[ReadChunk]:
+        """Read the fragment covering our offset: from its store when persisted, else through the broker."""
+        until = fragment.end if not self.end_offset else min(fragment.end, self.end_offset)
+        if fragment.backing_store:
+            async for chunk in self._read_store(fragment, until):
+                yield chunk
+            self.direct_reads += 1
+            return
+        req = pb.ReadRequest(journal=self.journal, offset=self.offset, end_offset=until)
+        stream = self.client.stub(endpoint).Read(req)
+        try:
+            async for resp in stream:
+                if resp.status != pb.OK:
+                    return  # gone or not yet there: the caller's loop re-resolves
+                if resp.content:
+                    self.offset = resp.offset + len(resp.content)
+                    yield ReadChunk(resp.offset, resp.content, self.write_head)
+        finally:
+            stream.cancel()
+
+    async def _read_store(self, fragment: Fragment, until: int) -> AsyncIterator[ReadChunk]:
+        src = await asyncio.to_thread(store_for(fragment.backing_store).open, fragment)
+        try:
+            skip = self.offset - fragment.begin
+            while skip > 0:
+                data = await asyncio.to_thread(src.read, min(CHUNK, skip))
+                if not data:
+                    raise TransportError(f"fragment {fragment.content_name()} is shorter than its name says")
+                skip -= len(data)
+            while self.offset < until:
+                data = await asyncio.to_thread(src.read, min(CHUNK, until - self.offset))
+                if not data:
+                    raise TransportError(f"fragment {fragment.content_name()} is shorter than its name says")
+                chunk = ReadChunk(self.offset, data, self.write_head)
+                self.offset += len(data)
+                yield chunk
+        finally:
+            await asyncio.to_thread(src.close)
 
 
-async def _chunks(content: bytes | Iterable[bytes] | AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+async def chunks(content: Content) -> AsyncIterator[bytes]:
+    """`content` (bytes, or a sync or async iterable of bytes) in `bytes` of at most CHUNK bytes."""
     if isinstance(content, bytes | bytearray | memoryview):
-        view = memoryview(content)
-        for i in range(0, len(view), CHUNK):
-            yield bytes(view[i : i + CHUNK])
+        parts: Iterable[bytes | bytearray | memoryview] = (content,)
     elif isinstance(content, AsyncIterable):
         async for part in content:
-            for i in range(0, len(part), CHUNK):
-                yield part[i : i + CHUNK]
+            for piece in _split(part):
+                yield piece
+        return
     else:
-        for part in content:
-            for i in range(0, len(part), CHUNK):
-                yield part[i : i + CHUNK]
+        parts = content
+    for part in parts:
+        for piece in _split(part):
+            yield piece
+
+
+def _split(part: bytes | bytearray | memoryview) -> Iterator[bytes]:
+    if len(part) <= CHUNK and isinstance(part, bytes):
+        if part:
+            yield part
+        return
+    view = memoryview(part)
+    for i in range(0, len(view), CHUNK):
+        yield bytes(view[i : i + CHUNK])

@@ -1,0 +1,146 @@
+"""What the async and sync clients share, with no I/O: results, the route cache, the retry policy.
+
+**Routing.** Every broker response carries a Header with the journal's Route (members, primary,
+endpoints) as of an etcd revision. The `RouteCache` keeps the newest Route seen per journal, so
+appends go straight to the primary and reads to a replica in the client's zone (else the
+primary, else any member). A journal it knows nothing of goes to the configured broker, which
+proxies; a status that says the route moved drops the cached Route.
+
+**Retries.** Transient statuses (NO_JOURNAL_PRIMARY_BROKER, NOT_JOURNAL_PRIMARY_BROKER,
+INSUFFICIENT_JOURNAL_BROKERS, ...: `StatusError.retriable`) and transport failures that leave
+nothing half-done (UNAVAILABLE, ...) are retried with jittered exponential backoff; a definite
+refusal (REGISTER_MISMATCH, WRONG_APPEND_OFFSET, NOT_ALLOWED, JOURNAL_NOT_FOUND) never is: it
+raises its `StatusError` subclass, which names the journal and the status.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+from tidings.protocol import labels
+from tidings.protocol import protocol_pb2 as pb
+
+__all__ = ["AppendResult", "ReadChunk", "RetryPolicy", "RouteCache"]
+
+CHUNK = 256 * 1024  # content moves in chunks of this size
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AppendResult:
+    """The committed span [begin, end) of an append, and the journal's registers after it."""
+
+    journal: str
+    begin: int
+    end: int
+    registers: dict[str, list[str]]
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReadChunk:
+    """Committed content of `journal` at [offset, offset + len(content)); `write_head` as the broker saw it."""
+
+    offset: int
+    content: bytes
+    write_head: int
+
+
+def registers_dict(ls: pb.LabelSet) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for k, v in labels.pairs(ls):
+        out.setdefault(k, []).append(v)
+    return out
+
+
+def first_append_request(
+    journal: str,
+    offset: int = 0,
+    check_registers: pb.LabelSelector | None = None,
+    union_registers: pb.LabelSet | None = None,
+    subtract_registers: pb.LabelSet | None = None,
+) -> pb.AppendRequest:
+    """The metadata message that opens an Append stream."""
+    first = pb.AppendRequest(journal=journal, offset=offset)
+    if check_registers is not None:
+        first.check_registers.CopyFrom(check_registers)
+    if union_registers is not None:
+        first.union_registers.CopyFrom(union_registers)
+    if subtract_registers is not None:
+        first.subtract_registers.CopyFrom(subtract_registers)
+    return first
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How long to wait before retry `attempt` (0-based): jittered exponential backoff, capped.
+
+    **Parameters:**
+    * `attempts` - retries of one operation before its error is raised.
+    * `base` / `cap` - seconds before the first retry, and the most between two.
+    """
+
+    attempts: int = 20
+    base: float = 0.02
+    cap: float = 1.0
+
+    def delay(self, attempt: int) -> float:
+        return min(self.cap, self.base * (2 ** min(attempt, 30))) * (0.5 + random.random())
+
+
+class RouteCache:
+    """The newest Route seen per journal (by etcd revision), and which endpoint to use for what.
+
+    **Parameters:**
+    * `default` - the broker to use for a journal whose Route is unknown (any broker proxies).
+    * `zone` - the client's zone: reads prefer a replica there.
+    """
+
+    def __init__(self, default: str, zone: str | None = None) -> None:
+        self.default = default
+        self.zone = zone
+        self._routes: dict[str, tuple[int, pb.Route]] = {}
+        self.endpoints: dict[str, None] = {default: None}  # every broker heard of, in order: fallbacks
+
+    def update(self, journal: str, header: pb.Header) -> None:
+        """Learn `journal`'s Route from a response Header, unless a newer one is already known."""
+        rev = header.etcd.revision
+        known = self._routes.get(journal)
+        if known is not None and known[0] > rev:
+            return
+        route = header.route
+        self.endpoints.update(dict.fromkeys(ep for ep in route.endpoints if ep))
+        if route.members and all(route.endpoints):
+            self._routes[journal] = (rev, route)
+        else:
+            self._routes.pop(journal, None)
+
+    def invalidate(self, journal: str) -> None:
+        self._routes.pop(journal, None)
+
+    def route(self, journal: str) -> pb.Route | None:
+        known = self._routes.get(journal)
+        return None if known is None else known[1]
+
+    def append_endpoint(self, journal: str) -> str:
+        """The primary's endpoint, else the default broker (which proxies to the primary)."""
+        route = self.route(journal)
+        if route is None or route.primary < 0:
+            return self.default
+        return route.endpoints[route.primary]
+
+    def read_endpoint(self, journal: str) -> str:
+        """A replica in our zone, else the primary, else any member, else the default broker."""
+        route = self.route(journal)
+        if route is None:
+            return self.default
+        if self.zone is not None:
+            for i, m in enumerate(route.members):
+                if m.zone == self.zone:
+                    return route.endpoints[i]
+        if route.primary >= 0:
+            return route.endpoints[route.primary]
+        return route.endpoints[0]
