@@ -66,19 +66,14 @@ def _dump_asyncio_tasks(signum, frame) -> None:  # debugging aid: `kill -USR1 <p
     import asyncio
     import sys
 
+    from tidings._tasks import task_stacks
+
     try:
-        tasks = asyncio.all_tasks(asyncio.get_event_loop())
+        asyncio.get_event_loop()
+        lines = task_stacks()
     except RuntimeError:
         return
-    for t in tasks:
-        print("TASK", t.get_name(), file=sys.stderr)
-        coro = t.get_coro()
-        while coro is not None:
-            fr = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
-            if fr is not None:
-                print("   ", fr.f_code.co_filename, fr.f_lineno, fr.f_code.co_name, file=sys.stderr)
-            coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
-    sys.stderr.flush()
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 import signal as _signal  # noqa: E402

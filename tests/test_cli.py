@@ -113,3 +113,35 @@ async def test_reset_head_after_index_has_greater_offset(cluster, spec_file: Pat
     assert r.returncode == 0 and json.loads(r.stdout)["write_head"] == 60
     r = await run("journals", "append", "cli/hello", broker=ep, stdin=b"xyz")
     assert json.loads(r.stdout)["begin"] == 60
+
+
+async def test_publish_json_lines_and_read_them_committed(cluster) -> None:
+    ep = cluster.brokers[0].endpoint
+    for i in range(2):
+        await cluster.create_journal(f"cli/clicks-{i}", 3, labels={"topic": "clicks"})
+    lines = b"".join(b'{"user": "u%d", "n": %d}\n' % (i % 7, i) for i in range(50))
+    r = await run("publish", "topic=clicks", "--key", "user", broker=ep, stdin=lines + b"\n")
+    assert r.returncode == 0, r.stderr
+    assert b"published 50 messages to cli/clicks-0, cli/clicks-1" in r.stderr
+    got = []
+    for i in range(2):
+        r = await run("journals", "read", f"cli/clicks-{i}", "--committed", broker=ep)
+        assert r.returncode == 0, r.stderr
+        msgs = [json.loads(line) for line in r.stdout.splitlines()]
+        assert len({m["user"] for m in msgs} & {m["user"] for m in got}) == 0, "a key maps to one journal"
+        got.extend(msgs)
+    assert sorted(m["n"] for m in got) == list(range(50))
+    assert all(len(m["uuid"]) == 36 for m in got)
+
+
+async def test_publish_bad_line_names_it_and_keeps_what_came_before(cluster) -> None:
+    ep = cluster.brokers[0].endpoint
+    await cluster.create_journal("cli/pub", 3)
+    r = await run("publish", "cli/pub", broker=ep, stdin=b'{"n": 1}\n{"n": 2}\nnot json\n{"n": 4}\n')
+    assert r.returncode == 1
+    assert b"stdin line 3 is not a JSON object" in r.stderr and b"Traceback" not in r.stderr
+    assert b"the 2 messages before it were published" in r.stderr
+    r = await run("journals", "read", "cli/pub", "--committed", broker=ep)
+    assert [json.loads(line)["n"] for line in r.stdout.splitlines()] == [1, 2]
+    r = await run("publish", "topic=none", broker=ep, stdin=b'{"n": 1}\n')
+    assert r.returncode == 1 and b"no journal matches the selector 'topic=none'" in r.stderr

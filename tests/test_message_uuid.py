@@ -30,6 +30,8 @@ from tidings.message.uuid import (
     new_producer_id,
     parse,
     unix_ns_from_clock,
+    uuid_from_str,
+    uuid_to_str,
 )
 
 producers = st.binary(min_size=6, max_size=6)
@@ -220,6 +222,22 @@ def test_exported_members_are_sorted_and_exist(module: object) -> None:
 
 
 def test_package_exports_every_public_name_of_its_modules() -> None:
-    from tidings.message import framing, sequencer
+    from tidings.message import framing, iterators, publisher, sequencer
 
-    assert set(tidings.message.__all__) == set(muuid.__all__) | set(framing.__all__) | set(sequencer.__all__)
+    modules = (muuid, framing, sequencer, publisher, iterators)
+    assert set(tidings.message.__all__) == set().union(*(m.__all__ for m in modules))
+
+
+@given(st.integers(0, (1 << 128) - 1))
+def test_fast_uuid_string_forms_match_the_standard_library(n: int) -> None:
+    u = uuid.UUID(int=n)
+    assert uuid_to_str(u) == str(u)
+    for form in (str(u), str(u).upper(), u.hex, "{" + str(u) + "}", "urn:uuid:" + str(u)):
+        parsed = uuid_from_str(form)
+        assert parsed == u and parsed.int == n and isinstance(parsed, uuid.UUID)
+
+
+@pytest.mark.parametrize("bad", ["", "not-a-uuid", "zz345678-1234-1234-1234-123456789012", "1234"])
+def test_fast_uuid_parse_rejects_what_the_standard_library_rejects(bad: str) -> None:
+    with pytest.raises(ValueError):
+        uuid_from_str(bad)

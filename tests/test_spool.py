@@ -18,12 +18,16 @@ class Recorder:
     def __init__(self) -> None:
         self.commits: list[Fragment] = []
         self.completes: list[tuple[Fragment, bytes]] = []
+        self.gaps: list[tuple[int, int]] = []
 
     def spool_commit(self, fragment: Fragment, path: str) -> None:
         self.commits.append(fragment)
 
     def spool_complete(self, fragment: Fragment, path: str) -> None:
         self.completes.append((fragment, Path(path).read_bytes()))
+
+    def spool_gap(self, begin: int, end: int) -> None:
+        self.gaps.append((begin, end))
 
 
 def frag(begin: int, end: int, content: bytes = b"", sum_: bytes | None = None) -> Fragment:
@@ -122,3 +126,12 @@ def test_registers_union_then_subtract() -> None:
     cur = labels.label_set({"a": "1", "b": "2"})
     out = apply_registers(cur, labels.label_set({"a": "9"}), labels.label_set({"b": ""}))
     assert labels.pairs(out) == [("a", "9")]
+
+
+def test_roll_past_content_this_replica_never_got_reports_the_gap(spool) -> None:
+    sp, rec = spool
+    sp.apply_content(b"abc", 0)
+    sp.apply_proposal(frag(0, 3, b"abc"), pb.LabelSet())
+    assert sp.apply_proposal(frag(3, 3), pb.LabelSet()).status == pb.OK  # a roll at our end: no gap
+    assert sp.apply_proposal(frag(10, 10), pb.LabelSet()).status == pb.OK  # another replica got [3, 10)
+    assert rec.gaps == [(3, 10)]

@@ -148,5 +148,10 @@ async def _proxy(broker: Broker, req: pb.ReadRequest, res, context) -> None:
     fwd.header.CopyFrom(res.header)
     fwd.do_not_proxy = True
     call = JournalStub(broker.channel(endpoint)).Read(fwd)
-    async for resp in call:
-        await context.write(resp)
+    try:
+        async for resp in call:
+            await context.write(resp)
+    except grpc.RpcError as exc:  # the replica failed: say so with its code (UNAVAILABLE: the client retries)
+        await context.abort(exc.code(), f"proxied read from {endpoint}: {exc.details()}")
+    finally:
+        call.cancel()

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from tidings.fragment.persister import Persister
 
 log = logging.getLogger(__name__)
+
+GAP_REFRESH = 0.25  # seconds between store listings while a gap is not yet covered
 
 
 class Replica:
@@ -60,13 +62,37 @@ class Replica:
         if stores:
             self.persister.submit(fragment, path, stores[0])
 
+    def spool_gap(self, begin: int, end: int) -> None:
+        """Content of [begin, end) lives only on the replica that committed it (a primary died between its
+        peers), which persists it as its spool rolls: list the stores often until the index covers it,
+        rather than leaving readers waiting a whole refresh interval."""
+        if not self.closed.is_set():
+            self._spawn(self._refresh_until_covered(begin), f"gap:{self.journal}")
+
+    async def _refresh_until_covered(self, offset: int) -> None:
+        deadline = asyncio.get_running_loop().time() + max(self.spec.fragment.refresh_interval_ms / 1000, 1.0)
+        while self.index.query(offset) is None and asyncio.get_running_loop().time() < deadline:
+            try:
+                await self.refresh_now()
+            except Exception as exc:  # the periodic refresh goes on regardless
+                log.debug("journal %s: listing stores for a gap: %s", self.journal, exc)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(GAP_REFRESH):
+                    await self.closed.wait()
+            if self.closed.is_set():
+                return
+
     def fragment_persisted(self, fragment: Fragment, path: str) -> None:
         """The persister stored `fragment`: refresh the listing, which swaps the local entry for the
         remote one and deletes the local file only once a listing covers it."""
         if not self.closed.is_set():
-            task = asyncio.get_running_loop().create_task(self.refresh_now(), name=f"refresh-now:{self.journal}")
-            self._tasks.append(task)
-            task.add_done_callback(self._tasks.remove)
+            self._spawn(self.refresh_now(), f"refresh-now:{self.journal}")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        """Run `coro` as one of the replica's tasks (cancelled by aclose)."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.append(task)
+        task.add_done_callback(self._tasks.remove)
 
     # -- lifecycle -------------------------------------------------------------------------
 

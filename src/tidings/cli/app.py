@@ -82,6 +82,7 @@ def broker(
 ) -> None:
     """Run one broker in the foreground. Prints `READY HOST:PORT` once it serves; SIGTERM hands
     its journals to other brokers, then exits."""
+    from tidings._tasks import dump_tasks_on_sigusr1
     from tidings.broker._malloc import tune_malloc
     from tidings.broker.service import Broker, BrokerConfig
 
@@ -103,6 +104,7 @@ def broker(
     )
 
     async def run() -> None:
+        dump_tasks_on_sigusr1()  # `kill -USR1 PID` logs where every task waits
         b = await Broker(cfg).start()
         print(f"READY {b.endpoint}", flush=True)
         stop = asyncio.Event()
@@ -261,19 +263,91 @@ def journals_read(
     offset: Annotated[int, typer.Option(help="Start offset; -1 is the write head.")] = 0,
     block: Annotated[bool, typer.Option(help="Wait for and tail new content.")] = False,
     end_offset: Annotated[int, typer.Option(help="Stop at this offset (0: none).")] = 0,
+    committed: Annotated[
+        bool, typer.Option(help="Decode messages and print each committed one once, as a JSON line.")
+    ] = False,
 ) -> None:
-    """Write the journal's committed bytes to stdout."""
+    """Write the journal's committed bytes to stdout (or, with --committed, its committed messages)."""
 
-    async def go() -> None:
+    async def raw() -> None:
         async with _client(broker) as c:
             async for chunk in c.read(journal, offset, block=block, end_offset=end_offset):
                 sys.stdout.buffer.write(chunk.content)
             sys.stdout.buffer.flush()
 
+    async def messages() -> None:
+        import msgspec
+
+        from tidings.message import read_committed
+
+        def garbage(j: str, g) -> None:
+            err.print(f"skipped undecodable bytes of {j} at [{g.begin}, {g.end}): {g.error}", highlight=False)
+
+        encode = msgspec.json.Encoder().encode
+        async with _client(broker) as c:
+            async for env in read_committed(c, journal, block=block, on_garbage=garbage):
+                sys.stdout.buffer.write(encode(env.message) + b"\n")
+            sys.stdout.buffer.flush()
+
     try:
-        _run(go())
+        _run(messages() if committed else raw())
     except BrokenPipeError:
         os._exit(0)
+
+
+@app.command()
+def publish(
+    target: Annotated[str, typer.Argument(help="A journal name, or a label selector such as topic=clicks.")],
+    broker: BrokerOpt = DEFAULT_BROKER,
+    key: Annotated[
+        str, typer.Option(help="With a selector: pick each message's journal by this field (rendezvous hashing).")
+    ] = "",
+) -> None:
+    """Publish JSON lines from stdin as committed messages (each gets a sequencing UUID)."""
+    import msgspec
+
+    from tidings.client import AppendService
+    from tidings.message import JournalList, Publisher, random_mapping, rendezvous_mapping
+
+    decode = msgspec.json.Decoder(dict).decode
+    is_selector = "=" in target or target.startswith("!")
+
+    async def go() -> tuple[int, set[str]]:
+        async with _client(broker) as c:
+            journals = await JournalList(c, target).start() if is_selector else None
+            if journals is not None and not journals.names:
+                raise TidingsError(f"no journal matches the selector {target!r}; see `tidings journals list`")
+            if journals is not None:
+                mapping = rendezvous_mapping(journals, lambda m: str(m.get(key))) if key else random_mapping(journals)
+            pub = Publisher(AppendService(c), journals=journals)
+            sent, written, batch = 0, set(), []
+            pending = []
+            bad = ""
+            for lineno, line in enumerate(sys.stdin.buffer, 1):
+                if not line.strip():
+                    continue
+                try:
+                    batch.append(decode(line))
+                except msgspec.DecodeError as exc:
+                    bad = f"stdin line {lineno} is not a JSON object ({exc})"
+                    break
+                if len(batch) >= 1000:
+                    pending.append(await pub.publish_committed(mapping if journals else target, *batch))
+                    sent += len(batch)
+                    batch = []
+            if batch:
+                pending.append(await pub.publish_committed(mapping if journals else target, *batch))
+                sent += len(batch)
+            for fut in pending:
+                written.update(r.journal for r in await fut)
+            if journals is not None:
+                await journals.aclose()
+            if bad:
+                raise TidingsError(f"{bad}; the {sent} messages before it were published, nothing after it")
+            return sent, written
+
+    sent, written = _run(go())
+    err.print(f"published {sent} messages to {', '.join(sorted(written)) or 'no journal'}", highlight=False)
 
 
 @journals.command("fragments")

@@ -139,6 +139,9 @@ class AppendService:
     * `spill_dir` - where spill files go (default: the system's temporary directory).
     * `dedup_scan_bytes` - after a failure that may have committed, scan at most this much of the
       journal for the batch before retrying it.
+    * `attempt_timeout` - seconds (plus one per MiB of the batch) an append RPC may take before it
+      is abandoned as failed with an unknown outcome. Appends normally take milliseconds; this
+      bounds what a lost answer (seen with grpc.aio when a peer broker dies) would otherwise hang.
 
     Usage::
 
@@ -157,6 +160,7 @@ class AppendService:
         buffer_bytes: int = 1 << 30,
         spill_dir: str | None = None,
         dedup_scan_bytes: int = 64 << 20,
+        attempt_timeout: float = 30.0,
     ) -> None:
         if min(batch_bytes, spill_bytes, buffer_bytes) <= 0:
             raise ValueError("batch_bytes, spill_bytes and buffer_bytes must be positive")
@@ -166,6 +170,7 @@ class AppendService:
         self.buffer_bytes = buffer_bytes
         self.spill_dir = spill_dir
         self.dedup_scan_bytes = dedup_scan_bytes
+        self.attempt_timeout = attempt_timeout
         self.dedup_wait = 60.0  # seconds to wait for a range to become readable while looking
         self._queues: dict[str, _JournalQueue] = {}
         self._buffered = 0
@@ -297,8 +302,10 @@ class AppendService:
                     return found
                 ambiguous = False
             endpoint = client._pick(client.routes.append_endpoint(journal))
+            log.debug("journal %s: appending %d bytes through %s (attempt %d)", journal, batch.size, endpoint, attempt)
             try:
-                result = await client._append_once(endpoint, first, batch.content())
+                timeout = self.attempt_timeout + batch.size / (1 << 20)  # (and a second per MiB)
+                result = await client._append_once(endpoint, first, batch.content(), timeout)
             except StatusError as exc:
                 client._failed(journal, endpoint, exc)
                 if not exc.retriable:

@@ -123,12 +123,14 @@ class AsyncClient:
         check_registers: pb.LabelSelector | None = None,
         union_registers: pb.LabelSet | None = None,
         subtract_registers: pb.LabelSet | None = None,
+        timeout: float | None = None,
     ) -> AppendResult:
         """Append `content` atomically; returns the committed span.
 
         Bytes are retried on transient failures; a stream (iterable) cannot be replayed, so its
         append is tried once. `offset` (expected write head), `check_registers`,
         `union_registers` and `subtract_registers` are Gazette's check-and-set expectations.
+        `timeout` bounds each attempt (DEADLINE_EXCEEDED: the outcome is then unknown).
         """
         first = first_append_request(journal, offset, check_registers, union_registers, subtract_registers)
         replayable = isinstance(content, bytes | bytearray | memoryview)
@@ -136,7 +138,7 @@ class AsyncClient:
         while True:
             endpoint = self._pick(self.routes.append_endpoint(journal))
             try:
-                return await self._append_once(endpoint, first, content)
+                return await self._append_once(endpoint, first, content, timeout)
             except (StatusError, TransportError) as exc:
                 self._failed(journal, endpoint, exc)
                 if not (replayable and exc.retriable and attempt < self.retry.attempts):
@@ -144,7 +146,9 @@ class AsyncClient:
             await self.backoff(attempt)
             attempt += 1
 
-    async def _append_once(self, endpoint: str, first: pb.AppendRequest, content: Content) -> AppendResult:
+    async def _append_once(
+        self, endpoint: str, first: pb.AppendRequest, content: Content, timeout: float | None = None
+    ) -> AppendResult:
         """One Append RPC. Messages are handed to grpc as an iterator (about half the cost of
         awaiting each write); the empty chunk before end-of-stream commits.
 
@@ -163,7 +167,7 @@ class AsyncClient:
                 failed.append(exc)
                 raise
 
-        call = self.stub(endpoint).Append(messages())
+        call = self.stub(endpoint).Append(messages(), timeout=timeout)
         try:
             resp = await call
         except grpc.RpcError as exc:
@@ -235,7 +239,13 @@ class AsyncClient:
 
     async def list(self, selector: pb.LabelSelector | None = None) -> pb.ListResponse:
         """Journals (specs, mod revisions and Routes) matching `selector` (all when None)."""
-        return await self._unary("", lambda stub: _first_response(stub.List(pb.ListRequest(selector=selector))))
+        resp = await self._unary("", lambda stub: _first_response(stub.List(pb.ListRequest(selector=selector))))
+        self._learn_routes(resp)
+        return resp
+
+    def _learn_routes(self, resp: pb.ListResponse) -> None:
+        for j in resp.journals:
+            self.routes.update(j.spec.name, pb.Header(route=j.route, etcd=resp.header.etcd))
 
     async def watch(self, selector: pb.LabelSelector | None = None) -> AsyncIterator[pb.ListResponse]:
         """The journal list matching `selector`, again after every change; survives broker restarts."""
@@ -245,6 +255,7 @@ class AsyncClient:
             try:
                 async for resp in self.stub(endpoint).List(pb.ListRequest(selector=selector, watch=True)):
                     attempt = 0
+                    self._learn_routes(resp)
                     yield resp
             except grpc.RpcError as exc:
                 err = map_grpc_error(exc, endpoint)

@@ -41,11 +41,14 @@ from tidings.protocol.status import ValidationError
 
 
 class SpoolObserver(Protocol):
-    """Told of every commit (readers wake up) and every completed Fragment (to persist)."""
+    """Told of every commit (readers wake up), every completed Fragment (to persist), and every gap."""
 
     def spool_commit(self, fragment: Fragment, path: str) -> None: ...
 
     def spool_complete(self, fragment: Fragment, path: str) -> None: ...
+
+    def spool_gap(self, begin: int, end: int) -> None:
+        """The spool rolled past [begin, end), which another replica committed and this one never got."""
 
 
 class Transition(enum.Enum):
@@ -178,9 +181,12 @@ class Spool:
         """Complete the current Fragment (if it holds content) and begin an empty one at `proposal`."""
         self.rollback()
         self._complete()
+        gap = (self.fragment.end, proposal.begin)
         self.fragment = proposal
         self._sum = hashlib.sha1()
         self.created_at = time.time()
+        if gap[1] > gap[0] and gap[0] > 0 and self.observer is not None:
+            self.observer.spool_gap(*gap)
 
     def roll_to(self, offset: int, codec: int) -> Fragment:
         """Primary side: roll locally to an empty Fragment at `offset`; returns the proposal to send."""

@@ -12,7 +12,14 @@ still pending or were rolled back. This package gives messages the means to be r
   in journal order per producer, never a rolled-back one (DESIGN.md invariant 7), with a ring buffer, replays of
   long transactions, and checkpoints to resume from.
 
-Everything here is pure (no I/O) and synchronous; readers and publishers in ``client``/``consumer`` drive it.
+* :mod:`~tidings.message.publisher` - the :class:`Publisher`: committed (OUTSIDE_TXN) and transactional (CONTINUE_TXN,
+  then ACK intents) publishing through an AppendService, with mappings that pick a journal of a label selector
+  by key (modulo, rendezvous hashing) or at random.
+* :mod:`~tidings.message.iterators` - :func:`read_uncommitted` and :func:`read_committed` over one or more journals,
+  async with an AsyncClient and sync with a Client.
+
+UUIDs, framings and the Sequencer are pure (no I/O) and synchronous; the publisher and iterators drive them
+through :mod:`tidings.client`.
 """
 
 from __future__ import annotations
@@ -32,6 +39,19 @@ from tidings.message.framing import (
     get_uuid,
     set_uuid,
     supports_uuid,
+    uuid_getter,
+    uuid_setter,
+)
+from tidings.message.iterators import ReadCommitted, ReadUncommitted, read_committed, read_uncommitted
+from tidings.message.publisher import (
+    AckIntent,
+    JournalList,
+    Mapping,
+    Publisher,
+    modulo_mapping,
+    new_acknowledgement,
+    random_mapping,
+    rendezvous_mapping,
 )
 from tidings.message.sequencer import (
     DEFAULT_PRODUCER_HORIZON,
@@ -62,10 +82,13 @@ from tidings.message.uuid import (
     new_producer_id,
     parse,
     unix_ns_from_clock,
+    uuid_from_str,
+    uuid_to_str,
 )
 
 __all__ = [
     "ACK_TXN",
+    "AckIntent",
     "CONTENT_TYPE_LABEL",
     "CONTINUE_TXN",
     "Checkpoint",
@@ -82,12 +105,17 @@ __all__ = [
     "Framing",
     "Garbage",
     "JournalCheckpoint",
+    "JournalList",
+    "Mapping",
     "NDJSON",
     "OUTSIDE_TXN",
     "PROTOBUF_FIXED",
     "ProducerID",
     "ProducerState",
+    "Publisher",
     "QueueOutcome",
+    "ReadCommitted",
+    "ReadUncommitted",
     "Replay",
     "ReplayRequiredError",
     "Sequencer",
@@ -99,10 +127,20 @@ __all__ = [
     "get_flags",
     "get_producer_id",
     "get_uuid",
+    "modulo_mapping",
+    "new_acknowledgement",
     "new_clock",
     "new_producer_id",
     "parse",
+    "random_mapping",
+    "read_committed",
+    "read_uncommitted",
+    "rendezvous_mapping",
     "set_uuid",
     "supports_uuid",
     "unix_ns_from_clock",
+    "uuid_from_str",
+    "uuid_getter",
+    "uuid_setter",
+    "uuid_to_str",
 ]

@@ -33,6 +33,7 @@ import msgspec
 from google.protobuf.message import DecodeError as _ProtoDecodeError
 from google.protobuf.message import Message as _ProtoMessage
 
+from tidings.message.uuid import uuid_from_str, uuid_to_str
 from tidings.protocol.status import ValidationError
 
 __all__ = [
@@ -50,6 +51,8 @@ __all__ = [
     "get_uuid",
     "set_uuid",
     "supports_uuid",
+    "uuid_getter",
+    "uuid_setter",
 ]
 
 CONTENT_TYPE_LABEL: Final = "content-type"
@@ -96,7 +99,7 @@ def _to_uuid(value: Any) -> UUID | None:
     if isinstance(value, UUID):
         return value
     if isinstance(value, str):
-        return UUID(value)
+        return uuid_from_str(value)
     if isinstance(value, bytes | bytearray):
         return UUID(bytes=bytes(value))
     raise TypeError(f"a message uuid must be a uuid.UUID, str or 16 bytes, got {type(value).__name__}")
@@ -111,11 +114,12 @@ def _no_set(msg: Any, u: UUID) -> None:
 
 
 def _dict_get(msg: Any) -> UUID | None:
-    return _to_uuid(msg.get("uuid"))
+    value = msg.get("uuid")
+    return uuid_from_str(value) if type(value) is str and value else _to_uuid(value)
 
 
 def _dict_set(msg: Any, u: UUID) -> None:
-    msg["uuid"] = str(u)
+    msg["uuid"] = uuid_to_str(u)
 
 
 def _proto_bytes_set(msg: Any, u: UUID) -> None:
@@ -123,7 +127,7 @@ def _proto_bytes_set(msg: Any, u: UUID) -> None:
 
 
 def _proto_str_set(msg: Any, u: UUID) -> None:
-    msg.uuid = str(u)
+    msg.uuid = uuid_to_str(u)
 
 
 def _attr_get(msg: Any) -> UUID | None:
@@ -132,7 +136,7 @@ def _attr_get(msg: Any) -> UUID | None:
 
 def _attr_set(msg: Any, u: UUID) -> None:
     try:
-        msg.uuid = str(u) if isinstance(msg.uuid, str) else u
+        msg.uuid = uuid_to_str(u) if isinstance(msg.uuid, str) else u
     except AttributeError as exc:  # frozen Struct or dataclass, read-only property
         raise TypeError(f"cannot set the uuid of a {type(msg).__qualname__}: {exc}") from exc
 
@@ -173,6 +177,17 @@ def _missing_uuid(msg: Any, u: UUID | None = None) -> Any:
         f"a {type(msg).__qualname__} carries no UUID: give it a `uuid` field, or set the class attribute "
         "__tidings_no_uuid__ = True for at-least-once delivery"
     )
+
+
+def uuid_getter(cls: type) -> Callable[[Any], UUID | None]:
+    """The function that reads the UUID of messages of `cls` (what `get_uuid` calls per message)."""
+    return _adaptor(cls)[0]
+
+
+def uuid_setter(cls: type) -> Callable[[Any, UUID], None]:
+    """The function that stores a UUID in messages of `cls` (what `set_uuid` calls per message); a no-op for
+    types that opt out, and one raising TypeError (with a hint) for types that cannot carry a UUID."""
+    return _adaptor(cls)[1]
 
 
 def get_uuid(msg: Any) -> UUID | None:
@@ -414,8 +429,40 @@ class _NdjsonDecoder(Decoder):
     def __init__(self, decoder: msgspec.json.Decoder, max_message_size: int, offset: int) -> None:
         super().__init__(max_message_size, offset)
         self._decode = decoder.decode
+        self._decode_lines = decoder.decode_lines
 
     def _scan(self, work: bytes | bytearray, view: memoryview, out: list[Record]) -> int:
+        if self._garbage_begin is None:
+            used = self._scan_fast(work, view, out)
+            if used >= 0:
+                return used
+        return self._scan_lines(work, view, out)
+
+    def _scan_fast(self, work: bytes | bytearray, view: memoryview, out: list[Record]) -> int:
+        """Every complete line decoded in one msgspec call: the common case of a chunk of valid, non-blank lines.
+        Returns -1 (and appends nothing) when the chunk needs the line-by-line path."""
+        last = work.rfind(b"\n")
+        if last < 0:
+            return -1
+        try:
+            values = self._decode_lines(view[: last + 1])
+        except msgspec.DecodeError:
+            return -1
+        if len(values) != work.count(b"\n", 0, last + 1):
+            return -1  # blank lines (which decode_lines skips)
+        base, limit, find = self._base, self.max_message_size, work.find
+        frames = []
+        pos = 0
+        for value in values:
+            nl = find(b"\n", pos)
+            if nl - pos >= limit:
+                return -1
+            frames.append(Frame(base + pos, base + nl + 1, value))
+            pos = nl + 1
+        out.extend(frames)
+        return pos
+
+    def _scan_lines(self, work: bytes | bytearray, view: memoryview, out: list[Record]) -> int:
         base, decode, limit = self._base, self._decode, self.max_message_size
         n, pos = len(work), 0
         append = out.append

@@ -52,6 +52,8 @@ __all__ = [
     "new_producer_id",
     "parse",
     "unix_ns_from_clock",
+    "uuid_from_str",
+    "uuid_to_str",
 ]
 
 ProducerID = NewType("ProducerID", bytes)
@@ -121,6 +123,26 @@ def build_uuid(producer: bytes, clock: int, flags: int) -> UUID:
     )
     _set_slot(u, "is_safe", _UNKNOWN)
     return u
+
+
+def uuid_from_str(s: str) -> UUID:
+    """``uuid.UUID(s)`` for the usual forms, with less work (it runs for every message read).
+
+    Accepts what :class:`uuid.UUID` accepts; raises ValueError for a malformed string.
+    """
+    h = s.replace("-", "")
+    if len(h) == 32:
+        u = _new_uuid(UUID)
+        _set_slot(u, "int", int(h, 16))
+        _set_slot(u, "is_safe", _UNKNOWN)
+        return u
+    return UUID(s)
+
+
+def uuid_to_str(u: UUID) -> str:
+    """``str(u)`` with less work (it runs for every message published)."""
+    h = f"{u.int:032x}"
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 def _check_build_args(producer: bytes, clock: int, flags: int) -> None:

@@ -83,3 +83,10 @@ def parse_selector(text: str) -> pb.LabelSelector:
 
 def format_labels(ls: pb.LabelSet) -> str:
     return ",".join(f"{k}={v}" if v else k for k, v in pairs(ls))
+
+
+def format_selector(selector: pb.LabelSelector) -> str:
+    """The text form `parse_selector` reads."""
+    inc = [f"{k}={v}" if v else k for k, v in pairs(selector.include)]
+    exc = [f"{k}!={v}" if v else f"!{k}" for k, v in pairs(selector.exclude)]
+    return ",".join(inc + exc)

@@ -1,0 +1,306 @@
+"""Publisher: sequenced, optionally transactional publishing (gazette-exactly-once.txt, *Message UUIDs*).
+
+A Publisher has one random ProducerID and a monotonic Clock. Every message it publishes gets a v1
+UUID of (producer, clock tick, flags) before it is framed by its journal's ``content-type`` label
+(``application/x-ndjson`` when a journal has none) and queued on an AppendService:
+
+* `publish_committed` - flag OUTSIDE_TXN: each message commits itself; read-committed readers see
+  it once, however often its append is retried.
+* `publish_uncommitted` - flag CONTINUE_TXN: pending until an ACK_TXN of this producer with a
+  larger clock is read in the same journal.
+* `build_ack_intents` - one ACK_TXN message per journal written to since the last call (all with
+  the same, newest clock). Writing them (`write_ack_intents`) commits the transaction; writing
+  older intents again rolls back whatever the producer published after them. A consumer keeps
+  its intents in its checkpoint and writes them only after the checkpoint commits.
+
+A producer that restarts (a consumer shard recovering its checkpoint) writes the recovered intents
+and then publishes under a **new** ProducerID, as Gazette does. With the old one, an abandoned
+transaction's messages in a journal the recovered intents do not cover would still be pending,
+and the next ACK there would commit them.
+
+A **mapping** picks each message's journal: a journal name, or a function of the message. Built-in
+mappings choose among the journals of a label selector (`JournalList`, kept current by a List
+watch): `modulo_mapping` and `rendezvous_mapping` by a key of the message (rendezvous hashing
+moves only 1/N of the keys when a journal is added), `random_mapping` at random.
+
+ACK messages must decode as the journal's message type: a dict ACK is ``{"uuid": ...}``, a
+protobuf ACK is an empty message, other types are built by their ``new_acknowledgement(journal)``
+classmethod, or by calling the type with no arguments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import zlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgspec
+from google.protobuf.message import Message as _ProtoMessage
+
+from tidings.client import AppendResult, AppendService, AsyncClient
+from tidings.message.framing import CONTENT_TYPE_LABEL, NDJSON, Framing, framing_for, set_uuid, uuid_setter
+from tidings.message.uuid import ACK_TXN, CONTINUE_TXN, OUTSIDE_TXN, Clock, ProducerID, build_uuid, new_clock
+from tidings.message.uuid import new_producer_id as _new_producer_id
+from tidings.protocol import labels
+from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.status import JournalNotFoundError, UsageError
+
+__all__ = [
+    "AckIntent",
+    "JournalList",
+    "Mapping",
+    "Publisher",
+    "modulo_mapping",
+    "new_acknowledgement",
+    "random_mapping",
+    "rendezvous_mapping",
+]
+
+Mapping = Callable[[Any], str]
+"""Picks the journal of a message."""
+
+KeyFn = Callable[[Any], str | bytes]
+
+
+class AckIntent(msgspec.Struct, frozen=True):
+    """The framed ACK_TXN message to write to `journal` to commit a transaction (checkpoint-able)."""
+
+    journal: str
+    content: bytes
+
+
+def content_type_of(spec: pb.JournalSpec) -> str:
+    for label in spec.labels.labels:
+        if label.name == CONTENT_TYPE_LABEL:
+            return label.value
+    return NDJSON
+
+
+class JournalList:
+    """The journals matching a label selector, in name order, kept current by a List watch.
+
+    **Parameters:**
+    * `client` - any AsyncClient of the cluster.
+    * `selector` - a LabelSelector, or its text form ("app=shop,!tmp").
+    """
+
+    def __init__(self, client: AsyncClient, selector: pb.LabelSelector | str) -> None:
+        self.client = client
+        self.selector = labels.parse_selector(selector) if isinstance(selector, str) else selector
+        self.names: list[str] = []
+        self.specs: dict[str, pb.JournalSpec] = {}
+        self._loaded = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> JournalList:
+        """Load the list (returns once it is loaded) and keep it current in the background."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._watch_loop(), name="journal-list")
+        waiter = asyncio.ensure_future(self._loaded.wait())
+        await asyncio.wait([waiter, self._task], return_when=asyncio.FIRST_COMPLETED)
+        if not self._loaded.is_set():
+            waiter.cancel()
+            await self._task  # raises what stopped the watch
+        return self
+
+    async def _watch_loop(self) -> None:
+        async for resp in self.client.watch(self.selector):
+            self.specs = {j.spec.name: j.spec for j in resp.journals}
+            self.names = sorted(self.specs)
+            self._loaded.set()
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task])
+
+    def _require(self) -> list[str]:
+        if not self.names:
+            raise UsageError(f"no journal matches the selector {labels.format_selector(self.selector)!r}")
+        return self.names
+
+
+def _key_bytes(key: str | bytes) -> bytes:
+    return key.encode() if isinstance(key, str) else key
+
+
+def modulo_mapping(journals: JournalList, key: KeyFn) -> Mapping:
+    """The journal at index crc32(key) modulo the number of journals (in name order)."""
+
+    def mapping(msg: Any) -> str:
+        names = journals._require()
+        return names[zlib.crc32(_key_bytes(key(msg))) % len(names)]
+
+    return mapping
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: a well-spread 64-bit score."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def rendezvous_mapping(journals: JournalList, key: KeyFn) -> Mapping:
+    """The journal with the highest score for the key (rendezvous hashing): adding or removing a
+    journal moves only the keys that score highest there."""
+    cache: dict[str, int] = {}
+
+    def mapping(msg: Any) -> str:
+        names = journals._require()
+        k = zlib.crc32(_key_bytes(key(msg))) * 0x9E3779B97F4A7C15
+        best, best_score = names[0], -1
+        for name in names:
+            h = cache.get(name)
+            if h is None:
+                h = cache[name] = zlib.crc32(name.encode()) << 32 | zlib.crc32(name[::-1].encode())
+            score = _mix((k ^ h) & 0xFFFFFFFFFFFFFFFF)
+            if score > best_score:
+                best, best_score = name, score
+        return best
+
+    return mapping
+
+
+def random_mapping(journals: JournalList) -> Mapping:
+    """A journal of the list at random."""
+
+    def mapping(msg: Any) -> str:
+        return random.choice(journals._require())
+
+    return mapping
+
+
+def new_acknowledgement(message_type: type, journal: str) -> Any:
+    """An (empty) ACK message of `message_type` for `journal`; the Publisher sets its UUID."""
+    factory = getattr(message_type, "new_acknowledgement", None)
+    if factory is not None:
+        return factory(journal)
+    if issubclass(message_type, dict):
+        return {}
+    if issubclass(message_type, _ProtoMessage):
+        return message_type()
+    try:
+        return message_type()
+    except TypeError as exc:
+        raise UsageError(
+            f"cannot build an ACK message of {message_type.__qualname__} ({exc}): give the type defaults for every "
+            "field but uuid, or a classmethod new_acknowledgement(journal)"
+        ) from exc
+
+
+class Publisher:
+    """Publishes messages with sequencing UUIDs through an AppendService; see the module docstring.
+
+    **Parameters:**
+    * `service` - the AppendService appends are queued on (its client also looks up journals).
+    * `producer` - this publisher's ProducerID (random by default; never reuse one across restarts).
+    * `clock` - the producer's Clock (started at the current time by default).
+    * `journals` - a JournalList whose specs give the journals' content types (looked up otherwise).
+
+    Usage::
+
+        pub = Publisher(AppendService(client))
+        await (await pub.publish_committed("shop/orders", {"id": 1}, {"id": 2}))
+    """
+
+    def __init__(
+        self,
+        service: AppendService,
+        *,
+        producer: ProducerID | None = None,
+        clock: Clock | None = None,
+        journals: JournalList | None = None,
+    ) -> None:
+        self.service = service
+        self.producer = producer if producer is not None else _new_producer_id()
+        self.clock = clock if clock is not None else new_clock()
+        self.journals = journals
+        self._framings: dict[str, Framing] = {}
+        self._txn: dict[str, type] = {}  # journals written in the open transaction -> their message type
+
+    @staticmethod
+    def new_producer_id() -> ProducerID:
+        return _new_producer_id()
+
+    async def publish_committed(self, mapping: Mapping | str, *messages: Any) -> asyncio.Future[list[AppendResult]]:
+        """Publish `messages` (OUTSIDE_TXN); returns a future of their appends' spans, one per journal."""
+        return await self._publish(mapping, messages, OUTSIDE_TXN)
+
+    async def publish_uncommitted(
+        self, mapping: Mapping | str, *messages: Any
+    ) -> asyncio.Future[list[AppendResult]]:
+        """Publish `messages` as part of the open transaction (CONTINUE_TXN); see `build_ack_intents`."""
+        return await self._publish(mapping, messages, CONTINUE_TXN)
+
+    def build_ack_intents(self) -> list[AckIntent]:
+        """The ACK_TXN messages that commit the open transaction, one per journal it wrote; closes it."""
+        if not self._txn:
+            return []
+        self.clock.update()
+        u = build_uuid(self.producer, self.clock.tick(), ACK_TXN)
+        intents = []
+        for journal, message_type in self._txn.items():
+            ack = new_acknowledgement(message_type, journal)
+            set_uuid(ack, u)
+            intents.append(AckIntent(journal, self._framings[journal].marshal(ack)))
+        self._txn.clear()
+        return intents
+
+    async def write_ack_intents(self, intents: Iterable[AckIntent]) -> asyncio.Future[list[AppendResult]]:
+        """Queue ACK intents (new, or recovered from a checkpoint); returns a future of their spans."""
+        futures = [await self.service.append(i.journal, i.content) for i in intents]
+        return _all(futures)
+
+    async def framing(self, journal: str) -> Framing:
+        """The framing of `journal`, by its content-type label (cached)."""
+        framing = self._framings.get(journal)
+        if framing is not None:
+            return framing
+        spec = self.journals.specs.get(journal) if self.journals is not None else None
+        if spec is None:
+            resp = await self.service.client.list(labels.parse_selector(f"name={journal}"))
+            if not resp.journals:
+                raise JournalNotFoundError(journal)
+            spec = resp.journals[0].spec
+        framing = self._framings[journal] = framing_for(content_type_of(spec))
+        return framing
+
+    async def _publish(self, mapping: Mapping | str, messages: tuple[Any, ...], flags: int) -> asyncio.Future:
+        if not messages:
+            return _all([])
+        groups: dict[str, list[Any]] = {}
+        if isinstance(mapping, str):
+            groups[mapping] = list(messages)
+        else:
+            for msg in messages:
+                groups.setdefault(mapping(msg), []).append(msg)
+        self.clock.update()
+        producer = self.producer
+        ticks = iter(self.clock.reserve(len(messages)))
+        futures = []
+        for journal, msgs in groups.items():
+            framing = await self.framing(journal)
+            last_type: type | None = None
+            setter = set_uuid
+            for msg, clock in zip(msgs, ticks, strict=False):  # (the setter is looked up once per type)
+                if type(msg) is not last_type:
+                    last_type = type(msg)
+                    setter = uuid_setter(last_type)
+                setter(msg, build_uuid(producer, clock, flags))
+            futures.append(await self.service.append(journal, framing.encode_batch(msgs)))
+            if flags == CONTINUE_TXN:
+                self._txn[journal] = type(msgs[-1])
+        return _all(futures)
+
+
+def _all(futures: list[asyncio.Future[AppendResult]]) -> asyncio.Future[list[AppendResult]]:
+    return asyncio.gather(*futures) if futures else _done([])
+
+
+def _done(value: Any) -> asyncio.Future:
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_result(value)
+    return fut
