@@ -8,7 +8,8 @@ on this machine with ../shared/peers/nats; re-run that harness to refresh them).
 
   publish_committed      200-byte JSON messages, OUTSIDE_TXN, through Publisher + AppendService
   publish_transactional  the same, CONTINUE_TXN with an ACK every 100 messages
-  read_committed         every message of the journal, through read_committed (Sequencer included)
+  read_committed         every message of each journal, through read_committed (Sequencer included),
+                         one message at a time; read_committed_batches: a list per chunk read
 
   bench/messages.py --messages 300000
 """
@@ -101,17 +102,22 @@ async def publish(c: AsyncClient, journal: str, total: int, txn_size: int | None
     )
 
 
-async def read_all_committed(c: AsyncClient, journal: str, expect: int) -> dict:
+async def read_all_committed(c: AsyncClient, journal: str, expect: int, batches: bool) -> dict:
     t0 = time.perf_counter()
     n = 0
-    async for _env in read_committed(c, journal, block=False):
-        n += 1
+    reader = read_committed(c, journal, block=False)
+    if batches:
+        async for batch in reader.batches():
+            n += len(batch)
+    else:
+        async for _env in reader:
+            n += 1
     elapsed = time.perf_counter() - t0
     if n != expect:
         raise RuntimeError(f"read {n} committed messages of {journal}, expected {expect}")
     return emit(
         {
-            "test": "read_committed",
+            "test": "read_committed_batches" if batches else "read_committed",
             "payload_bytes": PAYLOAD,
             "msgs_per_s": round(n / elapsed),
             "mb_per_s": round(n * PAYLOAD / elapsed / MB, 1),
@@ -132,10 +138,10 @@ def nats_rows() -> list[dict]:
 
 
 def table(recs: list[dict]) -> None:
-    print(f"\n{'system':<15} {'R':>2} {'test':<30} {'payload':>8} {'msg/s':>9} {'MB/s':>7}")
+    print(f"\n{'system':<15} {'R':>2} {'test':<30} {'journal':<16} {'payload':>8} {'msg/s':>9} {'MB/s':>7}")
     for x in recs + [r for r in nats_rows() if r["payload_bytes"] <= 1024]:
         print(
-            f"{x['system']:<15} {x['replicas']:>2} {x['test']:<30} {x['payload_bytes']:>8} "
+            f"{x['system']:<15} {x['replicas']:>2} {x['test']:<30} {x.get('journal', ''):<16} {x['payload_bytes']:>8} "
             f"{round(x['msgs_per_s']):>9} {x.get('mb_per_s', ''):>7}"
         )
 
@@ -153,8 +159,9 @@ async def main_async(args: argparse.Namespace) -> None:
             async with AsyncClient(route.endpoints[route.primary]) as c:
                 recs.append(await publish(c, "bench/committed", args.messages, None, args.batch))
                 recs.append(await publish(c, "bench/txn", args.messages, 100, args.batch))
-                recs.append(await read_all_committed(c, "bench/committed", args.messages))
-                recs.append(await read_all_committed(c, "bench/txn", args.messages))
+                for journal in ("bench/committed", "bench/txn"):
+                    for batches in (False, True):
+                        recs.append(await read_all_committed(c, journal, args.messages, batches))
     table(recs)
 
 

@@ -206,3 +206,17 @@ async def test_messages_that_cannot_carry_a_uuid_are_refused_with_a_hint(cluster
         with pytest.raises(TypeError, match="__tidings_no_uuid__"):
             await pub.publish_committed("msg/bare", Bare(1))
         assert await c.read_all("msg/bare") == b"", "nothing of a refused publish is written"
+
+
+async def test_batches_yield_the_same_messages_a_list_at_a_time(cluster) -> None:
+    await cluster.create_journal("msg/batches", 3, labels=NDJSON_LABELS)
+    async with cluster.client(0) as c:
+        pub = Publisher(AppendService(c))
+        for start in range(0, 3000, 500):
+            await (await pub.publish_uncommitted("msg/batches", *({"n": i} for i in range(start, start + 500))))
+            await (await pub.write_ack_intents(pub.build_ack_intents()))
+        reader = read_committed(c, "msg/batches", block=False)
+        lists = [batch async for batch in reader.batches()]
+        resumed = await _committed(c, "msg/batches", checkpoint=reader.checkpoint())
+    assert [e.message["n"] for batch in lists for e in batch] == list(range(3000))
+    assert resumed == [], "a checkpoint after the last list holds everything"

@@ -449,6 +449,30 @@ class SequencerMachine(RuleBasedStateMachine):
             assert replay.journal == j and 0 <= replay.begin < replay.end <= env.begin
             self.seq.replay(self.js.read(j, replay.begin, replay.end))
 
+    @precondition(lambda self: not self.seq.dequeuing)
+    @rule(j=st.sampled_from(JOURNALS), n=st.integers(1, 30))
+    def read_batch(self, j: str, n: int) -> None:
+        """Read up to n envelopes at once through Sequencer.sequence (the readers' batch path)."""
+        j = self._journal(j)
+        log, i = self.js.envs[j], self.read_at[j]
+        envs = log[i : i + n]
+        for k, env in enumerate(envs, start=i):
+            if k == self.modeled[j]:
+                self.expected[j].extend(self.model.queue(env))
+                self.modeled[j] += 1
+        self.read_at[j] = i + len(envs)
+        out: list[Envelope] = []
+        at = 0
+        while at < len(envs):
+            at = self.seq.sequence(envs, at, out)
+            replay = self.seq.pending_replay
+            if replay is not None:
+                event("replay inside a batch")
+                self.seq.replay(self.js.read(j, replay.begin, replay.end))
+                out.extend(self.seq.dequeue())
+        for env in out:
+            self.delivered[env.journal].append(env)
+
     @precondition(lambda self: self.seq.dequeuing)
     @rule()
     def step_one(self) -> None:

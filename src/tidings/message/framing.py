@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterable
+from itertools import accumulate, repeat
+from operator import add
 from typing import Any, Final
 from uuid import UUID
 
@@ -38,6 +40,7 @@ from tidings.protocol.status import ValidationError
 
 __all__ = [
     "CONTENT_TYPE_LABEL",
+    "Columns",
     "DEFAULT_MAX_MESSAGE_SIZE",
     "Decoder",
     "FIXED_FRAME_HEADER_LENGTH",
@@ -47,6 +50,7 @@ __all__ = [
     "Garbage",
     "NDJSON",
     "PROTOBUF_FIXED",
+    "columns_of",
     "framing_for",
     "get_uuid",
     "set_uuid",
@@ -67,7 +71,7 @@ DEFAULT_MAX_MESSAGE_SIZE: Final = 64 << 20
 _LENGTH = struct.Struct("<I")
 
 
-class Frame(msgspec.Struct, frozen=True):
+class Frame(msgspec.Struct, frozen=True, gc=False):
     """A decoded message and the journal byte range [begin, end) that held it (including framing bytes)."""
 
     begin: int
@@ -83,7 +87,26 @@ class Garbage(msgspec.Struct, frozen=True):
     error: str
 
 
+class Columns(msgspec.Struct):
+    """What `Decoder.feed_columns` found: the frames as three parallel lists, and the garbage.
+
+    Lists instead of Frame objects let a reader build its own records in one C-level ``map``.
+    """
+
+    begins: list[int]
+    ends: list[int]
+    values: list[Any]
+    garbage: list[Garbage]
+
+
 Record = Frame | Garbage
+
+
+def columns_of(records: list[Record]) -> Columns:
+    """Records as Columns: the frames' fields as parallel lists, the garbage apart."""
+    frames = [r for r in records if type(r) is Frame]
+    garbage = [r for r in records if type(r) is Garbage]
+    return Columns([f.begin for f in frames], [f.end for f in frames], [f.value for f in frames], garbage)  # type: ignore[arg-type]
 
 
 # --- Message UUID adaptors ------------------------------------------------------------------------------------
@@ -389,6 +412,19 @@ class Decoder:
     def feed(self, data: bytes | bytearray | memoryview, offset: int | None = None) -> list[Record]:
         """Decode a chunk that starts at journal `offset` (default: where the last chunk ended)."""
         out: list[Record] = []
+        columns = self._feed(data, offset, out)
+        if columns is not None:
+            out.extend(map(Frame, columns.begins, columns.ends, columns.values))
+        return out
+
+    def feed_columns(self, data: bytes | bytearray | memoryview, offset: int | None = None) -> Columns:
+        """Like `feed`, with the frames as parallel lists (garbage apart): the fast form for bulk readers."""
+        out: list[Record] = []
+        columns = self._feed(data, offset, out)
+        return columns if columns is not None else columns_of(out)
+
+    def _feed(self, data: bytes | bytearray | memoryview, offset: int | None, out: list[Record]) -> Columns | None:
+        """Scan a chunk: records go to `out`, unless the whole chunk took the fast path (returned as Columns)."""
         if offset is not None and offset != self.end:
             self._flush(out, f"discontinuity: the next chunk starts at offset {offset}")
             self._base = offset
@@ -397,12 +433,21 @@ class Decoder:
             work: bytes | bytearray = self._buf
         else:
             work = data if isinstance(data, bytes | bytearray) else bytes(data)
+        columns = None
         with memoryview(work) as view:
-            used = self._scan(work, view, out)
+            fast = self._scan_fast(work, view) if not out and self._garbage_begin is None else None
+            if fast is not None:
+                used, columns = fast
+            else:
+                used = self._scan(work, view, out)
             rest = bytes(view[used:]) if used < len(view) else b""
         self._base += used
         self._buf = bytearray(rest)
-        return out
+        return columns
+
+    def _scan_fast(self, work: bytes | bytearray, view: memoryview) -> tuple[int, Columns] | None:
+        """Decode the chunk's complete messages without per-message Python work, or None: use `_scan`."""
+        return None
 
     def finish(self) -> list[Record]:
         """Report whatever is left at the end of the data (a partial frame or line, pending garbage) as garbage."""
@@ -431,36 +476,25 @@ class _NdjsonDecoder(Decoder):
         self._decode = decoder.decode
         self._decode_lines = decoder.decode_lines
 
-    def _scan(self, work: bytes | bytearray, view: memoryview, out: list[Record]) -> int:
-        if self._garbage_begin is None:
-            used = self._scan_fast(work, view, out)
-            if used >= 0:
-                return used
-        return self._scan_lines(work, view, out)
-
-    def _scan_fast(self, work: bytes | bytearray, view: memoryview, out: list[Record]) -> int:
-        """Every complete line decoded in one msgspec call: the common case of a chunk of valid, non-blank lines.
-        Returns -1 (and appends nothing) when the chunk needs the line-by-line path."""
+    def _scan_fast(self, work: bytes | bytearray, view: memoryview) -> tuple[int, Columns] | None:
+        """Every complete line decoded in one msgspec call and its offsets computed in C: the common case of
+        a chunk of valid, non-blank lines under the size limit."""
         last = work.rfind(b"\n")
         if last < 0:
-            return -1
+            return None
         try:
             values = self._decode_lines(view[: last + 1])
         except msgspec.DecodeError:
-            return -1
-        if len(values) != work.count(b"\n", 0, last + 1):
-            return -1  # blank lines (which decode_lines skips)
-        base, limit, find = self._base, self.max_message_size, work.find
-        frames = []
-        pos = 0
-        for value in values:
-            nl = find(b"\n", pos)
-            if nl - pos >= limit:
-                return -1
-            frames.append(Frame(base + pos, base + nl + 1, value))
-            pos = nl + 1
-        out.extend(frames)
-        return pos
+            return None
+        lengths = list(map(len, bytes(view[: last + 1]).split(b"\n")))
+        lengths.pop()  # (what follows the last newline)
+        if len(values) != len(lengths) or max(lengths) >= self.max_message_size:
+            return None  # blank lines (which decode_lines skips), or an over-long one
+        bounds = list(accumulate(map(add, lengths, repeat(1)), initial=self._base))
+        return last + 1, Columns(bounds[:-1], bounds[1:], values, [])
+
+    def _scan(self, work: bytes | bytearray, view: memoryview, out: list[Record]) -> int:
+        return self._scan_lines(work, view, out)
 
     def _scan_lines(self, work: bytes | bytearray, view: memoryview, out: list[Record]) -> int:
         base, decode, limit = self._base, self._decode, self.max_message_size

@@ -59,7 +59,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 from uuid import UUID
@@ -90,8 +90,13 @@ DEFAULT_PRODUCER_HORIZON: Final = 24 * 3600.0
 """Seconds of producer clock time after which a quiet producer is forgotten (see the module docstring)."""
 
 
-class Envelope(msgspec.Struct, frozen=True):
-    """A message read from `journal` at byte range [begin, end), with its UUID (None: no UUID)."""
+class Envelope(msgspec.Struct, frozen=True, gc=False):
+    """A message read from `journal` at byte range [begin, end), with its UUID (None: no UUID).
+
+    Not tracked by Python's cyclic garbage collector (``gc=False``): readers make one per message,
+    and tracked objects make every collection slower. An Envelope must not be part of a reference
+    cycle (its message should not refer back to it).
+    """
 
     journal: str
     begin: int
@@ -164,6 +169,10 @@ class QueueOutcome(enum.Enum):
     """Before a restored read-through offset: rebuilds a pending transaction."""
     REREAD_IGNORED = "rereadIgnored"
     """Before a restored read-through offset: already accounted for by the checkpoint."""
+
+    # Members are singletons compared by identity: hash them by identity too, in C (Enum's own
+    # __hash__ is Python code, and outcomes are counted for every message queued).
+    __hash__ = object.__hash__
 
 
 _OUTSIDE_COMMIT = QueueOutcome.OUTSIDE_COMMIT
@@ -255,7 +264,6 @@ class Sequencer:
         self._replay_it: Iterator[Envelope] | None = None
         self.last_outcome: QueueOutcome | None = None
         self._outcomes: Counter[QueueOutcome] = Counter()
-        self._fast_commits = 0
         self._delivered = 0
         self._replays = 0
         self._replayed = 0
@@ -305,12 +313,16 @@ class Sequencer:
         """
         if self._emit is not None:
             raise UsageError("committed messages remain to dequeue: drain dequeue() before queueing more")
+        u = env.uuid
+        return self._queue(env, None if u is None else _unpack(u.int))
+
+    def _queue(self, env: Envelope, fields: tuple[int, int, int] | None) -> Replay | None:
+        """`queue` of an envelope whose UUID fields (or None) are already unpacked."""
         journal = env.journal
         offsets = self._offsets
         if journal not in offsets:
             offsets[journal] = env.begin  # nothing before the first envelope read was queued
         u = env.uuid
-        fields = None if u is None else _unpack(u.int)
         if self._reread:
             read_through = self._reread.get(journal)
             if read_through is not None:
@@ -373,7 +385,7 @@ class Sequencer:
                 self._emit = p
                 self._emit_end = env.end
                 self._fast = (env, clock)
-                self._fast_commits += 1  # (an int: hashing the enum member costs more than the rest)
+                self._outcomes[_OUTSIDE_COMMIT] += 1
                 self.last_outcome = _OUTSIDE_COMMIT
                 return None
             else:
@@ -497,6 +509,49 @@ class Sequencer:
         while (env := step()) is not None:
             yield env
 
+    def sequence(self, envs: Sequence[Envelope], start: int, out: list[Envelope]) -> int:
+        """Queue ``envs[start:]`` and append every envelope they commit to `out`: :meth:`queue` then
+        :meth:`dequeue` for each, with OUTSIDE_TXN messages that commit themselves handled inline (the
+        batch form for readers; per-message work is what limits them).
+
+        Stops after an envelope whose commit needs a replay and returns the index after it: the caller
+        passes the range in :attr:`pending_replay` to :meth:`replay`, drains :meth:`dequeue` into `out`,
+        and calls again from there. Returns ``len(envs)`` when all were queued.
+        """
+        if self._emit is not None:
+            raise UsageError("committed messages remain to dequeue: drain dequeue() before queueing more")
+        partials, offsets, queue, step = self._partials, self._offsets, self._queue, self.step
+        delivered = 0
+        i, n = start, len(envs)
+        try:
+            while i < n:
+                env = envs[i]
+                i += 1
+                u = env.uuid
+                fields = None if u is None else _unpack(u.int)
+                if fields is not None and not self._reread:
+                    if fields[2] == OUTSIDE_TXN:
+                        journal = env.journal
+                        p = partials.get((journal, fields[0]))
+                        clock = fields[1]
+                        if p is not None and p.begin == -1 and clock > p.min_clock and journal in offsets:
+                            p.min_clock = p.max_clock = clock  # as queue() then step() would leave it
+                            if offsets[journal] < env.end:
+                                offsets[journal] = env.end
+                            delivered += 1
+                            out.append(env)
+                            continue
+                if queue(env, fields) is not None:
+                    return i
+                while (committed := step()) is not None:
+                    out.append(committed)
+            return i
+        finally:
+            if delivered:
+                self._outcomes[_OUTSIDE_COMMIT] += delivered
+                self._delivered += delivered
+                self.last_outcome = _OUTSIDE_COMMIT
+
     def feed(self, env: Envelope, reread: Callable[[Replay], Iterable[Envelope]]) -> Iterator[Envelope]:
         """Queue `env`, satisfy a replay with ``reread(range)``, and return :meth:`dequeue` (exhaust it)."""
         replay = self.queue(env)
@@ -589,7 +644,7 @@ class Sequencer:
     def statistics(self) -> SequencerStatistics:
         """Counters for metrics and the CLI: queue outcomes, deliveries, replays, tracked producers."""
         return SequencerStatistics(
-            outcomes={o.name: n for o, n in (self._outcomes + Counter({_OUTSIDE_COMMIT: self._fast_commits})).items()},
+            outcomes={o.name: n for o, n in self._outcomes.items()},
             delivered=self._delivered,
             replays=self._replays,
             replayed_envelopes=self._replayed,
