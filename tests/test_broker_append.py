@@ -201,3 +201,29 @@ async def test_peer_refuses_wrong_sha1_and_offset(cluster) -> None:
         for i in range(3):
             async with cluster.client(i) as ci:
                 assert await ci.read_all("it/mismatch") == b"hello world"
+
+
+async def test_one_message_append_commits_and_content_after_commit_rolls_back(cluster) -> None:
+    """The first message may carry the content and `commit`: a whole small append in one message."""
+    await cluster.create_journal("it/single", 3)
+    ep = cluster.brokers[1].endpoint  # not necessarily the primary: proxied as is
+
+    async def raw(*msgs: pb.AppendRequest) -> pb.AppendResponse | grpc.aio.AioRpcError:
+        async with grpc.aio.insecure_channel(ep) as ch:
+            try:
+                return await JournalStub(ch).Append(iter(msgs))
+            except grpc.aio.AioRpcError as exc:
+                return exc
+
+    ok = await raw(pb.AppendRequest(journal="it/single", content=b"hello", commit=True))
+    assert ok.status == pb.OK and (ok.commit.begin, ok.commit.end) == (0, 5)
+    late = await raw(pb.AppendRequest(journal="it/single", content=b"X", commit=True), pb.AppendRequest(content=b"Y"))
+    assert isinstance(late, grpc.aio.AioRpcError) and late.code() == grpc.StatusCode.ABORTED
+    unfinished = await raw(pb.AppendRequest(journal="it/single", content=b"Z"))
+    assert isinstance(unfinished, grpc.aio.AioRpcError) and unfinished.code() == grpc.StatusCode.ABORTED
+    two = await raw(
+        pb.AppendRequest(journal="it/single", content=b" wor"), pb.AppendRequest(content=b"ld", commit=True)
+    )
+    assert two.status == pb.OK and (two.commit.begin, two.commit.end) == (5, 11)
+    async with cluster.client(2) as c:
+        assert await c.read_all("it/single") == b"hello world"

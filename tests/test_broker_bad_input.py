@@ -43,7 +43,11 @@ async def _append_raw(endpoint: str, msgs: list[pb.AppendRequest]) -> grpc.aio.A
         pytest.param([pb.AppendRequest(journal="a//b")], "empty segment", id="invalid-name"),
         pytest.param([pb.AppendRequest(journal="../etc")], "'..'", id="dotdot-name"),
         pytest.param([pb.AppendRequest(journal="it/bad", offset=-5)], "offset", id="negative-offset"),
-        pytest.param([pb.AppendRequest(journal="it/bad", content=b"x")], "first message", id="content-first"),
+        pytest.param(
+            [pb.AppendRequest(journal="it/bad", content=b"x" * (validate.MAX_CHUNK + 1))],
+            "exceeds",
+            id="oversized-first",
+        ),
         pytest.param(
             [pb.AppendRequest(journal="it/bad"), pb.AppendRequest(content=b"x" * (validate.MAX_CHUNK + 1))],
             "exceeds",

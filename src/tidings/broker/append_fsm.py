@@ -119,6 +119,8 @@ class AppendFSM:
         if await self.run_to(S.STREAM_CONTENT) is not S.STREAM_CONTENT:
             return self.state
         try:
+            if self.req.content or self.req.commit:  # the first message may carry content, and commit
+                await self._on_client_message(self.req)
             while self.state is S.STREAM_CONTENT:
                 try:
                     msg: pb.AppendRequest | BaseException | None = await next_message()
@@ -126,11 +128,21 @@ class AppendFSM:
                     raise
                 except Exception as exc:
                     self.client_error = msg = exc
-                await self.on_stream_content(msg)
+                await self._on_client_message(msg)
         except BaseException:  # cancelled (client gone, server stopping): give the pipeline back
             self.abort()
             raise
         return await self.run_to()
+
+    async def _on_client_message(self, msg: pb.AppendRequest | BaseException | None) -> None:
+        """A client message is its content chunk, then (with `commit`) the empty chunk that commits."""
+        if isinstance(msg, pb.AppendRequest) and msg.commit:
+            if msg.content:
+                await self.on_stream_content(pb.AppendRequest(content=msg.content))
+            if self.state is S.STREAM_CONTENT:
+                await self.on_stream_content(pb.AppendRequest())
+        else:
+            await self.on_stream_content(msg)
 
     def abort(self) -> None:
         """Cancelled mid-flight: the pipeline may hold partial content, so mark it for rebuild."""

@@ -159,6 +159,11 @@ class AsyncClient:
 
         async def messages() -> AsyncIterator[pb.AppendRequest]:
             try:
+                if isinstance(content, bytes | bytearray | memoryview) and len(content) <= CHUNK:
+                    single = pb.AppendRequest(content=bytes(content), commit=True)  # the whole append, one message
+                    single.MergeFrom(first)
+                    yield single
+                    return
                 yield first
                 async for chunk in chunks(content):
                     yield pb.AppendRequest(content=chunk)

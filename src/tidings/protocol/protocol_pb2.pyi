@@ -218,7 +218,7 @@ class ReadResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[Status, str]] = ..., header: _Optional[_Union[Header, _Mapping]] = ..., offset: _Optional[int] = ..., write_head: _Optional[int] = ..., fragment: _Optional[_Union[Fragment, _Mapping]] = ..., fragment_url: _Optional[str] = ..., content: _Optional[bytes] = ...) -> None: ...
 
 class AppendRequest(_message.Message):
-    __slots__ = ("header", "journal", "do_not_proxy", "content", "offset", "check_registers", "union_registers", "subtract_registers")
+    __slots__ = ("header", "journal", "do_not_proxy", "content", "offset", "check_registers", "union_registers", "subtract_registers", "commit")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     JOURNAL_FIELD_NUMBER: _ClassVar[int]
     DO_NOT_PROXY_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +227,7 @@ class AppendRequest(_message.Message):
     CHECK_REGISTERS_FIELD_NUMBER: _ClassVar[int]
     UNION_REGISTERS_FIELD_NUMBER: _ClassVar[int]
     SUBTRACT_REGISTERS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     header: Header
     journal: str
     do_not_proxy: bool
@@ -235,7 +236,8 @@ class AppendRequest(_message.Message):
     check_registers: LabelSelector
     union_registers: LabelSet
     subtract_registers: LabelSet
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., journal: _Optional[str] = ..., do_not_proxy: _Optional[bool] = ..., content: _Optional[bytes] = ..., offset: _Optional[int] = ..., check_registers: _Optional[_Union[LabelSelector, _Mapping]] = ..., union_registers: _Optional[_Union[LabelSet, _Mapping]] = ..., subtract_registers: _Optional[_Union[LabelSet, _Mapping]] = ...) -> None: ...
+    commit: bool
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., journal: _Optional[str] = ..., do_not_proxy: _Optional[bool] = ..., content: _Optional[bytes] = ..., offset: _Optional[int] = ..., check_registers: _Optional[_Union[LabelSelector, _Mapping]] = ..., union_registers: _Optional[_Union[LabelSet, _Mapping]] = ..., subtract_registers: _Optional[_Union[LabelSet, _Mapping]] = ..., commit: _Optional[bool] = ...) -> None: ...
 
 class AppendResponse(_message.Message):
     __slots__ = ("status", "header", "commit", "registers", "total_chunks", "delayed_chunks")

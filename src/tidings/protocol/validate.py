@@ -146,8 +146,10 @@ def append_request_first(r: pb.AppendRequest, ctx: str = "append") -> None:
     journal_name(r.journal, f"{ctx}.journal")
     if r.offset < 0 or r.offset > MAX_OFFSET:
         raise ValidationError(f"{ctx}.offset", f"{r.offset} is invalid; expected offsets are 0..2^62")
-    if r.content:
-        raise ValidationError(f"{ctx}.content", "the first message carries metadata only; send content after it")
+    if len(r.content) > MAX_CHUNK:
+        raise ValidationError(
+            f"{ctx}.content", f"chunk of {len(r.content)} bytes exceeds {MAX_CHUNK}; send smaller chunks"
+        )
     selector(r.check_registers, f"{ctx}.check_registers")
     label_set(r.union_registers, f"{ctx}.union_registers")
     label_set(r.subtract_registers, f"{ctx}.subtract_registers")
