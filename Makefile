@@ -37,6 +37,7 @@ proto: $(STAMP)
 
 bench: install
 	$(PY) bench/append.py
+	$(PY) bench/messages.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
