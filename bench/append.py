@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -21,41 +20,18 @@ import tempfile
 import threading
 import time
 
+from _common import create_journal, emit, primary_endpoint, run
+
 from tidings.client import AsyncClient
 from tidings.cluster import LocalCluster
-from tidings.protocol import protocol_pb2 as pb
-from tidings.protocol.specs import spec_from_dict
 
 KiB, MiB, MB = 1024, 1024 * 1024, 1_000_000
-
-
-def emit(rec: dict) -> dict:
-    rec = {"system": "tidings", **rec}
-    print(json.dumps(rec), flush=True)
-    return rec
-
-
-async def create(c: AsyncClient, lc: LocalCluster, name: str, r: int) -> None:
-    spec = spec_from_dict({"name": name, "replication": r, "fragment": {"length": "256MiB", "stores": [lc.store_url]}})
-    await c.apply([pb.ApplyRequest.Change(upsert=spec)])
-    for _ in range(600):  # until the journal has a primary and takes appends
-        try:
-            await c.append(name, b"")
-            return
-        except Exception:
-            await asyncio.sleep(0.05)
-    raise RuntimeError(f"journal {name} never became writable")
-
-
-async def primary_endpoint(c: AsyncClient, name: str) -> str:
-    j = next(j for j in (await c.list()).journals if j.spec.name == name)
-    return j.route.endpoints[j.route.primary]
 
 
 async def sequential(lc, r: int, size: int, count: int) -> dict:
     name = f"bench/seq-r{r}-{size}"
     async with AsyncClient(lc.endpoints[0]) as c0:
-        await create(c0, lc, name, r)
+        await create_journal(c0, lc, name, r)
         ep = await primary_endpoint(c0, name)
     body = os.urandom(size)
     lat = []
@@ -84,7 +60,7 @@ async def sequential(lc, r: int, size: int, count: int) -> dict:
 async def pipelined(lc, r: int, size: int, seconds: float, window: int) -> dict:
     name = f"bench/pipe-r{r}-{size}"
     async with AsyncClient(lc.endpoints[0]) as c0:
-        await create(c0, lc, name, r)
+        await create_journal(c0, lc, name, r)
         ep = await primary_endpoint(c0, name)
     body = os.urandom(size)
     done = 0
@@ -130,7 +106,7 @@ async def big_append(lc, r: int, mib: int) -> dict:
     """One append of `mib` MiB streamed in 256 KiB chunks; sample every broker's RSS meanwhile."""
     name = f"bench/big-r{r}"
     async with AsyncClient(lc.endpoints[0]) as c0:
-        await create(c0, lc, name, r)
+        await create_journal(c0, lc, name, r)
         ep = await primary_endpoint(c0, name)
     pids = [b.pid for b in lc.brokers if b.alive()]
     before = {p: rss_kib(p) for p in pids}
@@ -200,13 +176,7 @@ def main() -> None:
     p.add_argument("--count", type=int, default=2000, help="sequential appends timed")
     p.add_argument("--seconds", type=float, default=5.0, help="per pipelined measurement")
     p.add_argument("--big-mib", type=int, default=1024, help="size of the single large append")
-    args = p.parse_args()
-    try:
-        import uvloop
-
-        uvloop.run(main_async(args))
-    except ImportError:
-        asyncio.run(main_async(args))
+    run(main_async(p.parse_args()))
 
 
 if __name__ == "__main__":

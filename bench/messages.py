@@ -17,7 +17,6 @@ on this machine with ../shared/peers/nats; re-run that harness to refresh them).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import glob
 import json
 import os
@@ -25,39 +24,14 @@ import sys
 import tempfile
 import time
 
+from _common import create_journal, emit, run
+
 from tidings.client import AppendService, AsyncClient
 from tidings.cluster import LocalCluster
 from tidings.message import Publisher, read_committed
-from tidings.protocol import protocol_pb2 as pb
-from tidings.protocol.specs import spec_from_dict
 
 MB = 1_000_000
 PAYLOAD = 200  # bytes of each JSON line, uuid included
-
-
-def emit(rec: dict) -> dict:
-    rec = {"system": "tidings", "replicas": 3, **rec}
-    print(json.dumps(rec), flush=True)
-    return rec
-
-
-async def create(c: AsyncClient, lc: LocalCluster, name: str) -> None:
-    spec = spec_from_dict(
-        {
-            "name": name,
-            "replication": 3,
-            "labels": {"content-type": "application/x-ndjson"},
-            "fragment": {"length": "256MiB", "stores": [lc.store_url]},
-        }
-    )
-    await c.apply([pb.ApplyRequest.Change(upsert=spec)])
-    for _ in range(600):  # until the journal has a primary and takes appends
-        try:
-            await c.append(name, b"")
-            return
-        except Exception:
-            await asyncio.sleep(0.05)
-    raise RuntimeError(f"journal {name} never became writable")
 
 
 def messages(n: int, start: int = 0) -> list[dict]:
@@ -98,7 +72,8 @@ async def publish(c: AsyncClient, journal: str, total: int, txn_size: int | None
             "seconds": round(elapsed, 2),
             "append_rpcs": stats.batches,
             **({"txn_size": txn_size} if txn_size else {}),
-        }
+        },
+        replicas=3,
     )
 
 
@@ -124,7 +99,8 @@ async def read_all_committed(c: AsyncClient, journal: str, expect: int, batches:
             "count": n,
             "seconds": round(elapsed, 2),
             "journal": journal,
-        }
+        },
+        replicas=3,
     )
 
 
@@ -154,7 +130,7 @@ async def main_async(args: argparse.Namespace) -> None:
         with lc:
             async with AsyncClient(lc.endpoints[0]) as c:
                 for name in ("bench/committed", "bench/txn"):
-                    await create(c, lc, name)
+                    await create_journal(c, lc, name, 3, {"content-type": "application/x-ndjson"})
                 route = next(j.route for j in (await c.list()).journals if j.spec.name == "bench/committed")
             async with AsyncClient(route.endpoints[route.primary]) as c:
                 recs.append(await publish(c, "bench/committed", args.messages, None, args.batch))
@@ -169,13 +145,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--messages", type=int, default=300_000, help="messages per measurement")
     p.add_argument("--batch", type=int, default=1000, help="messages per publish_committed call")
-    args = p.parse_args()
-    try:
-        import uvloop
-
-        uvloop.run(main_async(args))
-    except ImportError:
-        asyncio.run(main_async(args))
+    run(main_async(p.parse_args()))
 
 
 if __name__ == "__main__":

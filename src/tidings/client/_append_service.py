@@ -38,7 +38,7 @@ from typing import BinaryIO
 
 import grpc
 
-from tidings.client._async import AsyncClient
+from tidings.client._async import ATTEMPT_TIMEOUT, AsyncClient
 from tidings.client._base import CHUNK, AppendResult, first_append_request
 from tidings.protocol.status import StatusError, TidingsError, TransportError, UsageError
 
@@ -160,7 +160,7 @@ class AppendService:
         buffer_bytes: int = 1 << 30,
         spill_dir: str | None = None,
         dedup_scan_bytes: int = 64 << 20,
-        attempt_timeout: float = 30.0,
+        attempt_timeout: float = ATTEMPT_TIMEOUT,
     ) -> None:
         if min(batch_bytes, spill_bytes, buffer_bytes) <= 0:
             raise ValueError("batch_bytes, spill_bytes and buffer_bytes must be positive")

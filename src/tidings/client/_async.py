@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 Content = bytes | bytearray | memoryview | Iterable[bytes] | AsyncIterable[bytes]
 DOWN_FOR = 2.0  # seconds an unreachable endpoint is avoided
+ATTEMPT_TIMEOUT = 30.0  # seconds an append of bytes may wait for its answer (plus one per MiB)
 
 
 class AsyncClient:
@@ -130,10 +131,14 @@ class AsyncClient:
         Bytes are retried on transient failures; a stream (iterable) cannot be replayed, so its
         append is tried once. `offset` (expected write head), `check_registers`,
         `union_registers` and `subtract_registers` are Gazette's check-and-set expectations.
-        `timeout` bounds each attempt (DEADLINE_EXCEEDED: the outcome is then unknown).
+        `timeout` bounds each attempt (DEADLINE_EXCEEDED: the outcome is then unknown); for bytes
+        it defaults to `ATTEMPT_TIMEOUT` plus a second per MiB, as an answer lost in transport (seen
+        with grpc.aio while a broker dies) would otherwise never come. Streams have none by default.
         """
         first = first_append_request(journal, offset, check_registers, union_registers, subtract_registers)
         replayable = isinstance(content, bytes | bytearray | memoryview)
+        if timeout is None and replayable:
+            timeout = ATTEMPT_TIMEOUT + len(content) / (1 << 20)
         attempt = 0
         while True:
             endpoint = self._pick(self.routes.append_endpoint(journal))
