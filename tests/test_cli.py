@@ -145,3 +145,43 @@ async def test_publish_bad_line_names_it_and_keeps_what_came_before(cluster) -> 
     assert [json.loads(line)["n"] for line in r.stdout.splitlines()] == [1, 2]
     r = await run("publish", "topic=none", broker=ep, stdin=b'{"n": 1}\n')
     assert r.returncode == 1 and b"no journal matches the selector 'topic=none'" in r.stderr
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_cluster_up_serves_then_sigterm_leaves_nothing_running(tmp_path: Path) -> None:
+    import signal
+
+    from tidings.cluster.etcd import free_port
+
+    from .support.waiting import wait_until_sync
+
+    port = free_port()
+    env = {**os.environ, "TIDINGS_DATA_DIR": str(tmp_path / "data")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tidings.cli", "cluster", "up", "--brokers", "2", "--zones", "2", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    try:
+        lines: list[str] = []
+        wait_until_sync(lambda: lines.append(proc.stdout.readline()) or "ready" in lines[-1], 60)  # type: ignore[union-attr]
+        brokers = [line.split()[1] for line in lines if line.startswith("broker")]
+        assert brokers == [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]
+        children = _children(proc.pid)
+        assert len(children) == 3, "etcd and two brokers"
+        r = tidings("journals", "list", "--json", broker=brokers[1])
+        assert r.returncode == 0, r.stderr
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+        for pid in children:
+            assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
