@@ -220,3 +220,19 @@ async def test_batches_yield_the_same_messages_a_list_at_a_time(cluster) -> None
         resumed = await _committed(c, "msg/batches", checkpoint=reader.checkpoint())
     assert [e.message["n"] for batch in lists for e in batch] == list(range(3000))
     assert resumed == [], "a checkpoint after the last list holds everything"
+
+
+async def test_stopping_early_over_several_journals_leaves_no_reader_behind(cluster) -> None:
+    for name in ("msg/early-a", "msg/early-b"):
+        await cluster.create_journal(name, 1, labels=NDJSON_LABELS)
+    async with cluster.client(0) as c:
+        pub = Publisher(AppendService(c, batch_bytes=4096))
+        for name in ("msg/early-a", "msg/early-b"):
+            for start in range(0, 20_000, 1000):  # many small appends: more chunks than the reader's queue holds
+                await pub.publish_committed(name, *({"n": i} for i in range(start, start + 1000)))
+        await pub.service.aclose()
+        reader = read_committed(c, ["msg/early-a", "msg/early-b"], block=False)
+        it = reader.batches()
+        first = await anext(it)
+        await asyncio.wait_for(it.aclose(), 10)  # the journals' pumps stop even with a full queue
+        assert first and not [t for t in asyncio.all_tasks() if t.get_name().startswith("read:msg/early")]

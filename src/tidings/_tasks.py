@@ -3,25 +3,38 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
+import types
+from typing import Any
 
 log = logging.getLogger("tidings.tasks")
 
 
+def _frame(coro: Any) -> types.FrameType | None:
+    return getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
+
+
+def _awaits(coro: Any) -> Any:
+    return getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
+
+
+def await_chain(coro: Any) -> str:
+    """`file:line function` of `coro` and of what it awaits, outer to inner."""
+    frames = []
+    while coro is not None:
+        frame = _frame(coro)
+        if frame is not None:
+            name = frame.f_code.co_filename.rsplit("/", 2)[-1]
+            frames.append(f"{name}:{frame.f_lineno} {frame.f_code.co_name}")
+        coro = _awaits(coro)
+    return " <- ".join(frames)
+
+
 def task_stacks() -> list[str]:
-    """One line per task of the running loop: its name, then the await chain from outer to inner."""
-    lines = []
-    for task in asyncio.all_tasks():
-        frames = []
-        coro = task.get_coro()
-        while coro is not None:
-            frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
-            if frame is not None:
-                frames.append(f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}")
-            coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
-        lines.append(f"task {task.get_name()}: {' <- '.join(frames)}")
-    return lines
+    """One line per task of the running loop: its name, then its await chain."""
+    return [f"task {task.get_name()}: {await_chain(task.get_coro())}" for task in asyncio.all_tasks()]
 
 
 def coroutine_stacks(prefix: str = "tidings") -> list[str]:
@@ -30,24 +43,13 @@ def coroutine_stacks(prefix: str = "tidings") -> list[str]:
     This sees what task_stacks cannot: coroutines awaited from compiled code (a grpc.aio servicer method's
     handler runs under Cython frames that hide its await chain from its task).
     """
-    import gc
-    import types
-
     coros = [o for o in gc.get_objects() if isinstance(o, types.CoroutineType | types.AsyncGeneratorType)]
-    awaited = {id(getattr(c, "cr_await", None) or getattr(c, "ag_await", None)) for c in coros}
-    lines = []
-    for c in coros:
-        frame = getattr(c, "cr_frame", None) or getattr(c, "ag_frame", None)
-        if frame is None or id(c) in awaited or f"/{prefix}/" not in frame.f_code.co_filename:
-            continue
-        frames, cur = [], c
-        while cur is not None:
-            fr = getattr(cur, "cr_frame", None) or getattr(cur, "ag_frame", None)
-            if fr is not None:
-                frames.append(f"{fr.f_code.co_filename.rsplit('/', 2)[-1]}:{fr.f_lineno} {fr.f_code.co_name}")
-            cur = getattr(cur, "cr_await", None) or getattr(cur, "ag_await", None)
-        lines.append("coroutine: " + " <- ".join(frames))
-    return lines
+    awaited = {id(_awaits(c)) for c in coros}
+    return [
+        f"coroutine: {await_chain(c)}"
+        for c in coros
+        if (frame := _frame(c)) is not None and id(c) not in awaited and f"/{prefix}/" in frame.f_code.co_filename
+    ]
 
 
 def log_task_stacks() -> None:

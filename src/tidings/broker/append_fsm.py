@@ -399,10 +399,10 @@ class AppendFSM:
             await self.pipeline.scatter(self._forward_held(spool))
         self._held = msg.content
 
-    def _forward_held(self, spool: Spool, **fields: object) -> pb.ReplicateRequest:
-        """The held chunk as a ReplicateRequest (plus `fields`), applied to our own spool too."""
+    def _forward_held(self, spool: Spool) -> pb.ReplicateRequest:
+        """The held chunk as a ReplicateRequest, applied to our own spool too."""
         content, self._held = self._held, None
-        req = pb.ReplicateRequest(content=content, content_delta=spool.delta, **fields)
+        req = pb.ReplicateRequest(content=content, content_delta=spool.delta)
         spool.apply_content(content, spool.delta)  # type: ignore[arg-type]
         return req
 

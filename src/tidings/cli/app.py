@@ -307,7 +307,7 @@ def publish(
     import msgspec
 
     from tidings.client import AppendService
-    from tidings.message import JournalList, Publisher, random_mapping, rendezvous_mapping
+    from tidings.message import JournalList, Mapping, Publisher, random_mapping, rendezvous_mapping
 
     decode = msgspec.json.Decoder(dict).decode
     is_selector = "=" in target or target.startswith("!")
@@ -315,14 +315,22 @@ def publish(
     async def go() -> tuple[int, set[str]]:
         async with _client(broker) as c:
             journals = await JournalList(c, target).start() if is_selector else None
-            if journals is not None and not journals.names:
-                raise TidingsError(f"no journal matches the selector {target!r}; see `tidings journals list`")
+            mapping: Mapping | str = target
             if journals is not None:
+                if not journals.names:
+                    raise TidingsError(f"no journal matches the selector {target!r}; see `tidings journals list`")
                 mapping = rendezvous_mapping(journals, lambda m: str(m.get(key))) if key else random_mapping(journals)
             pub = Publisher(AppendService(c), journals=journals)
             sent, written, batch = 0, set(), []
             pending = []
             bad = ""
+
+            async def flush() -> None:
+                nonlocal sent, batch
+                if batch:
+                    pending.append(await pub.publish_committed(mapping, *batch))
+                    sent, batch = sent + len(batch), []
+
             for lineno, line in enumerate(sys.stdin.buffer, 1):
                 if not line.strip():
                     continue
@@ -332,12 +340,8 @@ def publish(
                     bad = f"stdin line {lineno} is not a JSON object ({exc})"
                     break
                 if len(batch) >= 1000:
-                    pending.append(await pub.publish_committed(mapping if journals else target, *batch))
-                    sent += len(batch)
-                    batch = []
-            if batch:
-                pending.append(await pub.publish_committed(mapping if journals else target, *batch))
-                sent += len(batch)
+                    await flush()
+            await flush()
             for fut in pending:
                 written.update(r.journal for r in await fut)
             if journals is not None:

@@ -96,11 +96,13 @@ class _Batch:
         self.size += len(content)
         return spilled
 
-    async def content(self) -> AsyncIterator[bytes | memoryview]:
-        """The batch's bytes, in chunks (read back from disk in a thread when spilled)."""
-        if self.file is None:
-            yield memoryview(self.buf)
-            return
+    def content(self) -> bytes | AsyncIterator[bytes]:
+        """The batch's bytes: in memory, one `bytes` (a batch of up to a chunk is then a single Append
+        message); spilled, chunks read back from disk in a thread."""
+        return bytes(self.buf) if self.file is None else self._spilled()
+
+    async def _spilled(self) -> AsyncIterator[bytes]:
+        assert self.file is not None
         self.file.flush()
         fd, offset = self.file.fileno(), 0
         while offset < self.size:
@@ -301,7 +303,7 @@ class AppendService:
                 if found is not None:
                     return found
                 ambiguous = False
-            endpoint = client._pick(client.routes.append_endpoint(journal))
+            endpoint = client._append_endpoint(journal)
             log.debug("journal %s: appending %d bytes through %s (attempt %d)", journal, batch.size, endpoint, attempt)
             try:
                 timeout = self.attempt_timeout + batch.size / (1 << 20)  # (and a second per MiB)
@@ -352,13 +354,16 @@ class AppendService:
         parts: list[bytes] = []
         try:
             async with asyncio.timeout(self.dedup_wait):
-                async for chunk in client.reader(journal, low, block=True, end_offset=high):
-                    parts.append(chunk.content)
+                async with contextlib.aclosing(client.reader(journal, low, block=True, end_offset=high)) as reader:
+                    async for chunk in reader:
+                        parts.append(chunk.content)
         except TimeoutError:
             log.warning("journal %s: [%d, %d) is not readable after %.0fs; retrying a failed append (it may now "
                         "appear twice)", journal, low + sum(map(len, parts)), high, self.dedup_wait)  # fmt: skip
         written = b"".join(parts)
-        content = b"".join([bytes(part) async for part in batch.content()])
+        content = batch.content()
+        if not isinstance(content, bytes):
+            content = b"".join([part async for part in content])
         at = written.find(content)
         if at < 0:
             q.head = high

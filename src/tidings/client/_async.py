@@ -92,6 +92,14 @@ class AsyncClient:
                 return ep
         return preferred
 
+    def _append_endpoint(self, journal: str) -> str:
+        """Where an append to `journal` goes now: its primary, else a broker that proxies."""
+        return self._pick(self.routes.append_endpoint(journal))
+
+    def _read_endpoint(self, journal: str) -> str:
+        """Where a read of `journal` goes now: a replica (in our zone if any), else a broker that proxies."""
+        return self._pick(self.routes.read_endpoint(journal))
+
     def _failed(self, journal: str, endpoint: str, err: TidingsError) -> None:
         """Forget what an error says is stale: the Route, and for a transport failure the endpoint."""
         if isinstance(err, TransportError) and err.code == grpc.StatusCode.UNAVAILABLE:
@@ -141,7 +149,7 @@ class AsyncClient:
             timeout = ATTEMPT_TIMEOUT + len(content) / (1 << 20)
         attempt = 0
         while True:
-            endpoint = self._pick(self.routes.append_endpoint(journal))
+            endpoint = self._append_endpoint(journal)
             try:
                 return await self._append_once(endpoint, first, content, timeout)
             except (StatusError, TransportError) as exc:
@@ -215,18 +223,10 @@ class AsyncClient:
 
     # -- reads -----------------------------------------------------------------------------
 
-    def reader(
-        self,
-        journal: str,
-        offset: int = 0,
-        *,
-        block: bool = True,
-        end_offset: int = 0,
-        direct: bool = False,
-        on_jump: Callable[[int, int], Any] | None = None,
-    ) -> Reader:
-        """An iterator of committed content of `journal` from `offset` (-1: the write head); see `Reader`."""
-        return Reader(self, journal, offset, block=block, end_offset=end_offset, direct=direct, on_jump=on_jump)
+    def reader(self, journal: str, offset: int = 0, **options: Any) -> Reader:
+        """An iterator of committed content of `journal` from `offset` (-1: the write head); `options`
+        (block, end_offset, direct, on_jump) as for `Reader`."""
+        return Reader(self, journal, offset, **options)
 
     def read(self, journal: str, offset: int = 0, *, block: bool = False, end_offset: int = 0) -> Reader:
         """Committed content from `offset`: non-blocking reads stop at the write head; blocking
@@ -293,7 +293,7 @@ class AsyncClient:
         """One request/response exchange with any broker, retried while the failure is transient."""
         attempt = 0
         while True:
-            endpoint = self._pick(self.routes.read_endpoint(journal) if journal else self.endpoint)
+            endpoint = self._read_endpoint(journal) if journal else self._pick(self.endpoint)
             try:
                 resp = await call(self.stub(endpoint))
             except grpc.RpcError as exc:
@@ -348,7 +348,7 @@ class Appender:
     async def open(self) -> None:
         if self._call is not None:
             raise UsageError(f"appender of {self.journal!r} is already open")
-        self._endpoint = self.client._pick(self.client.routes.append_endpoint(self.journal))
+        self._endpoint = self.client._append_endpoint(self.journal)
         self._call = self.client.stub(self._endpoint).Append()
         await self._send(self._first)
 
@@ -458,7 +458,7 @@ class Reader:
         client = self.client
         attempt = 0
         while not self._done():
-            endpoint = client._pick(client.routes.read_endpoint(self.journal))
+            endpoint = client._read_endpoint(self.journal)
             req = pb.ReadRequest(
                 journal=self.journal,
                 offset=self.offset,

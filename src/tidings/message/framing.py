@@ -494,9 +494,6 @@ class _NdjsonDecoder(Decoder):
         return last + 1, Columns(bounds[:-1], bounds[1:], values, [])
 
     def _scan(self, work: bytes | bytearray, view: memoryview, out: list[Record]) -> int:
-        return self._scan_lines(work, view, out)
-
-    def _scan_lines(self, work: bytes | bytearray, view: memoryview, out: list[Record]) -> int:
         base, decode, limit = self._base, self._decode, self.max_message_size
         n, pos = len(work), 0
         append = out.append

@@ -20,15 +20,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from contextlib import aclosing
 from itertools import repeat
 from typing import Any
 
 from tidings.client import AsyncClient, Client
-from tidings.message.framing import Columns, Garbage, columns_of, framing_for, get_uuid, uuid_getter
-from tidings.message.publisher import content_type_of
+from tidings.message.framing import Columns, Garbage, columns_of, get_uuid, uuid_getter
+from tidings.message.publisher import journal_framing
 from tidings.message.sequencer import DEFAULT_RING_SIZE, Checkpoint, Envelope, Sequencer
-from tidings.protocol import labels
-from tidings.protocol.status import JournalNotFoundError, UsageError
+from tidings.protocol.status import UsageError
 
 __all__ = ["ReadCommitted", "ReadUncommitted", "read_committed", "read_uncommitted"]
 
@@ -93,9 +93,10 @@ class ReadUncommitted:
         return self._envelope_batches()
 
     async def _envelopes(self) -> AsyncIterator[Envelope]:
-        async for batch in self._envelope_batches():
-            for env in batch:
-                yield env
+        async with aclosing(self._envelope_batches()) as batches:  # (closing us closes the journals' readers)
+            async for batch in batches:
+                for env in batch:
+                    yield env
 
     def _envelope_batches(self) -> AsyncIterator[list[Envelope]]:
         return self._batches()
@@ -106,16 +107,17 @@ class ReadUncommitted:
             async for batch in self._journal_batches(self.journals[0], self.offsets[self.journals[0]]):
                 yield batch
             return
-        queue: asyncio.Queue[list[Envelope] | BaseException | None] = asyncio.Queue(maxsize=64)
+        queue: asyncio.Queue[list[Envelope] | Exception | None] = asyncio.Queue(maxsize=64)
 
         async def pump(journal: str) -> None:
             try:
                 async for batch in self._journal_batches(journal, self.offsets[journal]):
                     await queue.put(batch)
                 await queue.put(None)
-            except BaseException as exc:
-                await queue.put(exc)
+            except asyncio.CancelledError:  # the reader stopped: nobody takes from the queue any more
                 raise
+            except Exception as exc:
+                await queue.put(exc)
 
         tasks = [asyncio.create_task(pump(j), name=f"read:{j}") for j in self.journals]
         try:
@@ -124,7 +126,7 @@ class ReadUncommitted:
                 item = await queue.get()
                 if item is None:
                     running -= 1
-                elif isinstance(item, BaseException):
+                elif isinstance(item, Exception):
                     raise item
                 else:
                     yield item
@@ -134,14 +136,15 @@ class ReadUncommitted:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _journal_batches(self, journal: str, offset: int, end_offset: int = 0) -> AsyncIterator[list[Envelope]]:
-        decoder = (await self._framing(journal)).decoder(self.message_type, offset)
+        decoder = (await journal_framing(self._aio, journal)).decoder(self.message_type, offset)
         reader = self._aio.reader(journal, offset, block=self.block and not end_offset, end_offset=end_offset)
-        async for chunk in reader:
-            batch = self._envelopes_of(journal, decoder.feed_columns(chunk.content, chunk.offset))
-            if batch:
-                if not end_offset:  # (a replay re-reads an earlier range: it does not move the reader)
-                    self.offsets[journal] = batch[-1].end
-                yield batch
+        async with aclosing(reader):
+            async for chunk in reader:
+                batch = self._envelopes_of(journal, decoder.feed_columns(chunk.content, chunk.offset))
+                if batch:
+                    if not end_offset:  # (a replay re-reads an earlier range: it does not move the reader)
+                        self.offsets[journal] = batch[-1].end
+                    yield batch
         tail = self._envelopes_of(journal, columns_of(decoder.finish()))
         if tail:
             yield tail
@@ -177,12 +180,6 @@ class ReadUncommitted:
                     garbage.error)  # fmt: skip
         if self.on_garbage is not None:
             self.on_garbage(journal, garbage)
-
-    async def _framing(self, journal: str):
-        resp = await self._aio.list(labels.parse_selector(f"name={journal}"))
-        if not resp.journals:
-            raise JournalNotFoundError(journal)
-        return framing_for(content_type_of(resp.journals[0].spec))
 
     async def read_range(self, journal: str, begin: int, end: int) -> list[Envelope]:
         """Every envelope of `journal` in [begin, end), read again (for a Sequencer replay)."""
@@ -225,28 +222,30 @@ class ReadCommitted(ReadUncommitted):
     async def _envelopes(self) -> AsyncIterator[Envelope]:
         """One message at a time: each counts as delivered (for `checkpoint()`) once it is yielded."""
         seq = self.sequencer
-        async for batch in self._batches():
-            for env in batch:
-                replay = seq.queue(env)
-                if replay is not None:
-                    seq.replay(await self.read_range(replay.journal, replay.begin, replay.end))
-                while (committed := seq.step()) is not None:
-                    yield committed
+        async with aclosing(self._batches()) as batches:
+            async for batch in batches:
+                for env in batch:
+                    replay = seq.queue(env)
+                    if replay is not None:
+                        seq.replay(await self.read_range(replay.journal, replay.begin, replay.end))
+                    while (committed := seq.step()) is not None:
+                        yield committed
 
     async def _envelope_batches(self) -> AsyncIterator[list[Envelope]]:
         """A list at a time: a whole batch counts as delivered once it is yielded (checkpoint between batches)."""
         seq = self.sequencer
-        async for batch in self._batches():
-            out: list[Envelope] = []
-            at = 0
-            while at < len(batch):
-                at = seq.sequence(batch, at, out)
-                replay = seq.pending_replay
-                if replay is not None:
-                    seq.replay(await self.read_range(replay.journal, replay.begin, replay.end))
-                    out.extend(seq.dequeue())
-            if out:
-                yield out
+        async with aclosing(self._batches()) as batches:
+            async for batch in batches:
+                out: list[Envelope] = []
+                at = 0
+                while at < len(batch):
+                    at = seq.sequence(batch, at, out)
+                    replay = seq.pending_replay
+                    if replay is not None:
+                        seq.replay(await self.read_range(replay.journal, replay.begin, replay.end))
+                        out.extend(seq.dequeue())
+                if out:
+                    yield out
 
 
 def read_uncommitted(client: AsyncClient | Client, journals: str | Iterable[str], **options: Any) -> ReadUncommitted:

@@ -78,6 +78,16 @@ def content_type_of(spec: pb.JournalSpec) -> str:
     return NDJSON
 
 
+async def journal_framing(client: AsyncClient, journal: str, spec: pb.JournalSpec | None = None) -> Framing:
+    """The framing of `journal` by its content-type label, from `spec` or else from the cluster."""
+    if spec is None:
+        resp = await client.list(labels.parse_selector(f"name={journal}"))
+        if not resp.journals:
+            raise JournalNotFoundError(journal)
+        spec = resp.journals[0].spec
+    return framing_for(content_type_of(spec))
+
+
 class JournalList:
     """The journals matching a label selector, in name order, kept current by a List watch.
 
@@ -260,12 +270,7 @@ class Publisher:
         if framing is not None:
             return framing
         spec = self.journals.specs.get(journal) if self.journals is not None else None
-        if spec is None:
-            resp = await self.service.client.list(labels.parse_selector(f"name={journal}"))
-            if not resp.journals:
-                raise JournalNotFoundError(journal)
-            spec = resp.journals[0].spec
-        framing = self._framings[journal] = framing_for(content_type_of(spec))
+        framing = self._framings[journal] = await journal_framing(self.service.client, journal, spec)
         return framing
 
     async def _publish(self, mapping: Mapping | str, messages: tuple[Any, ...], flags: int) -> asyncio.Future:

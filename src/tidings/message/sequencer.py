@@ -475,14 +475,11 @@ class Sequencer:
         if p is None:
             return None
         fast = self._fast
-        if fast is not None:  # an OUTSIDE_TXN message (see queue): delivered, and the producer acknowledged
+        if fast is not None:  # an OUTSIDE_TXN message (see queue)
             env, clock = fast
             self._fast = None
-            p.min_clock = p.max_clock = clock
-            if self._offsets.get(env.journal, -1) < env.end:
-                self._offsets[env.journal] = env.end
             self._emit = None
-            self._delivered += 1
+            self._deliver_outside(p, env, clock)
             return env
         if self._need_replay is not None:
             raise ReplayRequiredError(self._need_replay)
@@ -520,7 +517,9 @@ class Sequencer:
         """
         if self._emit is not None:
             raise UsageError("committed messages remain to dequeue: drain dequeue() before queueing more")
-        partials, offsets, queue, step = self._partials, self._offsets, self._queue, self.step
+        partials, offsets, queue, step, deliver = (
+            self._partials, self._offsets, self._queue, self.step, self._deliver_outside
+        )  # fmt: skip
         delivered = 0
         i, n = start, len(envs)
         try:
@@ -535,9 +534,7 @@ class Sequencer:
                         p = partials.get((journal, fields[0]))
                         clock = fields[1]
                         if p is not None and p.begin == -1 and clock > p.min_clock and journal in offsets:
-                            p.min_clock = p.max_clock = clock  # as queue() then step() would leave it
-                            if offsets[journal] < env.end:
-                                offsets[journal] = env.end
+                            deliver(p, env, clock)  # what queue() then step() would do, without their work
                             delivered += 1
                             out.append(env)
                             continue
@@ -549,8 +546,15 @@ class Sequencer:
         finally:
             if delivered:
                 self._outcomes[_OUTSIDE_COMMIT] += delivered
-                self._delivered += delivered
                 self.last_outcome = _OUTSIDE_COMMIT
+
+    def _deliver_outside(self, p: _Partial, env: Envelope, clock: int) -> None:
+        """An OUTSIDE_TXN message is delivered: its clock is its producer's last ACK, and the
+        read-through offset passes it."""
+        p.min_clock = p.max_clock = clock
+        if self._offsets.get(env.journal, -1) < env.end:
+            self._offsets[env.journal] = env.end
+        self._delivered += 1
 
     def feed(self, env: Envelope, reread: Callable[[Replay], Iterable[Envelope]]) -> Iterator[Envelope]:
         """Queue `env`, satisfy a replay with ``reread(range)``, and return :meth:`dequeue` (exhaust it)."""
