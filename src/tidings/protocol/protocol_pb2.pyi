@@ -23,6 +23,7 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WRONG_APPEND_OFFSET: _ClassVar[Status]
     INDEX_HAS_GREATER_OFFSET: _ClassVar[Status]
     REGISTER_MISMATCH: _ClassVar[Status]
+    FRAGMENT_STORE_UNHEALTHY: _ClassVar[Status]
 
 class CompressionCodec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -44,6 +45,7 @@ NOT_ALLOWED: Status
 WRONG_APPEND_OFFSET: Status
 INDEX_HAS_GREATER_OFFSET: Status
 REGISTER_MISMATCH: Status
+FRAGMENT_STORE_UNHEALTHY: Status
 INVALID: CompressionCodec
 NONE: CompressionCodec
 GZIP: CompressionCodec

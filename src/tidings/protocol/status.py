@@ -38,6 +38,10 @@ _NEXT_STEP: dict[int, str] = {
         "journal consistency was lost; once every old broker is gone run `tidings journals reset-head`"
     ),
     pb.REGISTER_MISMATCH: "the journal's registers do not match the expectation (another writer won)",
+    pb.FRAGMENT_STORE_UNHEALTHY: (
+        "the journal's fragment store cannot be reached or used; check its URL, credentials and installed "
+        "backend (e.g. pip install 'tidings[s3]'); retry"
+    ),
 }
 
 RETRIABLE = frozenset(
@@ -50,6 +54,8 @@ RETRIABLE = frozenset(
         pb.PROPOSAL_MISMATCH,
     }
 )
+# Transient, but the Route is not at fault: retry without refreshing it.
+RETRIABLE_IN_PLACE = frozenset({pb.FRAGMENT_STORE_UNHEALTHY})
 
 
 def status_name(status: int) -> str:
@@ -89,7 +95,7 @@ def _define(status: int) -> type[StatusError]:
         (StatusError,),
         {
             "status": status,
-            "retriable": status in RETRIABLE,
+            "retriable": status in RETRIABLE or status in RETRIABLE_IN_PLACE,
             "refresh_route": status in RETRIABLE,
             "__doc__": f"Status {status_name(status)}.",
             "__module__": __name__,
@@ -112,6 +118,7 @@ NotAllowedError = _define(pb.NOT_ALLOWED)
 WrongAppendOffsetError = _define(pb.WRONG_APPEND_OFFSET)
 IndexHasGreaterOffsetError = _define(pb.INDEX_HAS_GREATER_OFFSET)
 RegisterMismatchError = _define(pb.REGISTER_MISMATCH)
+FragmentStoreUnhealthyError = _define(pb.FRAGMENT_STORE_UNHEALTHY)
 
 
 def for_status(status: int) -> type[StatusError]:
