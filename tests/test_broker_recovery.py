@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
+import time
+from pathlib import Path
 
 import pytest
 
@@ -24,15 +27,23 @@ def _store_end(store_url: str, journal: str) -> int:
     return covered
 
 
-def write_foreign_fragment(cluster, journal: str, begin: int, content: bytes, codec: str = "none") -> None:
-    """Persist a fragment into the journal's store as another, disconnected broker would have."""
+def write_foreign_fragment(
+    cluster, journal: str, begin: int, content: bytes, codec: str = "none", age: float = 0.0
+) -> None:
+    """Persist a fragment into the journal's store as another, disconnected broker would have,
+    `age` seconds ago (its file's modification time in the file:// store)."""
     codecs = {"none": pb.NONE, "gzip": pb.GZIP, "zstd": pb.ZSTANDARD}
     frag = Fragment(
         journal=journal, begin=begin, end=begin + len(content), sum=hashlib.sha1(content).digest(), codec=codecs[codec]
     )
     path = cluster.data_dir / f"foreign-{begin}.raw"
     path.write_bytes(content)
-    store_for(cluster.store_url).persist(frag, str(path))
+    store = store_for(cluster.store_url)
+    store.persist(frag, str(path))
+    if age:
+        stored = Path(store.url(frag).removeprefix("file://"))
+        then = time.time() - age
+        os.utime(stored, (then, then))
 
 
 async def test_broker_restarted_with_empty_disk_serves_old_content_from_store(cluster) -> None:
@@ -53,6 +64,11 @@ async def test_broker_restarted_with_empty_disk_serves_old_content_from_store(cl
         async with cluster.client(i) as c:
             assert await c.read_all("it/restore") == payload
     async with cluster.client(1) as c:
+        # Every broker lost its disk: none can tell whether a partitioned broker holds more, so the
+        # journal refuses until an operator resets the head (Invariant 6), then continues there.
+        with pytest.raises(IndexHasGreaterOffsetError):
+            await c.append("it/restore", b"after restart\n")
+        await c.append("it/restore", b"", offset=len(payload))  # `journals reset-head`
         more = await c.append("it/restore", b"after restart\n")
         assert more.begin == len(payload), "appends continue at the store's end offset"
 

@@ -172,13 +172,39 @@ async def test_reader_reports_offset_jumps(cluster) -> None:
     await cluster.create_journal("cl/jump", 3)
     async with cluster.client(0) as c:
         await c.append("cl/jump", b"abc")
-        write_foreign_fragment(cluster, "cl/jump", 100, b"0123456789")
+        write_foreign_fragment(cluster, "cl/jump", 100, b"0123456789", age=7 * 3600)  # persisted long ago
         await wait_until(lambda: _index_end(cluster, "cl/jump") == 110, 20)
         seen: list[tuple[int, int]] = []
         reader = c.reader("cl/jump", 0, block=False, on_jump=lambda a, b: seen.append((a, b)))
         data = b"".join([chunk.content async for chunk in reader])
         assert data == b"abc0123456789"
         assert reader.jumps == seen == [(3, 100)]
+
+
+async def test_a_read_never_skips_a_hole_that_may_still_fill(cluster) -> None:
+    """Item 3: bytes past a hole whose fragment was persisted just now may be preceded by content still
+    on its way (an upload racing a hand-off): readers wait at the hole instead of skipping it."""
+    await cluster.create_journal("cl/hole", 3)
+    async with cluster.client(0) as c:
+        await c.append("cl/hole", b"abc")
+        write_foreign_fragment(cluster, "cl/hole", 100, b"0123456789")  # fresh: the hole [3, 100) may fill
+        await wait_until(lambda: _index_end(cluster, "cl/hole") == 110, 20)
+        for i in range(3):
+            async with cluster.client(i) as ci:
+                reader = ci.reader("cl/hole", 0, block=False)
+                assert b"".join([chunk.content async for chunk in reader]) == b"abc"
+                assert reader.offset == 3 and reader.jumps == []
+        blocking = c.reader("cl/hole", 0, block=True, end_offset=110)
+        got = asyncio.ensure_future(_collect(blocking))
+        await asyncio.sleep(0.2)
+        assert not got.done(), "a blocking read waits at the hole"
+        write_foreign_fragment(cluster, "cl/hole", 3, b"x" * 97)  # the missing content arrives
+        assert await asyncio.wait_for(got, 30) == b"abc" + b"x" * 97 + b"0123456789"
+        assert blocking.jumps == []
+
+
+async def _collect(reader) -> bytes:
+    return b"".join([chunk.content async for chunk in reader])
 
 
 def _index_end(cluster, journal: str) -> int:

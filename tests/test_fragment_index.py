@@ -15,12 +15,17 @@ from tidings.fragment import Fragment, FragmentIndex
 J = "examples/index"
 
 
-def frag(begin: int, end: int, tag: int = 0, store: str = "") -> Fragment:
-    return Fragment(J, begin, end, hashlib.sha1(f"{begin}-{end}-{tag}".encode()).digest(), backing_store=store)
+OLD = 1_000_000  # a mod_time long past: readers may skip to such a fragment
+NOW = 2_000_000_000.0
 
 
-def remote(begin: int, end: int, tag: int = 0) -> Fragment:
-    return frag(begin, end, tag, "file:///store/")
+def frag(begin: int, end: int, tag: int = 0, store: str = "", mod_time: int = 0) -> Fragment:
+    digest = hashlib.sha1(f"{begin}-{end}-{tag}".encode()).digest()
+    return Fragment(J, begin, end, digest, backing_store=store, mod_time=mod_time)
+
+
+def remote(begin: int, end: int, tag: int = 0, mod_time: int = OLD) -> Fragment:
+    return frag(begin, end, tag, "file:///store/", mod_time)
 
 
 def span(entry: tuple[Fragment, str | None] | None) -> tuple[int, int, bool] | None:
@@ -45,6 +50,11 @@ def span(entry: tuple[Fragment, str | None] | None) -> tuple[int, int, bool] | N
         pytest.param([], [(0, 10), (20, 30)], 30, None, id="at-end-offset"),
         pytest.param([], [(0, 10)], 99, None, id="beyond-end-offset"),
         pytest.param([(0, 10)], [(10, 20)], 10, (10, 20, False), id="end-is-exclusive"),
+        pytest.param([(0, 10), (20, 30)], [], 12, None, id="no-skip-to-a-local-fragment"),
+        pytest.param([(20, 30)], [], 0, None, id="no-skip-to-a-local-first-fragment"),
+        pytest.param([], [(0, 10), (20, 30, 0, int(NOW) - 60)], 12, None, id="no-skip-to-a-fresh-fragment"),
+        pytest.param([], [(20, 30, 0, int(NOW) - 60)], 3, (20, 30, False), id="skip-to-a-fresh-first-fragment"),
+        pytest.param([], [(0, 10), (20, 30, 0, 0)], 12, None, id="no-skip-without-mod-time"),
     ],
 )
 def test_query_cases(
@@ -54,7 +64,7 @@ def test_query_cases(
     index.replace_remote(remote(*r) for r in remotes)
     for b, e in locals_:
         index.add_local(frag(b, e, 9), f"/spool/{b}")
-    assert span(index.query(offset)) == want
+    assert span(index.query(offset, now=NOW)) == want
 
 
 def test_end_offset_and_fragments_listing() -> None:
@@ -87,12 +97,16 @@ def test_replace_remote_drops_local_entries_now_persisted() -> None:
     index.add_local(persisted, "/spool/0")
     index.add_local(current, "/spool/100")
     index.add_local(frag(200, 300), "/spool/200")
-    # Same span but another sum is not the same content: it must not drop the local entry.
-    dropped = index.replace_remote([persisted.with_store("file:///s/"), frag(200, 300, tag=1, store="file:///s/")])
-    assert dropped == [(persisted, "/spool/0")]
+    index.add_local(frag(400, 500), "/spool/400")
+    # Covered offsets are dropped whichever fragments cover them (as Gazette's CoverSetDifference):
+    # [200, 300) by two contiguous ones; [400, 500) only partly, so it stays.
+    listing = [persisted.with_store("file:///s/"), remote(200, 250), remote(240, 300), remote(400, 450)]
+    dropped = index.replace_remote(listing)
+    assert sorted(dropped, key=repr) == sorted([(persisted, "/spool/0"), (frag(200, 300), "/spool/200")], key=repr)
     assert span(index.query(50)) == (0, 100, False)
     assert span(index.query(110)) == (100, 120, True)
-    assert span(index.query(250)) == (200, 300, True)
+    assert span(index.query(260)) == (240, 300, False)
+    assert span(index.query(420)) == (400, 500, True)
     assert index.first_refresh
 
 
@@ -165,8 +179,8 @@ class _Reference:
         self.local[f.begin] = (f, path)
 
     def replace_remote(self, frags: list[Fragment]) -> list[tuple[Fragment, str]]:
-        keys = {(f.begin, f.end, f.sum) for f in frags}
-        dropped = [e for e in self.local.values() if (e[0].begin, e[0].end, e[0].sum) in keys]
+        offsets = {o for f in frags for o in range(f.begin, f.end)}
+        dropped = [e for e in self.local.values() if all(o in offsets for o in range(e[0].begin, e[0].end))]
         for f, _ in dropped:
             del self.local[f.begin]
         self.remote = list(frags)
@@ -179,8 +193,12 @@ class _Reference:
         covering = [(f.end, p is not None) for f, p in self.all() if f.begin <= offset < f.end]
         if covering:
             return max(covering)  # (end, is_local): largest end, local on ties
-        after = [f.begin for f, _ in self.all() if f.begin > offset]
-        return ("jump", min(after)) if after else None
+        after = [(f, p) for f, p in self.all() if f.begin > offset]
+        if not after:
+            return None
+        first = min(f.begin for f, _ in after)
+        _, _, is_local = max((f.end, p is not None, p is not None) for f, p in after if f.begin == first)
+        return None if is_local else ("jump", first)  # every remote fragment here is old: skipping is allowed
 
 
 @settings(max_examples=300, deadline=None)

@@ -56,7 +56,7 @@ async def test_failing_store_is_retried_until_each_fragment_persists_once(
     assert sorted(got, key=lambda e: e[0].begin) == [(f.with_store(url), p) for f, p in frags]
     assert sorted(f.content_name() for f in store_for(url).list(J)) == sorted(f.content_name() for f, _ in frags)
     stats = persister.statistics()
-    assert stats == PersisterStatistics(queued=0, persisted=len(frags), failures=stats.failures)
+    assert stats == PersisterStatistics(queued=0, persisted=len(frags), failures=stats.failures, uploaded=len(frags))
     assert frags[0][0].content_path() in caplog.text, "the warning names the fragment"
     await persister.aclose()
 
@@ -76,7 +76,7 @@ async def test_on_persisted_error_does_not_stop_the_loop(tmp_path: Path) -> None
         persister.submit(*_local(tmp_path, begin, 10), url)
     assert await persister.drain(timeout=10)
     assert seen == [0, 10]
-    assert persister.statistics() == PersisterStatistics(queued=0, persisted=2, failures=0)
+    assert persister.statistics() == PersisterStatistics(queued=0, persisted=2, failures=0, uploaded=2)
     await persister.aclose()
 
 
@@ -90,3 +90,29 @@ async def test_drain_before_start_times_out_and_closed_persister_refuses(tmp_pat
         persister.submit(*_local(tmp_path, 10, 10), f"file://{tmp_path / 'store'}/")
     with pytest.raises(UsageError):
         await persister.start()
+
+
+async def test_a_replicas_delayed_fragment_is_not_uploaded_again(tmp_path: Path) -> None:
+    """Item 10: the primary uploads at once; a replica waits, then finds it in the store and skips it."""
+    url = f"file://{tmp_path / 'store'}/"
+    done: list[Fragment] = []
+    primary = Persister(lambda f, p: done.append(f))
+    replica = Persister(lambda f, p: done.append(f))
+    await primary.start()
+    await replica.start()
+    frag, path = _local(tmp_path, 0, 100)
+    replica.submit(frag, path, url, delay=3600)  # an hour: released only by drain()
+    primary.submit(frag, path, url)
+    assert await primary.drain(timeout=10)
+    assert replica.statistics().queued == 1, "the replica still waits"
+    assert await replica.drain(timeout=10), "drain releases delayed fragments at once"
+    assert primary.statistics().uploaded == 1
+    assert replica.statistics() == PersisterStatistics(queued=0, persisted=1, failures=0, uploaded=0)
+    assert len(done) == 2
+    assert [f.content_name() for f in store_for(url).list(J)] == [frag.content_name()]
+    # A replica's fragment the store does not hold is uploaded after its delay.
+    other, other_path = _local(tmp_path, 100, 50)
+    replica.submit(other, other_path, url, delay=0.01)
+    await wait_until(lambda: replica.statistics().uploaded == 1)
+    await primary.aclose()
+    await replica.aclose()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tidings.fragment.fragment import EMPTY_SUM, Fragment
-from tidings.fragment.spool import Spool, Transition, apply_registers
+from tidings.fragment.spool import HEAD, Spool, SpoolFile, Transition, apply_registers, recover
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import ValidationError
@@ -18,13 +18,18 @@ class Recorder:
     def __init__(self) -> None:
         self.commits: list[Fragment] = []
         self.completes: list[tuple[Fragment, bytes]] = []
+        self.files: list[SpoolFile] = []
+        self.primaries: list[bool] = []
         self.gaps: list[tuple[int, int]] = []
 
-    def spool_commit(self, fragment: Fragment, path: str) -> None:
+    def spool_commit(self, fragment: Fragment, file: SpoolFile) -> None:
         self.commits.append(fragment)
 
-    def spool_complete(self, fragment: Fragment, path: str) -> None:
-        self.completes.append((fragment, Path(path).read_bytes()))
+    def spool_complete(self, fragment: Fragment, file: SpoolFile, primary: bool) -> None:
+        with file.reader() as r:
+            self.completes.append((fragment, r.read()))
+        self.files.append(file)
+        self.primaries.append(primary)
 
     def spool_gap(self, begin: int, end: int) -> None:
         self.gaps.append((begin, end))
@@ -122,10 +127,15 @@ def test_foreign_journal_is_a_mismatch(spool) -> None:
     assert sp.classify(other) is Transition.MISMATCH
 
 
-def test_registers_union_then_subtract() -> None:
-    cur = labels.label_set({"a": "1", "b": "2"})
-    out = apply_registers(cur, labels.label_set({"a": "9"}), labels.label_set({"b": ""}))
-    assert labels.pairs(out) == [("a", "9")]
+def test_registers_subtract_then_union() -> None:
+    """Gazette's order: subtract (a name goes when all its values match), then union (union's values win)."""
+    cur = labels.label_set([("a", "1"), ("b", "2"), ("c", "3"), ("c", "4")])
+    out = apply_registers(cur, labels.label_set({"a": "9", "b": "2"}), labels.label_set([("b", "2"), ("c", "3")]))
+    assert labels.pairs(out) == [("a", "9"), ("b", "2"), ("c", "3"), ("c", "4")]  # c's values differ: kept
+    assert labels.pairs(apply_registers(cur, pb.LabelSet(), labels.label_set([("c", "3"), ("c", "4")]))) == [
+        ("a", "1"),
+        ("b", "2"),
+    ]
 
 
 def test_roll_past_content_this_replica_never_got_reports_the_gap(spool) -> None:
@@ -135,3 +145,97 @@ def test_roll_past_content_this_replica_never_got_reports_the_gap(spool) -> None
     assert sp.apply_proposal(frag(3, 3), pb.LabelSet()).status == pb.OK  # a roll at our end: no gap
     assert sp.apply_proposal(frag(10, 10), pb.LabelSet()).status == pb.OK  # another replica got [3, 10)
     assert rec.gaps == [(3, 10)]
+
+
+def test_rollback_requires_equal_registers(spool) -> None:
+    """Item 8: a re-proposal of the current fragment with other registers is a mismatch, not a rollback."""
+    sp, _ = spool
+    regs = labels.label_set({"owner": "x"})
+    sp.apply_content(b"abc", 0)
+    sp.apply_proposal(frag(0, 3, b"abc"), regs)
+    sp.apply_content(b"d", 0)
+    assert sp.apply_proposal(frag(0, 3, b"abc"), labels.label_set({"owner": "y"})).status == pb.PROPOSAL_MISMATCH
+    assert sp.delta == 1
+    assert sp.apply_proposal(frag(0, 3, b"abc"), regs).status == pb.OK and sp.delta == 0
+
+
+def test_a_proposal_beyond_the_spool_rolls_it_forward_and_takes_its_registers(spool) -> None:
+    """A new peer catches up: a commit beyond it rolls it to the proposal's end (where it answers a
+    mismatch with an empty fragment), and an empty proposal beyond it is adopted with its registers."""
+    sp, rec = spool
+    regs = labels.label_set({"epoch": "7"})
+    resp = sp.apply_proposal(frag(100, 120, b"x" * 20), regs)
+    assert resp.status == pb.PROPOSAL_MISMATCH and Fragment.from_proto(resp.fragment) == frag(120, 120)
+    assert sp.registers == regs and rec.completes == []
+    assert sp.apply_proposal(frag(120, 120), regs).status == pb.OK and sp.end == 120
+    # An empty proposal at our end, from a peer that rolled: adopted; content is rolled back first.
+    sp.apply_content(b"uncommitted", 0)
+    assert sp.apply_proposal(frag(120, 120), regs).status == pb.OK and sp.delta == 0
+
+
+def test_roll_at_the_end_completes_the_fragment_for_the_primary_flag(spool) -> None:
+    sp, rec = spool
+    sp.apply_content(b"abc", 0)
+    sp.apply_proposal(frag(0, 3, b"abc"), pb.LabelSet())
+    assert sp.apply_proposal(frag(3, 3), pb.LabelSet(), primary=True).status == pb.OK
+    assert rec.completes == [(frag(0, 3, b"abc"), b"abc")] and rec.primaries == [True]
+
+
+def test_completed_file_keeps_its_name_until_persisted_and_readers_keep_reading(spool) -> None:
+    """Item 1: a file is unlinked only when the spool is done with it and a store holds it; an open
+    reader keeps reading after that."""
+    sp, rec = spool
+    sp.apply_content(b"hello", 0)
+    sp.apply_proposal(frag(0, 5, b"hello"), pb.LabelSet())
+    live = sp.file
+    assert live is not None
+    live.mark_persisted(5)  # the old primary persisted [0, 5) while this spool still holds it
+    assert live.path.exists(), "the live spool file must survive a listing that covers it"
+    sp.apply_content(b" world", 0)
+    sp.apply_proposal(frag(0, 11, b"hello world"), pb.LabelSet())
+    assert live.pread(11, 0) == b"hello world"
+    sp.apply_proposal(frag(11, 11), pb.LabelSet())  # roll: [0, 11) completes
+    assert live.path.exists(), "[5, 11) is not persisted yet"
+    assert live.path.name.endswith(".spool") and rec.files == [live]
+    live.mark_persisted(11)
+    assert not live.path.exists()
+    assert live.pread(11, 0) == b"hello world", "the open descriptor still reads"
+
+
+def test_recover_finds_committed_content_and_where_the_spool_stood(tmp_path: Path) -> None:
+    """Item 12: a restarted broker recovers completed and committed content, drops uncommitted tails,
+    and resumes at the committed end with the registers."""
+    regs = labels.label_set({"writer": "w1"})
+    sp = Spool("a/j", tmp_path, Recorder())
+    sp.apply_content(b"first", 0)
+    sp.apply_proposal(frag(0, 5, b"first"), regs)
+    sp.apply_proposal(frag(5, 5), regs)  # completed, not persisted
+    sp.apply_content(b"second", 0)
+    sp.apply_proposal(frag(5, 11, b"second"), regs)
+    sp.apply_content(b"uncommitted tail", 0)
+    del sp  # a kill -9: nothing is closed
+
+    got = recover("a/j", tmp_path)
+    assert [(f, fl.pread(100, 0)) for f, fl in got.fragments] == [
+        (frag(0, 5, b"first"), b"first"),
+        (frag(5, 11, b"second"), b"second"),
+    ]
+    assert got.head is not None and got.head.end == 11 and got.registers == regs
+    fresh = Spool("a/j", tmp_path, Recorder())
+    fresh.resume(got.head, got.registers)
+    assert fresh.end == 11 and fresh.fragment.content_length == 0 and fresh.registers == regs
+    again = recover("a/j", tmp_path)
+    assert again.head == frag(11, 11) and len(again.fragments) == 2, "recovery is repeatable"
+
+
+def test_recover_drops_damaged_files_and_head(tmp_path: Path) -> None:
+    sp = Spool("a/j", tmp_path, Recorder())
+    sp.apply_content(b"abc", 0)
+    sp.apply_proposal(frag(0, 3, b"abc"), pb.LabelSet())
+    sp.apply_proposal(frag(3, 3), pb.LabelSet())
+    completed = next(p for p in tmp_path.iterdir() if p.name.endswith(".spool"))
+    completed.write_bytes(b"abX")  # corrupted
+    (tmp_path / HEAD).write_bytes(b"\x00garbage")
+    got = recover("a/j", tmp_path)
+    assert got.fragments == [] and got.head is None
+    assert not completed.exists()

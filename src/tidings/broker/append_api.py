@@ -1,8 +1,15 @@
 """Append RPC: validate the first message, run the AppendFSM, map its end state to a response.
 
 This is the only place an FSM's end state becomes an answer: a Status returns as a normal
-response with a Header (so clients refresh their Route); a surprise becomes a gRPC error; a
-client's cancellation rolls back quietly. Non-primary brokers proxy the stream to the primary.
+response with a Header (so clients refresh their Route); a surprise becomes a gRPC error with
+the code the FSM chose (UNAVAILABLE for replication failures, ABORTED for a rolled-back append,
+INVALID_ARGUMENT for bad input); a client's cancellation rolls back quietly. Non-primary brokers
+proxy the stream to the primary.
+
+Every Append RPC ends with a status. A handler that ended in a CancelledError that is not its
+own task's cancellation (grpc.aio raises those from calls cancelled under us) would send none and
+leave its client waiting forever, so such an error, and any other surprise, becomes UNAVAILABLE
+or INTERNAL with a message naming the journal.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import grpc
 
 from tidings.broker import _metrics as metrics
 from tidings.broker.append_fsm import AppendFSM, AppendState
+from tidings.broker.transport import cancelled_under_us
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import validate
 from tidings.protocol.protocol_pb2_grpc import JournalStub
@@ -61,6 +69,25 @@ def _reader(broker: Broker, context: grpc.aio.ServicerContext):
 
 
 async def serve_append(broker: Broker, context: grpc.aio.ServicerContext) -> pb.AppendResponse:
+    """Serve one Append RPC; see the module docstring for how each outcome is answered."""
+    journal: list[str] = []  # filled with the journal's name once the first message is read
+    try:
+        return await _serve_append(broker, context, journal)
+    except asyncio.CancelledError:
+        if not cancelled_under_us():
+            raise  # the client went away: there is nobody to answer
+        metrics.RPC_STATUS.labels("append", "UNAVAILABLE").inc()
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "append was interrupted inside the broker; retry")
+    except grpc.aio.AbortError:
+        raise
+    except Exception as exc:
+        log.exception("append to journal %s failed unexpectedly", journal[0] if journal else "?")
+        metrics.RPC_STATUS.labels("append", "INTERNAL").inc()
+        await context.abort(grpc.StatusCode.INTERNAL, f"append failed inside the broker: {exc!r}")
+    raise AssertionError("unreachable")
+
+
+async def _serve_append(broker: Broker, context: grpc.aio.ServicerContext, journal: list[str]) -> pb.AppendResponse:
     first = await context.read()
     if first is grpc.aio.EOF:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "append: empty stream; send the journal first")
@@ -69,6 +96,7 @@ async def serve_append(broker: Broker, context: grpc.aio.ServicerContext) -> pb.
     except ValidationError as exc:
         metrics.RPC_STATUS.labels("append", "INVALID_ARGUMENT").inc()
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    journal.append(first.journal)
     fsm = AppendFSM(broker, first)
     next_message = _reader(broker, context)
     try:
@@ -89,11 +117,13 @@ async def serve_append(broker: Broker, context: grpc.aio.ServicerContext) -> pb.
         )
     if fsm.status != pb.OK:
         return _respond("append", pb.AppendResponse(status=fsm.status, header=header, registers=fsm.registers))
+    code = fsm.error_code
+    metrics.RPC_STATUS.labels("append", code.name).inc()
     if isinstance(fsm.client_error, ValidationError):
-        metrics.RPC_STATUS.labels("append", "INVALID_ARGUMENT").inc()
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{fsm.client_error} (the append was rolled back)")
-    metrics.RPC_STATUS.labels("append", "ABORTED").inc()
-    await context.abort(grpc.StatusCode.ABORTED, f"append to {first.journal!r} rolled back: {fsm.error}")
+        await context.abort(code, f"{fsm.client_error} (the append was rolled back)")
+    if code is grpc.StatusCode.UNAVAILABLE:
+        await context.abort(code, f"append to {first.journal!r}: {fsm.error}; retry")
+    await context.abort(code, f"append to {first.journal!r} rolled back: {fsm.error}")
     raise AssertionError("unreachable")
 
 
@@ -127,6 +157,12 @@ async def _proxy(broker: Broker, fsm: AppendFSM, first: pb.AppendRequest, next_m
         call.cancel()  # the primary rolls the append back
         code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, ValidationError) else grpc.StatusCode.ABORTED
         await context.abort(code, f"append to {first.journal!r} rolled back: {exc}")
+        raise AssertionError("unreachable") from None
+    except asyncio.CancelledError:
+        call.cancel()
+        if not cancelled_under_us():
+            raise
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"proxied append to the primary {endpoint} was interrupted")
         raise AssertionError("unreachable") from None
     except BaseException:
         call.cancel()

@@ -1,34 +1,48 @@
 """The append state machine (gazette-transactional-appends.txt, *Append State Machine*).
 
 Every Append RPC, and every pulse, traverses these states; each has one `_on_<state>` method
-that returns the next state, and only the driver (`run_to`) assigns `self.state`.
+that returns the next state, and only the driver (`run_to`) assigns `self.state`. The
+transitions follow Gazette's `append_fsm.go` edge for edge; where tidings differs it says so.
 
 Terminal states: ERROR, PROXY, FINISHED. STREAM_CONTENT is semi-terminal: it is driven once per
 client message by `on_stream_content` until the commit (or roll-back) proposal is sent.
 
 Expected refusals set `self.status` (REGISTER_MISMATCH, WRONG_APPEND_OFFSET, ...); surprises set
-`self.error`. Only `append_api.py` turns the end state into a response.
+`self.error` with the gRPC code the client should see (`error_code`). Only `append_api.py` turns
+the end state into a response.
+
+Cancellation (a client that goes away, a deadline, the pulse's timeout, a broker stopping) may
+arrive at any await. It never leaves a token behind and never lets another append read this
+one's acknowledgements: acknowledgements are read by the pipeline's own task (`pipeline.py`);
+a cancelled append that had streamed content rolls it back from a replica task, keeping the
+pipeline; one cancelled anywhere else the pipeline's state is uncertain shuts the pipeline down
+(its spool returns at once) so the next append builds a new one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+import grpc
+
 from tidings.allocator.converge import advertise_consistency
 from tidings.allocator.state import routes_equivalent
 from tidings.broker import _metrics as metrics
-from tidings.broker.pipeline import Pipeline, PipelineError
+from tidings.broker.pipeline import Acknowledgements, Pipeline
 from tidings.broker.replica import Replica, acquire, cancel_and_wait
 from tidings.broker.resolver import Resolution
-from tidings.fragment.fragment import Fragment
+from tidings.broker.transport import cancelled_under_us
+from tidings.fragment.fragment import EMPTY_SUM, Fragment
 from tidings.fragment.spool import Spool, apply_registers
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.status import TidingsError, ValidationError
 
 if TYPE_CHECKING:
     from tidings.broker.service import Broker
@@ -56,6 +70,46 @@ S = AppendState
 TERMINAL = frozenset({S.ERROR, S.PROXY, S.FINISHED})
 
 
+class ClientStreamError(Exception):
+    """The client's stream broke under us (not a cancellation of this append's task)."""
+
+
+def maybe_roll(spool: Spool, roll_to_offset: int, spec: pb.JournalSpec.Fragment) -> Fragment:
+    """The spool's current Fragment, or an empty one rolled to its end (or to `roll_to_offset`) under
+    the spec's codec: when the fragment is empty, over its target length, past its flush interval, or
+    a larger offset is asked for (Gazette's `maybeRollFragment`)."""
+    cur = spool.fragment
+    cl = cur.content_length
+    flush = cl == 0 or cl > spec.length or (roll_to_offset != 0 and roll_to_offset != cur.begin)
+    if spec.flush_interval_ms > 0 and spool.first_append_time:
+        interval = spec.flush_interval_ms / 1000
+        if int(spool.first_append_time / interval) != int(time.time() / interval):
+            flush = True  # the fragment holds content of an earlier flush interval
+    if not flush:
+        return cur
+    end = cur.end
+    if roll_to_offset:
+        if end > roll_to_offset:
+            raise AssertionError(f"cannot roll a spool ending at {end} back to {roll_to_offset}")
+        end = roll_to_offset
+    return Fragment(journal=cur.journal, begin=end, end=end, sum=EMPTY_SUM, codec=spec.compression_codec)
+
+
+async def _roll_back_abandoned(replica: Replica, pipeline: Pipeline) -> None:
+    """An append was cancelled after streaming content: roll it back on every replica, then hand
+    the pipeline on (its acknowledgements are read by the pipeline, in order)."""
+    try:
+        spool = pipeline.spool
+        req = pb.ReplicateRequest(proposal=spool.fragment.to_proto(), registers=spool.registers, acknowledge=True)
+        await pipeline.scatter(req, require_ok=True)
+    except BaseException:
+        pipeline.shutdown()
+        replica.pipeline_slot.put_nowait(None)
+        raise
+    replica.pipeline_slot.put_nowait(pipeline)
+    metrics.ROLLBACKS.inc()
+
+
 class AppendFSM:
     """Drives one AppendRequest (the first message of an Append RPC) through the states."""
 
@@ -66,21 +120,26 @@ class AppendFSM:
         self.state = S.RESOLVE
         self.status = pb.OK
         self.error: str | None = None
+        self.error_code = grpc.StatusCode.UNAVAILABLE  # how a surprise reaches the client
         self.client_error: Exception | None = None  # why the client's stream failed, if it did
         self.resolved: Resolution | None = None
         self.read_through_rev = req.header.etcd.revision if req.HasField("header") else 0
         self.pipeline: Pipeline | None = None
         self.owns_pipeline = False
         self.roll_to_offset = 0
-        self.commit: pb.Fragment | None = None  # this append's span
-        self.registers = pb.LabelSet()
-        self._begin = 0  # where this append's content starts
+        self.registers = pb.LabelSet()  # the journal's effective registers
+        self.commit: pb.Fragment | None = None  # this append's span, with the SHA1 of its content
+        self._invalidated = asyncio.Event()
+        self._pln_header = False  # the next sync is a new pipeline's first: it carries the Header
         self._started = False
+        self._sent = False  # this append has sent something through the pipeline's send side
+        self._begin = 0  # where this append's content starts
+        self._length = 0
+        self._summer = hashlib.sha1()
         self._commit_requested = False
         self._rolled_back = False
         self._held: bytes | None = None  # the latest chunk, forwarded with the next message
-        self._close_after: asyncio.Future[None] | None = None
-        self._wait_for: asyncio.Future[None] | None = None
+        self._acks: asyncio.Future[Acknowledgements] | None = None
         self._handlers: dict[AppendState, Callable[[], Awaitable[AppendState]]] = {
             S.RESOLVE: self._on_resolve,
             S.ACQUIRE_PIPELINE: self._on_acquire_pipeline,
@@ -125,11 +184,13 @@ class AppendFSM:
                 try:
                     msg: pb.AppendRequest | BaseException | None = await next_message()
                 except asyncio.CancelledError:
-                    raise
+                    if not cancelled_under_us():
+                        raise
+                    self.client_error = msg = ClientStreamError("the client's stream was cancelled")
                 except Exception as exc:
                     self.client_error = msg = exc
                 await self._on_client_message(msg)
-        except BaseException:  # cancelled (client gone, server stopping): give the pipeline back
+        except BaseException:  # cancelled (client gone, server stopping): see abort()
             self.abort()
             raise
         return await self.run_to()
@@ -145,17 +206,34 @@ class AppendFSM:
             await self.on_stream_content(msg)
 
     def abort(self) -> None:
-        """Cancelled mid-flight: the pipeline may hold partial content, so mark it for rebuild."""
-        if self.owns_pipeline and self.pipeline is not None and self.state is S.STREAM_CONTENT:
-            self.pipeline.broken = "append aborted mid-stream"
-        if self._close_after is not None and not self._close_after.done():
-            self._close_after.set_result(None)
-        self._release_pipeline()
+        """Interrupted while owning the pipeline: give it back in a state the next owner can use."""
+        if not self.owns_pipeline:
+            return
+        pln, replica = self.pipeline, self.replica
+        self.owns_pipeline, self.pipeline = False, None
+        if pln is None:
+            replica.pipeline_slot.put_nowait(None)
+        elif self.state is S.STREAM_CONTENT and pln.usable:
+            if self._sent:  # peers hold partial content: roll it back, keeping the pipeline
+                replica.spawn(_roll_back_abandoned(replica, pln), f"rollback:{self.journal}")
+            else:
+                replica.pipeline_slot.put_nowait(pln)
+        elif pln.usable and self.state not in (S.STREAM_CONTENT, S.SEND_PIPELINE_SYNC, S.RECV_PIPELINE_SYNC):
+            replica.pipeline_slot.put_nowait(pln)
+        else:
+            pln.shutdown()
+            replica.pipeline_slot.put_nowait(None)
 
     def _release_pipeline(self) -> None:
-        if self.owns_pipeline and self.resolved is not None and self.resolved.replica is not None:
+        if self.owns_pipeline:
             self.owns_pipeline = False
-            self.resolved.replica.pipeline_slot.put_nowait(self.pipeline)
+            self.replica.pipeline_slot.put_nowait(self.pipeline)
+
+    def _shut_down_pipeline(self) -> None:
+        """Shut our pipeline down (its spool goes back at once); we keep the slot, holding nothing."""
+        if self.pipeline is not None:
+            self.pipeline.shutdown()
+            self.pipeline = None
 
     @property
     def replica(self) -> Replica:
@@ -167,9 +245,11 @@ class AppendFSM:
         assert self.pipeline is not None
         return self.pipeline.spool
 
-    def _fail(self, status: int, error: str | None = None) -> AppendState:
+    def _fail(self, status: int, error: str | None = None, code: grpc.StatusCode | None = None) -> AppendState:
         self.status = status
         self.error = error
+        if code is not None:
+            self.error_code = code
         return S.ERROR
 
     # -- states ----------------------------------------------------------------------------
@@ -181,13 +261,15 @@ class AppendFSM:
         owned; else ACQUIRE_PIPELINE.
         """
         rev, self.read_through_rev = self.read_through_rev, 0
-        res = self.resolved = await self.broker.resolver.resolve(self.journal, rev)
+        res = await self.broker.resolver.resolve(self.journal, rev)
+        if not res.is_primary or res.replica is None:
+            if self.owns_pipeline:  # no longer primary: give back what we hold
+                self._shut_down_pipeline()
+                self._release_pipeline()
+        self.resolved = res
         if res.status != pb.OK:
             return self._fail(res.status)
         if not res.is_primary:
-            if self.owns_pipeline:
-                self._release_pipeline()
-                self.pipeline = None
             return S.AWAIT_DESIRED_REPLICAS
         if res.replica is None:
             return self._fail(pb.NO_JOURNAL_PRIMARY_BROKER, "primary replica is not yet started")
@@ -208,85 +290,115 @@ class AppendFSM:
         return S.START_PIPELINE
 
     async def _on_start_pipeline(self) -> AppendState:
-        """Build the pipeline unless it already matches the resolved Route.
+        """Build the pipeline unless it is synchronized at the resolved Route.
 
         -> UPDATE_ASSIGNMENTS when the pipeline is current (the common case); RESOLVE if the
-        route is invalidated while awaiting the Spool; else SEND_PIPELINE_SYNC.
+        route is invalidated while awaiting the Spool; ERROR if a peer has no endpoint (its
+        member is gone); else SEND_PIPELINE_SYNC.
         """
         assert self.resolved is not None
         route = self.resolved.route
         pln = self.pipeline
-        if pln is not None and not pln.broken and routes_equivalent(pln.route, route):
+        if pln is not None and pln.usable and routes_equivalent(pln.route, route):
+            self.registers = pb.LabelSet()
+            self.registers.CopyFrom(pln.spool.registers)
             return S.UPDATE_ASSIGNMENTS
+        self._shut_down_pipeline()
+        missing = [
+            f"{m.zone}/{m.suffix}" for i, m in enumerate(route.members) if i != route.primary and not route.endpoints[i]
+        ]
+        if missing:
+            return self._fail(
+                pb.INSUFFICIENT_JOURNAL_BROKERS, f"peer {', '.join(missing)} has no endpoint (its broker is gone)"
+            )
         replica = self.replica
-        if pln is not None:
-            replica.spool_slot.put_nowait(await pln.close())
-            self.pipeline = None
         ok, spool = await acquire(replica.spool_slot, self._invalidated, replica.closed)
         if not ok:
             return S.RESOLVE
         try:
-            await self._wait_or_invalidated(replica.index.wait_first_refresh())
+            assert isinstance(spool, Spool)
+            self.registers = pb.LabelSet()
+            self.registers.CopyFrom(spool.registers)
+            streams = self.broker.open_streams(route)
+            self.pipeline = Pipeline(self.resolved.header, spool, streams, replica.return_spool, replica.spawn)
         except BaseException:
-            replica.spool_slot.put_nowait(spool)
+            replica.return_spool(spool)
             raise
-        if self._invalidated.is_set():
-            replica.spool_slot.put_nowait(spool)
-            return S.RESOLVE
-        assert isinstance(spool, Spool)
-        end = replica.index.end_offset
-        if end > spool.end and spool.delta == 0:
-            # The index knows of a later offset (e.g. a new replica over a populated store).
-            spool.roll_to(end, self.resolved.spec.fragment.compression_codec)
-        self.pipeline = Pipeline(self.resolved.header, spool, self.broker.channels_for(route))
+        self._pln_header = True
         metrics.PIPELINE_STARTS.inc()
         return S.SEND_PIPELINE_SYNC
 
     async def _on_send_pipeline_sync(self) -> AppendState:
-        """Propose the current Fragment, Route and registers to every peer. -> RECV_PIPELINE_SYNC."""
-        assert self.resolved is not None
-        spool = self.spool
-        await self.pipeline.scatter(  # type: ignore[union-attr]
-            pb.ReplicateRequest(
-                header=self.resolved.header,
-                proposal=spool.fragment.to_proto(),
-                registers=spool.registers,
-                acknowledge=True,
-            )
-        )
+        """Propose the current (or rolled) Fragment, Route and registers to every peer.
+
+        -> RECV_PIPELINE_SYNC.
+        """
+        assert self.resolved is not None and self.resolved.spec is not None and self.pipeline is not None
+        pln = self.pipeline
+        pln.synchronized = False
+        proposal = maybe_roll(pln.spool, self.roll_to_offset, self.resolved.spec.fragment)
+        req = pb.ReplicateRequest(proposal=proposal.to_proto(), registers=self.registers, acknowledge=True)
+        if self._pln_header:
+            req.header.CopyFrom(self.resolved.header)
+            self._pln_header = False
+        self._acks = await pln.scatter(req)
         return S.RECV_PIPELINE_SYNC
 
     async def _on_recv_pipeline_sync(self) -> AppendState:
-        """Read each peer's answer to the sync proposal.
+        """Read each peer's answer to the sync proposal (Gazette's `gatherSync`).
 
-        -> RESOLVE if a peer knows a later Route; SEND_PIPELINE_SYNC (after rolling to a new
-        Fragment at the largest known end) if a peer is ahead or cannot continue our Fragment;
-        UPDATE_ASSIGNMENTS when all agree.
+        -> RESOLVE if a peer knows a non-equivalent Route at a later revision; SEND_PIPELINE_SYNC
+        (rolling forward) if a peer is ahead of us, or at our end with an empty Fragment (it
+        cannot extend ours); UPDATE_ASSIGNMENTS when all agree; ERROR on any other answer or a
+        failed stream.
         """
-        assert self.resolved is not None and self.pipeline is not None
-        try:
-            responses = await self.pipeline.gather()
-        except PipelineError as exc:
-            return self._fail(pb.OK, f"pipeline sync failed: {exc}")
-        later = [r.header.etcd.revision for r in responses if r.status == pb.WRONG_ROUTE]
-        if later:
-            self.pipeline.broken = "a peer disagrees on the route"
-            self.read_through_rev = max(max(later), self.resolved.header.etcd.revision + 1)
+        assert self.pipeline is not None and self._acks is not None
+        pln = self.pipeline
+        acks = await self._acks
+        end = pln.spool.end
+        roll_to, roll_registers, read_through = 0, None, 0
+        problems: list[str] = []
+        for i, resp in enumerate(acks.responses):
+            if resp is None:
+                continue
+            endpoint = pln.streams[i].endpoint
+            if resp.status == pb.OK:
+                continue
+            if resp.status == pb.WRONG_ROUTE:
+                if not routes_equivalent(resp.header.route, pln.route) and (
+                    resp.header.etcd.revision > pln.header.etcd.revision
+                ):
+                    read_through = max(read_through, resp.header.etcd.revision)
+                else:
+                    problems.append(f"peer {endpoint} answered WRONG_ROUTE at revision {resp.header.etcd.revision}")
+            elif resp.status == pb.PROPOSAL_MISMATCH:
+                peer_end = resp.fragment.end
+                if peer_end > end:  # the peer knows a larger offset: roll forward, taking its registers
+                    if peer_end > roll_to:
+                        roll_to, roll_registers = peer_end, resp.registers
+                elif peer_end == end and resp.fragment.begin == resp.fragment.end:
+                    roll_to = max(roll_to, peer_end)  # it rolled to our end: it cannot extend our fragment
+                else:
+                    problems.append(f"peer {endpoint} is behind: its fragment ends at {peer_end}, ours at {end}")
+            else:
+                problems.append(f"peer {endpoint} answered {pb.Status.Name(resp.status)}")
+        error = acks.error or (problems[0] if problems else None)
+        if error is not None:
+            self._shut_down_pipeline()
+            return self._fail(pb.OK, f"synchronizing replicas failed: {error}")
+        if roll_to:
+            self.roll_to_offset = roll_to
+            if roll_registers is not None:
+                self.registers = roll_registers
+            metrics.PIPELINE_RESYNCS.inc()
+            return S.SEND_PIPELINE_SYNC
+        if read_through:
+            self._shut_down_pipeline()
+            self.read_through_rev = read_through
             return S.RESOLVE
-        mismatched = [r for r in responses if r.status == pb.PROPOSAL_MISMATCH]
-        if any(r.status not in (pb.OK, pb.PROPOSAL_MISMATCH, pb.WRONG_ROUTE) for r in responses):
-            self.pipeline.broken = "unexpected sync response"
-            return self._fail(pb.OK, "unexpected pipeline sync response")
-        if not mismatched:
-            return S.UPDATE_ASSIGNMENTS
-        spool = self.spool
-        ahead = max(mismatched, key=lambda r: r.fragment.end)
-        end = max(spool.end, ahead.fragment.end)
-        registers = ahead.registers if ahead.fragment.end > spool.end else spool.registers
-        spool.roll_to(end, self.resolved.spec.fragment.compression_codec)
-        spool.registers = registers
-        metrics.PIPELINE_RESYNCS.inc()
-        return S.SEND_PIPELINE_SYNC
+        self.roll_to_offset = 0
+        pln.synchronized = True
+        return S.UPDATE_ASSIGNMENTS
 
     async def _on_update_assignments(self) -> AppendState:
         """Advertise in etcd that the synchronized Route is consistent.
@@ -300,7 +412,10 @@ class AppendFSM:
         current = state.assignments.get(self.journal, [])
         if current and all(routes_equivalent(a.value, route) for a in current):
             return S.AWAIT_DESIRED_REPLICAS
-        ok, revision = await advertise_consistency(self.broker.etcd, state, self.journal, route)
+        try:
+            ok, revision = await advertise_consistency(self.broker.etcd, state, self.journal, route)
+        except TidingsError as exc:
+            return self._fail(pb.OK, f"advertising the synchronized route in etcd failed: {exc}")
         self.read_through_rev = revision if ok else self.broker.keyspace.revision + 1
         return S.RESOLVE
 
@@ -328,167 +443,172 @@ class AppendFSM:
         return S.VALIDATE_PRECONDITIONS
 
     async def _on_validate_preconditions(self) -> AppendState:
-        """Check registers and the append offset against the request's expectations.
+        """Check the fragment store, registers and the append offset against the request.
 
-        Appends always land at the furthest known journal extent. If the fragment index knows a
-        larger offset than the pipeline's spool, journal consistency was lost (other brokers may
-        hold unpersisted fragments there); rather than risk writing an offset twice we refuse
-        with INDEX_HAS_GREATER_OFFSET until an operator names the new offset (reset-head).
-        A journal that is not writable may still take zero-byte transaction barriers.
+        Appends always land at the furthest known journal extent: usually the synchronized spool's
+        end. If the fragment index knows a larger offset, journal consistency was lost (brokers
+        partitioned from etcd may hold unpersisted fragments there); rather than risk writing an
+        offset twice we refuse with INDEX_HAS_GREATER_OFFSET until an operator names the new
+        offset (reset-head), which re-synchronizes the pipeline there. A journal that is not
+        writable may still take zero-byte transaction barriers. When the spool holds the journal's
+        first known write it is rolled at this append, so that fragment is persisted promptly and
+        a recovering broker sees a dirty index instead of mistaking the journal for a new one.
 
-        -> RESOLVE if the route changes while awaiting the index; ERROR on a failed check;
-        else STREAM_CONTENT.
+        -> RESOLVE if the route changes while awaiting the first store listing; ERROR on a failed
+        check (FRAGMENT_STORE_UNHEALTHY, REGISTER_MISMATCH, WRONG_APPEND_OFFSET,
+        INDEX_HAS_GREATER_OFFSET); SEND_PIPELINE_SYNC to re-sync at a reset-head offset; else
+        STREAM_CONTENT.
         """
         assert self.resolved is not None and self.resolved.spec is not None
         replica = self.replica
-        if not replica.index.first_refresh:
-            await self._wait_or_invalidated(replica.index.wait_first_refresh())
-        if self._invalidated.is_set():
-            return S.RESOLVE
+        store_error: str | None = None
+        if not replica.index.first_refresh or replica.store_error is not None:
+            ready = asyncio.ensure_future(replica.wait_ready())
+            inval = asyncio.ensure_future(self._invalidated.wait())
+            try:
+                await asyncio.wait([ready, inval], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                await cancel_and_wait(inval)
+            if not ready.done():
+                await cancel_and_wait(ready)
+                return S.RESOLVE
+            store_error = ready.result()
+        if store_error is not None:
+            return self._fail(pb.FRAGMENT_STORE_UNHEALTHY, f"listing {replica.stores[0]}: {store_error}")
         spool = self.spool
         req = self.req
         if req.check_registers.include.labels or req.check_registers.exclude.labels:
-            if not labels.registers_match(req.check_registers, spool.registers):
-                self.registers = spool.registers
+            if not labels.registers_match(req.check_registers, self.registers):
                 return self._fail(pb.REGISTER_MISMATCH)
-        index_end = replica.index.end_offset
+        index_min, index_max = replica.index.begin_offset, replica.index.end_offset
+        max_offset = max(spool.end, index_max)
         writable = self.resolved.spec.flags != pb.JournalSpec.O_RDONLY
-        if req.offset and req.offset != spool.end:
-            if req.offset == index_end and index_end > spool.end:
-                self.roll_to_offset = index_end  # the operator's explicit reset-head
-            else:
-                return self._fail(pb.WRONG_APPEND_OFFSET, f"write head is {spool.end}, not {req.offset}")
-        elif index_end > spool.end and writable:
-            return self._fail(pb.INDEX_HAS_GREATER_OFFSET, f"index end {index_end} > write head {spool.end}")
+        if spool.end != max_offset and req.offset == 0 and writable:
+            return self._fail(
+                pb.INDEX_HAS_GREATER_OFFSET,
+                f"the fragment index ends at {index_max}, past the synchronized write head {spool.end}",
+            )
+        if req.offset != 0 and req.offset != max_offset:
+            return self._fail(pb.WRONG_APPEND_OFFSET, f"the write head is {max_offset}, not {req.offset}")
+        if req.offset != 0 and spool.end != max_offset:
+            self.roll_to_offset = max_offset  # the operator's explicit reset-head
+            return S.SEND_PIPELINE_SYNC
+        if spool.fragment.begin == index_min and spool.end:
+            self.roll_to_offset = spool.end
         return S.STREAM_CONTENT
 
     async def on_stream_content(self, msg: pb.AppendRequest | BaseException | None) -> None:
         """Handle one client message: forward content; on end-of-stream commit, else roll back.
 
-        The first call may roll to a new Fragment (target length reached, codec changed, flush
-        interval elapsed, or an explicit reset-head offset). Each chunk is held until the next
-        message arrives, so the last one travels to the peers in the same ReplicateRequest as
-        the commit proposal: one message and one acknowledgement per peer for a small append.
-        -> STREAM_CONTENT after content; READ_ACKNOWLEDGEMENTS once the commit or roll-back
-        proposal is out.
+        The first call may roll to a new Fragment (see `maybe_roll`). Each chunk is held until
+        the next message arrives, so the last one travels to the peers in the same
+        ReplicateRequest as the commit proposal: one message and one acknowledgement per peer
+        for a small append. A failed send to any peer sends the roll-back at once (never a commit
+        on a subset). -> STREAM_CONTENT after content; READ_ACKNOWLEDGEMENTS once the commit or
+        roll-back proposal is out.
         """
         assert self.state is S.STREAM_CONTENT and self.pipeline is not None and self.resolved is not None
-        spool = self.spool
+        pln = self.pipeline
+        spool = pln.spool
         if not self._started:
             self._started = True
-            await self._maybe_roll(spool)
+            proposal = maybe_roll(spool, self.roll_to_offset, self.resolved.spec.fragment)  # type: ignore[union-attr]
+            if proposal != spool.fragment:
+                self._sent = True
+                await pln.scatter(pb.ReplicateRequest(proposal=proposal.to_proto(), registers=self.registers))
             self._begin = spool.end
         if isinstance(msg, BaseException) or (msg is None and not self._commit_requested):
             reason = str(msg) if isinstance(msg, BaseException) else "client closed the stream without committing"
-            await self._send_rollback(spool, reason)
-            return
-        if msg is None:
-            await self._send_commit(spool)
-            return
-        if not msg.content:
+            await self._send_rollback(reason)
+        elif msg is None:
+            await self._send_commit()
+        elif self._commit_requested:
+            await self._send_rollback("content after the commit chunk", grpc.StatusCode.INVALID_ARGUMENT)
+        elif not msg.content:
             self._commit_requested = True
-            return
-        if self._commit_requested:
-            await self._send_rollback(spool, "content after the commit chunk")
-            return
-        if self.resolved.spec.flags == pb.JournalSpec.O_RDONLY:
+        elif self.resolved.spec.flags == pb.JournalSpec.O_RDONLY:  # type: ignore[union-attr]
             self.status = pb.NOT_ALLOWED
-            await self._send_rollback(spool, "journal is read-only")
-            return
-        if self._held is not None:
-            await self.pipeline.scatter(self._forward_held(spool))
-        self._held = msg.content
+            await self._send_rollback("journal is read-only")
+        else:
+            if self._held is not None:
+                self._sent = True
+                await pln.scatter(self._forward_held())
+                if pln.send_error() is not None:
+                    await self._send_rollback(f"replication failed: {pln.send_error()}")
+                    return
+            self._held = msg.content
 
-    def _forward_held(self, spool: Spool) -> pb.ReplicateRequest:
-        """The held chunk as a ReplicateRequest, applied to our own spool too."""
+    def _forward_held(self) -> pb.ReplicateRequest:
+        """The held chunk as a ReplicateRequest (the pipeline applies it to our spool too)."""
         content, self._held = self._held, None
-        req = pb.ReplicateRequest(content=content, content_delta=spool.delta)
-        spool.apply_content(content, spool.delta)  # type: ignore[arg-type]
+        assert content is not None
+        req = pb.ReplicateRequest(content=content, content_delta=self._length)
+        self._summer.update(content)
+        self._length += len(content)
         return req
 
-    async def _maybe_roll(self, spool: Spool) -> None:
-        assert self.resolved is not None and self.resolved.spec is not None and self.pipeline is not None
-        fspec = self.resolved.spec.fragment
-        target = self.roll_to_offset or spool.end
-        frag = spool.fragment
-        flush_due = (
-            fspec.flush_interval_ms > 0
-            and frag.content_length > 0
-            and (time.time() - spool.created_at) * 1000 >= fspec.flush_interval_ms
+    async def _send_commit(self) -> None:
+        final = self._forward_held() if self._held is not None else pb.ReplicateRequest()
+        if self._length == 0 and (self.req.union_registers.labels or self.req.subtract_registers.labels):
+            reason = "a register change needs at least one appended byte"
+            await self._send_rollback(reason, grpc.StatusCode.INVALID_ARGUMENT)
+            return
+        assert self.pipeline is not None
+        spool = self.spool
+        if self.pipeline.send_error() is not None:
+            await self._send_rollback(f"replication failed: {self.pipeline.send_error()}")
+            return
+        if self._length:
+            self.registers = apply_registers(self.registers, self.req.union_registers, self.req.subtract_registers)
+        proposal = spool.next_fragment(final.content)  # the held chunk is applied first, in the same request
+        self.commit = pb.Fragment(
+            journal=self.journal,
+            begin=self._begin,
+            end=self._begin + self._length,
+            sum=self._summer.digest() if self._length else EMPTY_SUM,
+            compression_codec=proposal.codec,
         )
-        if (
-            self.roll_to_offset
-            or frag.content_length >= fspec.length
-            or (frag.codec != fspec.compression_codec)
-            or flush_due
-        ):
-            proposal = spool.roll_to(target, fspec.compression_codec)
-            await self.pipeline.scatter(
-                pb.ReplicateRequest(proposal=proposal.to_proto(), registers=spool.registers, acknowledge=False)
-            )
+        await self._send_final(final, proposal)
+        metrics.APPENDED_BYTES.inc(self._length)
 
-    async def _send_commit(self, spool: Spool) -> None:
-        final = self._forward_held(spool) if self._held is not None else pb.ReplicateRequest()
-        if spool.delta:
-            registers = apply_registers(spool.registers, self.req.union_registers, self.req.subtract_registers)
-            proposal = spool.next_fragment()
-        else:  # a zero-byte transaction barrier: registers only change with appended bytes
-            registers = spool.registers
-            proposal = spool.fragment
-        appended = spool.delta
-        resp = spool.apply_proposal(proposal, registers)
-        assert resp.status == pb.OK, "the primary's own commit must apply"
-        self.commit = pb.Fragment(journal=self.journal, begin=self._begin, end=self._begin + appended)
-        self.registers = registers
-        await self._send_final(final, proposal, registers)
-        metrics.APPENDED_BYTES.inc(appended)
-
-    async def _send_rollback(self, spool: Spool, reason: str) -> None:
+    async def _send_rollback(self, reason: str, code: grpc.StatusCode | None = None) -> None:
         self._held = None  # never forwarded: the peers do not have it
-        spool.rollback()
         self._rolled_back = True
-        self.error = None if self.status != pb.OK else reason
-        await self._send_final(pb.ReplicateRequest(), spool.fragment, spool.registers)
+        if self.status == pb.OK:
+            self.error = reason
+            invalid = isinstance(self.client_error, ValidationError)
+            self.error_code = code or (grpc.StatusCode.INVALID_ARGUMENT if invalid else grpc.StatusCode.ABORTED)
+        spool = self.spool
+        await self._send_final(pb.ReplicateRequest(), spool.fragment)
         metrics.ROLLBACKS.inc()
 
-    async def _send_final(self, req: pb.ReplicateRequest, proposal: Fragment, registers: pb.LabelSet) -> None:
-        """Send the acknowledged proposal, take our place in the barrier, give up the send side."""
+    async def _send_final(self, req: pb.ReplicateRequest, proposal: Fragment) -> None:
+        """Send the acknowledged proposal, then give up the send side (Gazette's
+        stateReadAcknowledgements): a pipeline with a failed send is shut down instead."""
         assert self.pipeline is not None
+        pln = self.pipeline
         req.proposal.CopyFrom(proposal.to_proto())
-        req.registers.CopyFrom(registers)
+        req.registers.CopyFrom(self.registers)
         req.acknowledge = True
-        await self.pipeline.scatter(req)
-        self._wait_for, self._close_after = self.pipeline.barrier()
+        self._sent = True
+        self._acks = await pln.scatter(req, require_ok=True)
+        if pln.send_error() is not None:
+            self._shut_down_pipeline()
         self._release_pipeline()
         self.state = S.READ_ACKNOWLEDGEMENTS
 
     async def _on_read_acknowledgements(self) -> AppendState:
-        """Upon our turn in the barrier, read one acknowledgement from every peer.
+        """Wait for every peer's acknowledgement of our proposal (read for us, in order, by the pipeline).
 
-        -> FINISHED once all peers acknowledge (ERROR if this append was rolled back or a
-        peer failed; a failed pipeline is rebuilt by its next owner).
+        -> FINISHED once all peers acknowledge; ERROR if this append was rolled back or a peer
+        failed (a failed pipeline is rebuilt by its next owner).
         """
-        assert self.pipeline is not None and self._wait_for is not None and self._close_after is not None
-        try:
-            await asyncio.shield(self._wait_for)
-            await self.pipeline.gather_ok()
-        except PipelineError as exc:
-            self.commit = None
-            return self._fail(self.status, f"replication failed: {exc}")
-        finally:
-            if not self._close_after.done():
-                self._close_after.set_result(None)
+        assert self._acks is not None
+        acks = await self._acks
         if self._rolled_back:
             return S.ERROR
+        if acks.error is not None:
+            self.commit = None
+            return self._fail(pb.OK, f"replication failed: {acks.error}")
         metrics.COMMITS.inc()
         return S.FINISHED
-
-    # -- helpers ---------------------------------------------------------------------------
-
-    async def _wait_or_invalidated(self, aw: Awaitable[None]) -> None:
-        task = asyncio.ensure_future(aw)
-        inval = asyncio.ensure_future(self._invalidated.wait())
-        try:
-            await asyncio.wait([task, inval], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            await cancel_and_wait(task, inval)

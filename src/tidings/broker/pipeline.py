@@ -1,108 +1,220 @@
-"""Pipeline: the primary's long-lived Replicate streams to every peer of a Route.
+"""Pipeline: the primary's long-lived replication streams to every peer of a Route.
 
-The pipeline owns the primary's Spool for its life and is itself owned by one AppendFSM at a
-time (the replica's `pipeline_slot`). Ownership is split into a *send* side and a *receive*
-side so appends run full duplex (gazette-transactional-appends.txt, *stateReadAcknowledgements*):
-an append that has sent its commit proposal takes a place in the `barrier()` queue, gives the
-send side back, and reads its acknowledgements only once its predecessor has read its own.
-Acknowledgements therefore come back in the order proposals went out.
+The pipeline owns the primary's Spool for its life. Its *send side* is owned by one AppendFSM at a
+time (the replica's `pipeline_slot`); its *receive side* is owned by the pipeline itself: a
+receive task reads the peers' acknowledgements in the order the acknowledged proposals went out
+and hands each set to the future `scatter()` returned for it
+(gazette-transactional-appends.txt, *stateReadAcknowledgements*). An append therefore gives the
+send side back as soon as its commit proposal is out (full duplex), and an append that is
+cancelled while it waits can never leave its acknowledgements to be read by the next one: they
+are consumed for it, in order, whatever happens to it. This is Gazette's barrier, with the
+reading moved out of the request's task (Gazette's pipeline I/O runs under the replica's
+context, never the request's).
 
-Send errors are kept per peer and reported when acknowledgements are gathered, where the
-receive error says more.
+Errors are kept per peer, as Gazette's `sendErrs`/`recvErrs`: a peer whose send or receive failed
+is not used again, every later acknowledgement reports the failure, and `broken` says why. The
+next owner of a broken (or never synchronized) pipeline shuts it down and builds a new one.
+
+`shutdown()` is synchronous for its caller: the primary's Spool is rolled back and returned to
+the replica at once (so no path can leak it), and the streams are drained and closed by a
+teardown task of the replica's (`spawn`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import collections
 import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
 
-import grpc
-
+from tidings.broker.transport import ReplicaStream, StreamError
 from tidings.fragment.spool import Spool
 from tidings.protocol import protocol_pb2 as pb
-from tidings.protocol.protocol_pb2_grpc import JournalStub
 
 log = logging.getLogger(__name__)
 
+TEARDOWN_TIMEOUT = 10.0  # seconds a shutdown waits for peers to answer and end their streams
+
 
 class PipelineError(Exception):
-    """A peer stream failed or answered out of protocol; the pipeline must be rebuilt."""
+    """The pipeline cannot be used (shut down, or broken); it must be rebuilt."""
+
+
+@dataclass(frozen=True, slots=True)
+class Acknowledgements:
+    """The peers' answers to one acknowledged request, in route order (None where a peer failed),
+    and the first failure of the pipeline so far (None if every peer is well)."""
+
+    responses: list[pb.ReplicateResponse | None]
+    error: str | None
 
 
 class Pipeline:
-    """Replicate streams to the Route's peers, plus the primary's own Spool."""
+    """Replication streams to the Route's peers, plus the primary's own Spool."""
 
-    def __init__(self, header: pb.Header, spool: Spool, channels: dict[str, grpc.aio.Channel]) -> None:
+    def __init__(
+        self,
+        header: pb.Header,
+        spool: Spool,
+        streams: list[ReplicaStream],
+        return_spool: Callable[[Spool], None],
+        spawn: Callable[[Coroutine[Any, Any, None], str], None],
+    ) -> None:
         self.header = header
-        self.spool = spool
         self.route = header.route
+        self.spool = spool
+        self.streams = streams
+        self.synchronized = False  # set by the FSM once every peer agreed to a sync proposal
         self.broken: str | None = None
-        me = header.process_id
-        self.peers: list[tuple[pb.ProcessId, str]] = [
-            (m, header.route.endpoints[i])
-            for i, m in enumerate(header.route.members)
-            if (m.zone, m.suffix) != (me.zone, me.suffix)
-        ]
-        self.calls = [JournalStub(channels[ep]).Replicate() for _m, ep in self.peers]
-        self._send_errors: list[BaseException | None] = [None] * len(self.calls)
-        self._last_read: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._last_read.set_result(None)
+        self._return_spool = return_spool
+        self._spawn = spawn
+        self._send_errs: list[str | None] = [None] * len(streams)
+        self._recv_errs: list[str | None] = [None] * len(streams)
+        self._expected: collections.deque[tuple[asyncio.Future[Acknowledgements], bool]] = collections.deque()
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._receiver = asyncio.get_running_loop().create_task(
+            self._receive_loop(), name=f"pipeline-acks:{spool.journal}"
+        )
+        self._receiver.add_done_callback(self._receiver_done)
 
-    async def scatter(self, req: pb.ReplicateRequest) -> None:
-        """Send `req` to every peer whose stream has not failed; remember failures."""
-        for i, call in enumerate(self.calls):
-            if self._send_errors[i] is not None:
-                continue
-            try:
-                await call.write(req)
-            except (grpc.RpcError, asyncio.InvalidStateError) as exc:
-                self._send_errors[i] = exc
-                self.broken = f"send to {self.peers[i][1]} failed: {exc}"
+    def __repr__(self) -> str:
+        return f"Pipeline({self.spool.journal!r}, peers={[s.endpoint for s in self.streams]}, broken={self.broken!r})"
 
-    async def gather(self) -> list[pb.ReplicateResponse]:
-        """Read one response from each peer (in route order); raise PipelineError on any failure."""
-        out: list[pb.ReplicateResponse] = []
-        for i, call in enumerate(self.calls):
-            endpoint = self.peers[i][1]
-            try:
-                resp = await call.read()
-            except grpc.RpcError as exc:
-                self.broken = f"peer {endpoint}: {exc.code().name}: {exc.details()}"
-                raise PipelineError(self.broken) from exc
-            if resp is grpc.aio.EOF:
-                send_err = self._send_errors[i]
-                self.broken = f"peer {endpoint} closed its stream" + (f" ({send_err})" if send_err else "")
-                raise PipelineError(self.broken)
-            out.append(resp)
-        return out
+    @property
+    def usable(self) -> bool:
+        return self.synchronized and self.broken is None and not self._closing
 
-    async def gather_ok(self) -> None:
-        """Read one acknowledgement per peer; every one must be OK."""
-        for resp in await self.gather():
-            if resp.status != pb.OK:
-                self.broken = f"peer refused a proposal: {pb.Status.Name(resp.status)}"
-                raise PipelineError(self.broken)
+    def send_error(self) -> str | None:
+        """The first send failure to any peer, if any."""
+        return next((e for e in self._send_errs if e is not None), None)
 
-    def barrier(self) -> tuple[asyncio.Future[None], asyncio.Future[None]]:
-        """Take the next place in the acknowledgement order.
+    # -- send side (owned by one FSM at a time) ----------------------------------------------
 
-        Returns (wait_for, close_after): await `wait_for` before reading acknowledgements, and
-        set `close_after` (in a finally) once done, which lets the next append read its own.
+    async def scatter(
+        self, req: pb.ReplicateRequest, require_ok: bool = False
+    ) -> asyncio.Future[Acknowledgements] | None:
+        """Apply `req` to our own spool and send it to every peer that has not failed.
+
+        An acknowledged request returns the future of the peers' answers, registered before
+        anything is sent, so answers are matched to requests in send order whatever happens to
+        the caller. With `require_ok` a peer answering other than OK is failed (its spool no
+        longer matches ours). A send failure is kept for that peer (the receive side says more).
+        Cancelled mid-way, the pipeline is marked broken: which peers got the request is unknown.
         """
-        wait_for = self._last_read
-        close_after: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._last_read = close_after
-        return wait_for, close_after
+        if self._closing:
+            raise PipelineError("the pipeline was shut down")
+        resp = self.spool.apply(req, primary=True)
+        if resp.status != pb.OK:  # proposals are derived from this very spool: a bug if it happens
+            self.broken = f"the primary's own spool refused a proposal: {pb.Status.Name(resp.status)}"
+            raise PipelineError(self.broken)
+        fut: asyncio.Future[Acknowledgements] | None = None
+        if req.acknowledge:
+            fut = asyncio.get_running_loop().create_future()
+            self._expected.append((fut, require_ok))
+            self._wake.set()
+        try:
+            for i, stream in enumerate(self.streams):
+                if self._send_errs[i] is None:
+                    try:
+                        await stream.send(req)
+                    except StreamError as exc:
+                        self._send_errs[i] = str(exc)
+                        self.broken = self.broken or f"send failed: {exc}"
+        except BaseException:
+            self.broken = self.broken or "an append was cancelled while sending to peers"
+            raise
+        return fut
 
-    async def close(self) -> Spool:
-        """Wait for in-flight readers, end every stream, and hand back the Spool."""
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(self._last_read), 10)
-        for call in self.calls:
-            with contextlib.suppress(Exception):
-                await call.done_writing()
-        for call in self.calls:
-            call.cancel()
+    def shutdown(self) -> None:
+        """Give the spool back (rolled back) now, and drain and close the streams in a teardown task.
+
+        Called by the send-side owner; idempotent. Acknowledgements already expected are still
+        read (or failed) in order.
+        """
+        if self._closing:
+            return
+        self._closing = True
+        self.broken = self.broken or "shut down"
         self.spool.rollback()
-        return self.spool
+        self._return_spool(self.spool)
+        self._wake.set()
+        self._spawn(self._teardown(), f"pipeline-teardown:{self.spool.journal}")
+
+    # -- receive side (owned by the pipeline) --------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        while True:
+            while not self._expected:
+                if self._closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+            fut, must_be_ok = self._expected[0]
+            responses: list[pb.ReplicateResponse | None] = []
+            for i, stream in enumerate(self.streams):
+                if self._recv_errs[i] is not None:
+                    responses.append(None)
+                    continue
+                try:
+                    resp = await stream.recv()
+                except StreamError as exc:
+                    self._recv_errs[i] = str(exc)
+                    responses.append(None)
+                    continue
+                if resp is None:
+                    send_err = self._send_errs[i]
+                    why = f" ({send_err})" if send_err else ""
+                    self._recv_errs[i] = f"peer {stream.endpoint} ended its stream unexpectedly{why}"
+                elif must_be_ok and resp.status != pb.OK:
+                    self._recv_errs[i] = f"peer {stream.endpoint} refused a proposal: {pb.Status.Name(resp.status)}"
+                responses.append(resp)
+            self._expected.popleft()
+            error = next((e for e in self._recv_errs if e is not None), None) or self.send_error()
+            if error is not None and (self.broken is None or self.broken == "shut down"):
+                self.broken = error
+            if not fut.done():
+                fut.set_result(Acknowledgements(responses, error))
+
+    def _receiver_done(self, task: asyncio.Task[None]) -> None:
+        """A receive loop that died of a bug fails every waiting append rather than leaving it hanging."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("journal %s: pipeline receive loop failed", self.spool.journal, exc_info=task.exception())
+        self.broken = self.broken or f"receive loop failed: {task.exception()!r}"
+        while self._expected:
+            fut, _ = self._expected.popleft()
+            if not fut.done():
+                fut.set_result(Acknowledgements([], self.broken))
+
+    async def _teardown(self) -> None:
+        try:
+            for i, stream in enumerate(self.streams):
+                if self._send_errs[i] is None:
+                    try:
+                        await stream.close_send()
+                    except StreamError as exc:
+                        self._send_errs[i] = str(exc)
+            async with asyncio.timeout(TEARDOWN_TIMEOUT):
+                await asyncio.shield(self._receiver)
+                for i, stream in enumerate(self.streams):  # each peer now ends its stream (Gazette's gatherEOF)
+                    if self._recv_errs[i] is None:
+                        try:
+                            if await stream.recv() is not None:
+                                log.warning("journal %s: peer %s answered after end of stream", self.spool.journal,
+                                            stream.endpoint)
+                        except StreamError:
+                            pass
+        except TimeoutError:
+            log.warning("journal %s: peers did not end their streams within %.0fs; cancelling them",
+                        self.spool.journal, TEARDOWN_TIMEOUT)
+        finally:
+            self._receiver.cancel()
+            for stream in self.streams:
+                stream.abort()
+            while self._expected:
+                fut, _ = self._expected.popleft()
+                if not fut.done():
+                    fut.set_result(Acknowledgements([], self.broken or "pipeline shut down"))

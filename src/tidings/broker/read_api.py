@@ -4,18 +4,26 @@ Any replica serves reads, from its local spool files or from persisted fragments
 the store); a broker not holding the journal proxies to one that does. Each fragment's metadata
 (the Fragment, its store URL if persisted, the write head) precedes its content frames. Only
 committed bytes are served: the index learns of spool content only when it commits.
+
+A read never skips committed bytes silently: over an offset no fragment covers it moves on only
+as the index allows (to a persisted fragment at the journal's start or persisted long ago, see
+`FragmentIndex.query`), and then its metadata frame's `offset` is past the requested one, which
+clients report as an offset jump. Otherwise a blocking read waits and a non-blocking one answers
+OFFSET_NOT_YET_AVAILABLE. Local content is read through the spool file's open descriptor, which
+stays valid whatever happens to the file's name.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
+import logging
 from typing import TYPE_CHECKING
 
 import grpc
 
 from tidings.broker import _metrics as metrics
+from tidings.fragment.spool import SpoolFile
 from tidings.fragment.store import store_for
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import validate
@@ -24,6 +32,8 @@ from tidings.protocol.status import ValidationError
 
 if TYPE_CHECKING:
     from tidings.broker.service import Broker
+
+log = logging.getLogger(__name__)
 
 CHUNK = 256 * 1024
 
@@ -49,7 +59,10 @@ async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.Serv
         await _proxy(broker, req, res, context)
         return
     index = replica.index
-    await index.wait_first_refresh()
+    store_error = await replica.wait_ready()
+    if store_error is not None:
+        await context.write(pb.ReadResponse(status=pb.FRAGMENT_STORE_UNHEALTHY, header=res.header))
+        return
     offset = req.offset if req.offset >= 0 else index.end_offset
     first = True
     while req.end_offset == 0 or offset < req.end_offset:
@@ -65,12 +78,14 @@ async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.Serv
                     )
                 )
                 return
-            await _wait_beyond(index, offset, replica.closed)
+            await _wait_for_change(index, replica.closed)
             if replica.closed.is_set():
                 return  # the replica moved away; the client re-resolves and continues
             continue
-        frag, path = found
-        offset = max(offset, frag.begin)
+        frag, file = found
+        if frag.begin > offset:
+            log.info("journal %s: read skips [%d, %d): no fragment holds it", req.journal, offset, frag.begin)
+            offset = frag.begin
         until = frag.end if req.end_offset == 0 else min(frag.end, req.end_offset)
         await context.write(
             pb.ReadResponse(
@@ -86,13 +101,14 @@ async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.Serv
         if req.metadata_only:
             return
         try:
-            offset = await _send_content(context, frag, path, offset, until)
-        except FileNotFoundError:
-            continue  # the local file was persisted and removed meanwhile: query again
+            offset = await _send_content(context, frag, file, offset, until)
+        except OSError as exc:  # a store that fails mid-read: the client retries from its offset
+            log.warning("journal %s: reading fragment %s failed: %s", req.journal, frag.content_name(), exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"reading journal {req.journal!r} at {offset}: {exc}")
 
 
-async def _wait_beyond(index, offset: int, closed: asyncio.Event) -> None:
-    waiter = asyncio.ensure_future(index.wait_for_end_offset_beyond(offset))
+async def _wait_for_change(index, closed: asyncio.Event) -> None:
+    waiter = asyncio.ensure_future(index.wait_for_change())
     stop = asyncio.ensure_future(closed.wait())
     try:
         await asyncio.wait([waiter, stop], return_when=asyncio.FIRST_COMPLETED)
@@ -101,21 +117,16 @@ async def _wait_beyond(index, offset: int, closed: asyncio.Event) -> None:
             t.cancel()
 
 
-async def _send_content(context, frag, path: str | None, offset: int, until: int) -> int:
+async def _send_content(context, frag, file: SpoolFile | None, offset: int, until: int) -> int:
     """Stream [offset, until) of `frag` from its local file or its store; returns the new offset."""
-    if path is not None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            while offset < until:
-                n = min(CHUNK, until - offset)
-                data = os.pread(fd, n, offset - frag.begin)
-                if not data:
-                    raise FileNotFoundError(path)
-                await context.write(pb.ReadResponse(offset=offset, content=data))
-                metrics.READ_BYTES.inc(len(data))
-                offset += len(data)
-        finally:
-            os.close(fd)
+    if file is not None:
+        while offset < until:
+            data = file.pread(min(CHUNK, until - offset), offset - frag.begin)
+            if not data:
+                raise OSError(f"spool file {file.path} ends before the committed offset {offset}")
+            await context.write(pb.ReadResponse(offset=offset, content=data))
+            metrics.READ_BYTES.inc(len(data))
+            offset += len(data)
         return offset
     stream = await asyncio.to_thread(store_for(frag.backing_store).open, frag)
     try:

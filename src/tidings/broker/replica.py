@@ -5,7 +5,17 @@ Ownership follows Gazette's one-slot channels: `spool_slot` and `pipeline_slot` 
 yet). ``await slot.get()`` acquires; ``slot.put_nowait(x)`` in a ``finally`` releases. Release is
 synchronous so cancellation cannot interrupt it, and a double release raises ``QueueFull``.
 A Replicate RPC (peer side) owns the spool for its stream's life; on the primary, the Pipeline
-owns the spool and an AppendFSM owns the pipeline.
+owns the spool and an AppendFSM owns the pipeline's send side. A pipeline's shutdown returns
+the spool synchronously, so no exception or cancellation can leak either token
+(`tokens_idle()` lets tests check).
+
+The replica's tasks (store refreshes, the pulse, pipeline teardowns, roll-backs of abandoned
+appends) are its own: `aclose()` cancels and awaits them, as Gazette's replica context.
+
+Starting, a replica first recovers what a previous process of this broker left on disk for the
+journal (`fragment.spool.recover`): committed fragments join the index (and are persisted if
+the journal has a store) and the spool resumes at the end and registers it had, so a broker
+restarted on its data dir neither loses committed bytes nor hands an offset out twice.
 """
 
 from __future__ import annotations
@@ -13,14 +23,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tidings.fragment.fragment import Fragment
 from tidings.fragment.index import FragmentIndex
-from tidings.fragment.spool import Spool
+from tidings.fragment.spool import Recovered, Spool, SpoolFile, recover
 from tidings.fragment.store import store_for
 from tidings.protocol import protocol_pb2 as pb
 
@@ -31,68 +40,118 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GAP_REFRESH = 0.25  # seconds between store listings while a gap is not yet covered
+FAILED_REFRESH_BACKOFF = (0.25, 5.0)  # first and largest pause after a failed listing
+
+
+def spool_directory(data_dir: Path, journal: str) -> Path:
+    return data_dir / "spools" / journal.replace("/", "%2F")
 
 
 class Replica:
-    """A local replica of `journal`: created when this broker is assigned it, closed when unassigned."""
+    """A local replica of `journal`: created when this broker is assigned it, closed when unassigned.
 
-    def __init__(self, journal: str, spec: pb.JournalSpec, data_dir: Path, persister: Persister) -> None:
+    **Parameters:**
+    * `default_store` - the store of a journal whose spec names none ("" keeps it local).
+    * `persist_delay` - seconds a replica waits before persisting a fragment the primary did not
+      (Gazette's replica persister queues).
+    * `recovered` - what this broker's previous process left for the journal, if already read.
+    """
+
+    def __init__(
+        self,
+        journal: str,
+        spec: pb.JournalSpec,
+        data_dir: Path,
+        persister: Persister,
+        *,
+        default_store: str = "",
+        persist_delay: float = 60.0,
+        recovered: Recovered | None = None,
+    ) -> None:
         self.journal = journal
         self.spec = spec
         self.persister = persister
+        self.default_store = default_store
+        self.persist_delay = persist_delay
         self.index = FragmentIndex(journal)
-        self.directory = data_dir / "spools" / journal.replace("/", "%2F")
+        self.directory = spool_directory(data_dir, journal)
         self.spool_slot: asyncio.Queue[Spool] = asyncio.Queue(maxsize=1)
         self.spool_slot.put_nowait(Spool(journal, self.directory, observer=self))
         self.pipeline_slot: asyncio.Queue[Pipeline | None] = asyncio.Queue(maxsize=1)
         self.pipeline_slot.put_nowait(None)
         self.closed = asyncio.Event()
         self.route_changed = asyncio.Event()  # set (and replaced) whenever the route or spec changes
-        self._tasks: list[asyncio.Task[None]] = []
+        self.store_error: str | None = None  # why the latest store listing failed, if it did
+        self._refreshed = asyncio.Event()  # set after every listing attempt, successful or not
+        self._recovered = recovered
+        self._tasks: set[asyncio.Task[None]] = set()
         self._refresh_lock = asyncio.Lock()
+
+    def __repr__(self) -> str:
+        return f"Replica({self.journal!r})"
+
+    @property
+    def stores(self) -> list[str]:
+        """The journal's fragment stores: its spec's, else the broker's default store."""
+        if self.spec.fragment.stores:
+            return list(self.spec.fragment.stores)
+        return [self.default_store] if self.default_store else []
 
     # -- SpoolObserver ---------------------------------------------------------------------
 
-    def spool_commit(self, fragment: Fragment, path: str) -> None:
-        self.index.add_local(fragment, path)
+    def spool_commit(self, fragment: Fragment, file: SpoolFile) -> None:
+        self.index.add_local(fragment, file)
 
-    def spool_complete(self, fragment: Fragment, path: str) -> None:
-        self.index.add_local(fragment, path)
-        stores = list(self.spec.fragment.stores)
+    def spool_complete(self, fragment: Fragment, file: SpoolFile, primary: bool) -> None:
+        self.index.add_local(fragment, file)
+        stores = self.stores
         if stores:
-            self.persister.submit(fragment, path, stores[0])
+            self.persister.submit(fragment, file, stores[0], delay=0.0 if primary else self.persist_delay)
 
     def spool_gap(self, begin: int, end: int) -> None:
         """Content of [begin, end) lives only on the replica that committed it (a primary died between its
         peers), which persists it as its spool rolls: list the stores often until the index covers it,
         rather than leaving readers waiting a whole refresh interval."""
         if not self.closed.is_set():
-            self._spawn(self._refresh_until_covered(begin), f"gap:{self.journal}")
+            self.spawn(self._refresh_until_covered(begin), f"gap:{self.journal}")
 
     async def _refresh_until_covered(self, offset: int) -> None:
         deadline = asyncio.get_running_loop().time() + max(self.spec.fragment.refresh_interval_ms / 1000, 1.0)
         while self.index.query(offset) is None and asyncio.get_running_loop().time() < deadline:
-            try:
+            with contextlib.suppress(Exception):  # the periodic refresh reports failures
                 await self.refresh_now()
-            except Exception as exc:  # the periodic refresh goes on regardless
-                log.debug("journal %s: listing stores for a gap: %s", self.journal, exc)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(GAP_REFRESH):
-                    await self.closed.wait()
-            if self.closed.is_set():
+            if await self._closed_within(GAP_REFRESH):
                 return
 
-    def fragment_persisted(self, fragment: Fragment, path: str) -> None:
-        """The persister stored `fragment`: refresh the listing, which swaps the local entry for the
-        remote one and deletes the local file only once a listing covers it."""
+    def fragment_persisted(self, fragment: Fragment, file: Any) -> None:
+        """The persister stored `fragment`: its file may go once the spool is done with it, and a
+        listing now swaps the local index entry for the remote one."""
+        if isinstance(file, SpoolFile):
+            file.mark_persisted(fragment.end)
         if not self.closed.is_set():
-            self._spawn(self.refresh_now(), f"refresh-now:{self.journal}")
+            self.spawn(self.refresh_now(), f"refresh-now:{self.journal}")
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        """Run `coro` as one of the replica's tasks (cancelled by aclose)."""
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        """Run `coro` as one of the replica's tasks (cancelled and awaited by aclose)."""
         task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.append(task)
-        task.add_done_callback(self._tasks.remove)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("journal %s: task %s failed", self.journal, task.get_name(), exc_info=task.exception())
+
+    def return_spool(self, spool: Spool) -> None:
+        self.spool_slot.put_nowait(spool)
+
+    def tokens_idle(self) -> bool:
+        """Nothing owns the pipeline, and the spool is in its slot or held by the idle pipeline."""
+        if not self.pipeline_slot.full():
+            return False
+        pipeline = self.pipeline_slot.get_nowait()
+        self.pipeline_slot.put_nowait(pipeline)
+        return self.spool_slot.full() if pipeline is None else not self.spool_slot.full()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -103,53 +162,113 @@ class Replica:
         self.route_changed = asyncio.Event()
 
     def start(self, pulse: Callable[[Replica], Awaitable[None]]) -> None:
-        self._tasks.append(asyncio.create_task(self._refresh_loop(), name=f"refresh:{self.journal}"))
-        self._tasks.append(asyncio.create_task(pulse(self), name=f"pulse:{self.journal}"))
+        self.spawn(self._start(pulse), f"start:{self.journal}")
+
+    async def _start(self, pulse: Callable[[Replica], Awaitable[None]]) -> None:
+        await self._recover()
+        self.spawn(self._refresh_loop(), f"refresh:{self.journal}")
+        self.spawn(pulse(self), f"pulse:{self.journal}")
+
+    async def _recover(self) -> None:
+        """Adopt what this broker's previous process left for the journal (see the module docstring)."""
+        spool = await self.spool_slot.get()
+        try:
+            rec = self._recovered
+            self._recovered = None
+            if rec is None:
+                rec = await asyncio.to_thread(recover, self.journal, self.directory)
+            stores = self.stores
+            for frag, file in rec.fragments:
+                if file.unlinked:
+                    continue  # persisted meanwhile
+                self.index.add_local(frag, file)
+                if stores:
+                    self.persister.submit(frag, file, stores[0], delay=0.01)
+            if rec.head is not None and spool.end == 0 and spool.delta == 0:
+                spool.resume(rec.head, rec.registers)
+                log.info("journal %s: recovered the spool at offset %d (%d local fragments)",
+                         self.journal, rec.head.end, len(rec.fragments))
+        finally:
+            self.spool_slot.put_nowait(spool)
 
     async def _refresh_loop(self) -> None:
-        """List the fragment stores every refresh interval (the index's remote half)."""
+        """List the fragment stores every refresh interval (the index's remote half); after a failed
+        listing, retry sooner with backoff."""
+        backoff = FAILED_REFRESH_BACKOFF[0]
         while True:
+            interval = max(self.spec.fragment.refresh_interval_ms, 1000) / 1000
             try:
                 await self.refresh_now()
-            except asyncio.CancelledError:
-                raise
+                backoff = FAILED_REFRESH_BACKOFF[0]
             except Exception as exc:  # a store outage must not kill the replica
                 log.warning("journal %s: listing fragment stores failed: %s", self.journal, exc)
-            interval = max(self.spec.fragment.refresh_interval_ms, 1000) / 1000
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(interval):
-                    await self.closed.wait()
-            if self.closed.is_set():
+                interval, backoff = backoff, min(backoff * 2, FAILED_REFRESH_BACKOFF[1])
+            if await self._closed_within(interval):
                 return
+
+    async def _closed_within(self, seconds: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self.closed.wait()
+        return self.closed.is_set()
 
     async def refresh_now(self) -> None:
         """List every store and replace the index's remote half (serialized: a stale listing must
-        never be applied after a newer one)."""
+        never be applied after a newer one). Local entries the listing covers leave the index, and
+        their files are known persisted."""
         async with self._refresh_lock:
             found: list[Fragment] = []
-            for url in self.spec.fragment.stores:
-                found.extend(await asyncio.to_thread(store_for(url).list, self.journal))
-            dropped = self.index.replace_remote(found)
-            for _frag, local in dropped:
-                if local:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(local)
+            try:
+                for url in self.stores:
+                    found.extend(await asyncio.to_thread(_list, url, self.journal))
+            except BaseException as exc:
+                if not isinstance(exc, asyncio.CancelledError):
+                    self.store_error = f"{type(exc).__name__}: {exc}"
+                    self._wake_refresh_waiters()
+                raise
+            self.store_error = None
+            for frag, file in self.index.replace_remote(found):
+                if isinstance(file, SpoolFile):
+                    file.mark_persisted(frag.end)
+            self._wake_refresh_waiters()
+
+    def _wake_refresh_waiters(self) -> None:
+        refreshed, self._refreshed = self._refreshed, asyncio.Event()
+        refreshed.set()
+
+    async def wait_ready(self) -> str | None:
+        """Wait for the first store listing; None once it is applied, or the store's error while
+        listing fails (the caller answers FRAGMENT_STORE_UNHEALTHY)."""
+        while not self.index.first_refresh:
+            if self.store_error is not None:
+                return self.store_error
+            await self._refreshed.wait()
+        return None
 
     async def aclose(self) -> None:
-        """Stop daemons, tear down the pipeline, complete the spool (its fragment is persisted)."""
+        """Stop daemons, shut the pipeline down, complete the spool (its fragment is persisted)."""
         self.closed.set()
         self.route_changed.set()
         await cancel_and_wait(*self._tasks)
         pipeline = await self.pipeline_slot.get()
-        if pipeline is not None:
-            spool = await pipeline.close()
-            self.spool_slot.put_nowait(spool)
-        self.pipeline_slot.put_nowait(None)
+        try:
+            if pipeline is not None:
+                pipeline.shutdown()
+        finally:
+            self.pipeline_slot.put_nowait(None)
         spool = await self.spool_slot.get()
         try:
             spool.close()
         finally:
             self.spool_slot.put_nowait(spool)
+        tasks = list(self._tasks)  # the pipeline's teardown
+        if tasks:
+            await asyncio.wait(tasks, timeout=15)
+            await cancel_and_wait(*self._tasks)
+
+
+def _list(url: str, journal: str) -> list[Fragment]:
+    return store_for(url).list(journal)
 
 
 async def cancel_and_wait(*futures: asyncio.Future) -> None:

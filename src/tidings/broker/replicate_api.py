@@ -1,10 +1,14 @@
-"""Replicate: the peer side of a primary's pipeline stream.
+"""Replicate: the peer side of a primary's pipeline stream (Gazette's `replicate_api.go`).
 
 For the stream's whole life the peer owns its replica's Spool exclusively, so no other
 primary can mutate it meanwhile. It checks the first proposal's Route against its own (answering
 WRONG_ROUTE with its own Header when it knows a different Route), validates every chunk and
-proposal through the Spool (answering PROPOSAL_MISMATCH with its own Fragment and registers),
-and rolls back uncommitted content when the stream ends, however it ends.
+proposal through the Spool (answering PROPOSAL_MISMATCH with its own Fragment and registers when
+the proposal asked for an acknowledgement), and rolls back uncommitted content when the stream
+ends, however it ends. A proposal that asked for no acknowledgement but does not apply ends the
+stream with an error: answering it would pair the answer with the primary's next proposal.
+
+The stream is served through `transport.PeerStream`, so the same code serves any transport.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import grpc
 from tidings.allocator.state import routes_equivalent
 from tidings.broker import _metrics as metrics
 from tidings.broker.replica import acquire
+from tidings.broker.transport import PeerStream
 from tidings.fragment.spool import Spool
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import validate
@@ -28,45 +33,62 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-async def serve_replicate(broker: Broker, context: grpc.aio.ServicerContext) -> None:
-    first = await context.read()
-    if first is grpc.aio.EOF:
+async def serve_replicate(broker: Broker, stream: PeerStream) -> None:
+    first = await stream.recv()
+    if first is None:
         return
     try:
         validate.replicate_request(first)
         if not first.HasField("proposal") or not first.HasField("header"):
             raise ValidationError("replicate", "the first message must carry a Header and a proposal")
     except ValidationError as exc:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await stream.fail(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return
     journal = first.proposal.journal
-    res = await broker.resolver.resolve(journal, first.header.etcd.revision)
-    if res.status != pb.OK or res.replica is None or not routes_equivalent(res.route, first.header.route):
-        status = res.status if res.status != pb.OK else pb.WRONG_ROUTE
-        metrics.RPC_STATUS.labels("replicate", pb.Status.Name(status)).inc()
-        await context.write(pb.ReplicateResponse(status=status, header=res.header))
-        return
-    replica = res.replica
-    ok, spool = await acquire(replica.spool_slot, replica.closed)
-    if not ok:
-        await context.write(pb.ReplicateResponse(status=pb.WRONG_ROUTE, header=res.header))
-        return
+    while True:
+        res = await broker.resolver.resolve(journal, first.header.etcd.revision)
+        if res.status != pb.OK or res.replica is None or not routes_equivalent(res.route, first.header.route):
+            status = res.status if res.status != pb.OK else pb.WRONG_ROUTE
+            metrics.RPC_STATUS.labels("replicate", pb.Status.Name(status)).inc()
+            await stream.send(pb.ReplicateResponse(status=status, header=res.header))
+            return
+        replica = res.replica
+        ok, spool = await acquire(replica.spool_slot, replica.route_changed, replica.closed)
+        if ok:
+            break
+        if replica.closed.is_set():
+            await stream.send(pb.ReplicateResponse(status=pb.WRONG_ROUTE, header=res.header))
+            return
+        # The route changed while we waited for the spool: resolve again.
     assert isinstance(spool, Spool)
+    header: pb.Header | None = res.header
     try:
         req = first
         while True:
             resp = spool.apply(req)
             if resp.status != pb.OK:
                 metrics.RPC_STATUS.labels("replicate", pb.Status.Name(resp.status)).inc()
-                resp.header.CopyFrom(res.header)
-            if req.acknowledge or resp.status != pb.OK:
-                await context.write(resp)
-            req = await context.read()
-            if req is grpc.aio.EOF:
+            if req.acknowledge:
+                if header is not None:  # the Header travels with the first response only
+                    resp.header.CopyFrom(header)
+                    header = None
+                await stream.send(resp)
+            elif resp.status != pb.OK:
+                log.warning("journal %s: an unacknowledged proposal did not apply; ending the stream", journal)
+                await stream.fail(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"journal {journal}: proposal {req.proposal.begin}..{req.proposal.end} asked for no "
+                    f"acknowledgement but answers {pb.Status.Name(resp.status)}",
+                )
                 return
-            validate.replicate_request(req)
+            nxt = await stream.recv()
+            if nxt is None:
+                return
+            validate.replicate_request(nxt)
+            req = nxt
     except ValidationError as exc:
         log.warning("journal %s: replication stream refused: %s", journal, exc)
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await stream.fail(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     finally:
         spool.rollback()
         replica.spool_slot.put_nowait(spool)

@@ -14,11 +14,9 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 from tidings.allocator.state import State, routes_equivalent
 from tidings.broker.replica import Replica
-from tidings.fragment.persister import Persister
 from tidings.keyspace import KeySpace
 from tidings.protocol import protocol_pb2 as pb
 
@@ -61,14 +59,12 @@ class Resolver:
         self,
         keyspace: KeySpace,
         process_id: pb.ProcessId,
-        data_dir: Path,
-        persister: Persister,
+        new_replica: Callable[[str, pb.JournalSpec], Replica],
         pulse: Callable[[Replica], Awaitable[None]],
     ) -> None:
         self.keyspace = keyspace
         self.process_id = process_id
-        self.data_dir = data_dir
-        self.persister = persister
+        self.new_replica = new_replica
         self.pulse = pulse
         self.replicas: dict[str, Replica] = {}
         self.state = State.from_keyspace(keyspace)
@@ -90,7 +86,7 @@ class Resolver:
                 continue
             replica = self.replicas.get(journal)
             if replica is None:
-                replica = Replica(journal, item.spec, self.data_dir, self.persister)
+                replica = self.new_replica(journal, item.spec)
                 self.replicas[journal] = replica
                 replica.start(self.pulse)
                 log.info("journal %s: replica created", journal)

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 from pathlib import Path
 
 import grpc
@@ -25,11 +24,13 @@ from tidings.broker import _metrics as metrics
 from tidings.broker.append_api import serve_append
 from tidings.broker.append_fsm import AppendFSM
 from tidings.broker.read_api import serve_read
-from tidings.broker.replica import Replica
+from tidings.broker.replica import Replica, spool_directory
 from tidings.broker.replicate_api import serve_replicate
 from tidings.broker.resolver import Resolver
+from tidings.broker.transport import FailedStream, GrpcPeerStream, GrpcReplicaStream, ReplicaStream
 from tidings.fragment.fragment import Fragment
 from tidings.fragment.persister import Persister
+from tidings.fragment.spool import Recovered, SpoolFile, recover
 from tidings.fragment.store import store_for
 from tidings.keyspace import KeySpace
 from tidings.keyspace.decode import decoder
@@ -46,6 +47,20 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.max_send_message_length", MAX_MESSAGE),
     ("grpc.so_reuseport", 0),
+]
+# Broker-to-broker channels notice a dead or frozen peer (a half-open connection) by keepalive
+# pings: without them a pipeline waiting for its acknowledgements would wait forever.
+PEER_CHANNEL_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.keepalive_time_ms", 5_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 
 
@@ -66,6 +81,8 @@ class BrokerConfig:
     lease_ttl: int = 5
     metrics_listen: str | None = None  # "127.0.0.1:PORT" serves /metrics
     exit_timeout: float = 60.0
+    default_store: str = ""  # the fragment store of journals whose spec names none ("": local only)
+    persist_delay: float = 60.0  # seconds a replica waits before persisting what the primary did not
 
 
 class Broker:
@@ -90,8 +107,10 @@ class Broker:
         await self.keyspace.start(self.etcd)
         self.persister = Persister(self._on_persisted)
         await self.persister.start()
-        self.resolver = Resolver(self.keyspace, self.process_id, Path(cfg.data_dir), self.persister, self._pulse)
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self._recovered = await asyncio.to_thread(_recover_all, Path(cfg.data_dir))
+        self._persist_recovered()
+        self.resolver = Resolver(self.keyspace, self.process_id, self._new_replica, self._pulse)
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
         pb_grpc.add_JournalServicer_to_server(_Servicer(self), self.server)
         host = cfg.listen.rsplit(":", 1)[0]
         port = self.server.add_insecure_port(cfg.listen)
@@ -163,26 +182,60 @@ class Broker:
     def channel(self, endpoint: str) -> grpc.aio.Channel:
         ch = self._channels.get(endpoint)
         if ch is None:
-            ch = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint, options=GRPC_OPTIONS)
+            ch = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint, options=PEER_CHANNEL_OPTIONS)
         return ch
 
-    def channels_for(self, route: pb.Route) -> dict[str, grpc.aio.Channel]:
-        return {ep: self.channel(ep) for ep in route.endpoints if ep and ep != self.endpoint}
+    def open_streams(self, route: pb.Route) -> list[ReplicaStream]:
+        """A replication stream to every peer of `route` (every member but the primary: us)."""
+        streams: list[ReplicaStream] = []
+        for i, member in enumerate(route.members):
+            if i == route.primary:
+                continue
+            endpoint = route.endpoints[i]
+            if not endpoint:
+                streams.append(FailedStream(f"{member.zone}/{member.suffix}", "the peer has no endpoint"))
+            else:
+                streams.append(GrpcReplicaStream(self.channel(endpoint), endpoint))
+        return streams
 
-    def _on_persisted(self, fragment: Fragment, path: str) -> None:
+    def _new_replica(self, journal: str, spec: pb.JournalSpec) -> Replica:
+        cfg = self.config
+        return Replica(
+            journal,
+            spec,
+            Path(cfg.data_dir),
+            self.persister,
+            default_store=cfg.default_store,
+            persist_delay=cfg.persist_delay,
+            recovered=self._recovered.pop(journal, None),
+        )
+
+    def _persist_recovered(self) -> None:
+        """Persist what a previous process left on disk for journals that have a store, whether or
+        not they come back to this broker (a replica created later adopts the same files)."""
+        for journal, rec in self._recovered.items():
+            item = self.keyspace.get(keys.item_key(self.config.root, journal))
+            if item is None:
+                continue
+            default = [self.config.default_store] if self.config.default_store else []
+            stores = list(item.decoded.fragment.stores) or default
+            for frag, file in rec.fragments if stores else ():
+                self.persister.submit(frag, file, stores[0], delay=0.01)
+
+    def _on_persisted(self, fragment: Fragment, file: SpoolFile | str) -> None:
         replica = self.resolver.replicas.get(fragment.journal)
         if replica is not None:
-            replica.fragment_persisted(fragment, path)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            replica.fragment_persisted(fragment, file)
+        elif isinstance(file, SpoolFile):
+            file.mark_persisted(fragment.end)
 
     async def _pulse(self, replica: Replica) -> None:
         """Keep the pipeline synchronized and consistency advertised when no client appends.
 
         The pulse is a zero-byte append through the same AppendFSM; it also runs at once when
-        the route changes. When this broker is no longer primary its pipeline is torn down so
-        the new primary can take the spool.
+        the route changes. When this broker is no longer primary its pipeline is shut down so
+        the new primary can take the spool. A pulse that overruns its timeout is cancelled, which
+        the FSM survives at any state (it gives back what it holds).
         """
         while not replica.closed.is_set():
             changed = replica.route_changed
@@ -278,9 +331,23 @@ async def _tear_down_pipeline(replica: Replica) -> None:
     pipeline = await replica.pipeline_slot.get()
     try:
         if pipeline is not None:
-            replica.spool_slot.put_nowait(await pipeline.close())
+            pipeline.shutdown()
     finally:
         replica.pipeline_slot.put_nowait(None)
+
+
+def _recover_all(data_dir: Path) -> dict[str, Recovered]:
+    """Every journal's spool directory under `data_dir`, recovered (blocking: run in a thread)."""
+    out: dict[str, Recovered] = {}
+    root = data_dir / "spools"
+    if not root.is_dir():
+        return out
+    for folder in sorted(root.iterdir()):
+        if folder.is_dir():
+            journal = folder.name.replace("%2F", "/")
+            assert spool_directory(data_dir, journal) == folder
+            out[journal] = recover(journal, folder)
+    return out
 
 
 class _Servicer(pb_grpc.JournalServicer):
@@ -293,7 +360,7 @@ class _Servicer(pb_grpc.JournalServicer):
         return await serve_append(self.broker, context)
 
     async def Replicate(self, request_iterator, context):
-        await serve_replicate(self.broker, context)
+        await serve_replicate(self.broker, GrpcPeerStream(context))
 
     async def Read(self, request, context):
         await serve_read(self.broker, request, context)

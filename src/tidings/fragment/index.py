@@ -13,7 +13,16 @@ fragments its stores last listed (path None). Readers ask `query(offset)`; appen
 
 A commit grows the spool's current fragment (same begin, larger end), which dominates the entry
 it replaces: an O(log n) search plus a list insert. A store listing rebuilds the cover set with
-one sort and sweep. Empty fragments hold no content, cannot answer a read and are ignored.
+one sort and sweep, and drops the local entries whose offsets the listed fragments cover
+(Gazette's `CoverSetDifference`): their files may go once the spool is done with them, which is
+the file's business (`SpoolFile`), never the index's. Empty fragments hold no content, cannot
+answer a read and are ignored.
+
+Skipping. An offset no fragment covers is skipped over only to a *persisted* fragment, and only
+when it is the journal's first (the reader starts before the oldest content) or was persisted at
+least `jump_age` seconds ago (Gazette's `offsetJumpAgeThreshold`). Otherwise the content may be
+on its way (a fragment still uploading while its journal changed hands, or a replica that just
+rolled past a gap), so the reader waits instead of silently losing bytes.
 
 All methods must be called from the event loop's thread; waiters are woken synchronously.
 """
@@ -21,13 +30,18 @@ All methods must be called from the event loop's thread; waiters are woken synch
 from __future__ import annotations
 
 import asyncio
+import time
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
+from typing import Any
 
 from tidings.fragment.fragment import Fragment
 
-Entry = tuple[Fragment, str | None]
-"""A fragment and its local spool file (None when it is only in a store)."""
+JUMP_AGE = 6 * 3600.0
+"""Seconds after which a persisted fragment may be skipped to over a hole before it."""
+
+Entry = tuple[Fragment, Any]
+"""A fragment and its local spool file (a `SpoolFile`; None when it is only in a store)."""
 
 
 def _dominates(a: Entry, b: Entry) -> bool:
@@ -62,12 +76,12 @@ class FragmentIndex:
 
     # -- updates ---------------------------------------------------------------------------------
 
-    def add_local(self, frag: Fragment, path: str) -> None:
+    def add_local(self, frag: Fragment, file: Any) -> None:
         """Add (or grow) a local spool fragment, replacing the local entry with the same begin."""
         self._check_journal(frag)
         if frag.begin == frag.end:
             return
-        entry: Entry = (frag, path)
+        entry: Entry = (frag, file)
         old = self._local.get(frag.begin)
         self._local[frag.begin] = entry
         if old is None:
@@ -86,14 +100,14 @@ class FragmentIndex:
     def replace_remote(self, frags: Iterable[Fragment]) -> list[Entry]:
         """Adopt the latest store listing; return the local entries it now makes redundant.
 
-        A local entry is dropped when a listed fragment has the same (begin, end, sum): the
-        caller may delete its file. Sets `first_refresh` and wakes waiters.
+        A local entry is dropped when the listed fragments cover all its offsets (one fragment, or
+        several contiguous ones). Sets `first_refresh` and wakes waiters.
         """
         remote = [f for f in frags if f.begin != f.end]
         for f in remote:
             self._check_journal(f)
-        persisted = {(f.begin, f.end, f.sum) for f in remote}
-        dropped = [e for e in self._local.values() if (e[0].begin, e[0].end, e[0].sum) in persisted]
+        covered = _covered_spans(remote)
+        dropped = [e for e in self._local.values() if _is_covered(covered, e[0].begin, e[0].end)]
         for frag, _ in dropped:
             del self._local[frag.begin]
         self._remote = remote
@@ -139,19 +153,28 @@ class FragmentIndex:
 
     # -- queries ---------------------------------------------------------------------------------
 
-    def query(self, offset: int) -> Entry | None:
-        """The fragment to read `offset` from, with its local path (None if only in a store).
+    def query(self, offset: int, jump_age: float = JUMP_AGE, now: float | None = None) -> Entry | None:
+        """The fragment to read `offset` from, with its local file (None if only in a store).
 
         Among fragments with begin <= offset < end, the one with the largest end (local on ties).
-        If none covers `offset` but one begins after it, the one with the smallest begin: the
-        reader's offset jumps to its begin. None when offset >= end_offset.
+        If none covers `offset`, the next fragment after it when a reader may skip there (see the
+        module docstring): the reader's offset jumps to its begin. Else None: wait for content.
         """
         i = bisect_right(self._cover_begins, offset) - 1
         if i >= 0 and self._cover[i][0].end > offset:
             return self._cover[i]
         if i + 1 < len(self._cover):
-            return self._cover[i + 1]
+            nxt = self._cover[i + 1][0]
+            persisted = bool(nxt.backing_store) and nxt.mod_time > 0
+            old = nxt.mod_time < (time.time() if now is None else now) - jump_age
+            if persisted and (i + 1 == 0 or old):
+                return self._cover[i + 1]
         return None
+
+    @property
+    def begin_offset(self) -> int:
+        """The smallest begin of any fragment, 0 when there are none."""
+        return self._cover[0][0].begin if self._cover else 0
 
     @property
     def end_offset(self) -> int:
@@ -178,9 +201,30 @@ class FragmentIndex:
         while self.end_offset <= offset:
             await self._changed.wait()
 
+    async def wait_for_change(self) -> None:
+        """Return at the next change of the index (a commit, a listing). Cancelling it changes nothing."""
+        await self._changed.wait()
+
     async def wait_first_refresh(self) -> None:
         """Return once a store listing has been applied (replace_remote was called)."""
         if self._refreshed.is_set():
             await asyncio.sleep(0)
             return
         await self._refreshed.wait()
+
+
+def _covered_spans(frags: list[Fragment]) -> list[tuple[int, int]]:
+    """The union of the fragments' spans, as sorted disjoint [begin, end) intervals."""
+    out: list[tuple[int, int]] = []
+    for f in sorted(frags, key=lambda f: f.begin):
+        if out and f.begin <= out[-1][1]:
+            if f.end > out[-1][1]:
+                out[-1] = (out[-1][0], f.end)
+        else:
+            out.append((f.begin, f.end))
+    return out
+
+
+def _is_covered(spans: list[tuple[int, int]], begin: int, end: int) -> bool:
+    i = bisect_right(spans, (begin, float("inf"))) - 1
+    return i >= 0 and spans[i][0] <= begin and spans[i][1] >= end

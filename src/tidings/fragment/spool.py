@@ -1,24 +1,37 @@
 """Spool: a replica's transactional memory of its journal (gazette-transactional-appends.txt, *Components*).
 
-A Spool holds the Fragment currently being built (in a local file), the journal's registers,
-and `delta`: bytes received beyond the committed end that are not yet committed. It is a
-small state machine driven by ReplicateRequests, and every replica runs it independently:
+A Spool holds the Fragment currently being built (in a local `SpoolFile`), the journal's
+registers, and `delta`: bytes received beyond the committed end that are not yet committed. It
+is a small state machine driven by ReplicateRequests, and every replica runs it independently
+(Gazette's `Spool.applyCommit`, edge for edge):
 
 - **content**: a chunk (alone, or ahead of a proposal in the same request) whose
   `content_delta` equals `delta` is written after the committed end and folded into a running
-  SHA1 (`delta` grows). Any other delta is an invalid transition.
+  SHA1 (`delta` grows). Any other delta is an invalid transition that aborts the stream.
+- **roll**: a proposal ending beyond everything this spool holds (`end > fragment.end + delta`),
+  or an empty proposal at exactly the committed end, first completes the current Fragment
+  (handed to the observer for persisting) and starts an empty one at the proposal's end (taking
+  the proposal's registers when it is strictly ahead). Then the two cases below are checked.
+- **rollback**: a proposal equal to the current Fragment *and* registers equal to ours discards
+  the uncommitted `delta`.
 - **commit**: a proposal that extends the current Fragment by exactly `delta` bytes, with the
   SHA1 of all content so far, is adopted (the end moves; registers are replaced).
-- **rollback**: a proposal equal to the current Fragment discards the uncommitted `delta`
-  (the running SHA1 goes back to its committed state: hashlib objects copy cheaply).
-- **roll**: an empty proposal at or beyond the current end completes the current Fragment
-  (handed to the observer for persisting) and starts a new, empty one there.
 - anything else is a **mismatch**: PROPOSAL_MISMATCH, answered with this spool's own view
   (Fragment and registers) so the primary can re-synchronize.
 
 Readers never see uncommitted bytes: the observer hears of a Fragment only once it commits, and
-committed bytes of a spool file are never rewritten. Spool files are not fsynced: durability
-comes from replication to R brokers (as in Gazette) and from persisting completed fragments.
+committed bytes of a spool file are never rewritten.
+
+Files and recovery. Each Fragment's content lives in ``spool-{begin:016x}`` under the spool's
+directory, read by everyone (readers, the persister) through the `SpoolFile`'s open descriptor,
+so removing the name never breaks a reader (Gazette's spool files are anonymous for that
+reason). A completed fragment's file is renamed ``{content name}.spool`` and keeps its name until
+a store listing covers it (then it is unlinked). After every commit and roll the spool rewrites
+``HEAD``: its current Fragment and registers behind a CRC. A broker restarted on its data dir
+(`recover()`) thus finds every committed byte it held (uncommitted tails are cut off) and
+resumes the spool where it stood, so it never hands out an offset twice. Spool files are not
+fsynced: durability comes from replication to R brokers (as in Gazette) and from persisting
+completed fragments; a kill -9 leaves the page cache intact, a power loss may not.
 
 Ownership: exactly one Append or Replicate RPC owns a Spool at a time (a token in the
 replica's `spool_slot`); nothing here is safe to call without holding it.
@@ -26,26 +39,94 @@ replica's `spool_slot`); nothing here is safe to call without holding it.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
+import logging
 import os
+import struct
 import time
-import uuid
+import weakref
+import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
-from tidings.fragment.fragment import EMPTY_SUM, Fragment
+from tidings.fragment.fragment import EMPTY_SUM, Fragment, parse_content_name
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import ValidationError
+
+log = logging.getLogger(__name__)
+
+HEAD = "HEAD"
+_HEAD_PREFIX = struct.Struct("<II")  # crc32, payload length
+COMPLETED_SUFFIX = ".spool"
+
+
+class SpoolFile:
+    """A spool's local file, read and persisted through its open descriptor.
+
+    The name on disk is what a restarted broker recovers from; the descriptor is what readers
+    and the persister use. The name is removed once the fragment is *completed* (the spool moved
+    past it) and *persisted* through its end (a store listing covers it); the descriptor closes
+    when the last holder drops the object.
+    """
+
+    __slots__ = ("__weakref__", "_persisted_through", "completed_end", "fd", "path", "unlinked")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        weakref.finalize(self, os.close, self.fd)
+        self.completed_end: int | None = None  # the fragment's end once the spool moved past it
+        self._persisted_through = 0
+        self.unlinked = False
+
+    def __repr__(self) -> str:
+        return f"SpoolFile({str(self.path)!r})"
+
+    def pread(self, n: int, offset: int) -> bytes:
+        return os.pread(self.fd, n, offset)
+
+    def reader(self) -> BinaryIO:
+        """A file object of its own over the same content, from position 0 (for the persister)."""
+        return os.fdopen(os.dup(self.fd), "rb")
+
+    def complete(self, fragment: Fragment) -> None:
+        """The spool moved past this file: cut uncommitted bytes and name it after its content."""
+        os.ftruncate(self.fd, fragment.content_length)
+        target = self.path.with_name(fragment.content_name() + COMPLETED_SUFFIX)
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(self.path, target)
+        self.path = target
+        self.completed_end = fragment.end
+        self._maybe_unlink()
+
+    def persisted_through(self, end: int) -> bool:
+        """Whether a store holds this file's content up to `end`."""
+        return self._persisted_through >= end
+
+    def mark_persisted(self, through: int) -> None:
+        """A store holds this file's content through offset `through`."""
+        self._persisted_through = max(self._persisted_through, through)
+        self._maybe_unlink()
+
+    def _maybe_unlink(self) -> None:
+        if self.unlinked or self.completed_end is None or self._persisted_through < self.completed_end:
+            return
+        self.unlinked = True
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
 
 
 class SpoolObserver(Protocol):
     """Told of every commit (readers wake up), every completed Fragment (to persist), and every gap."""
 
-    def spool_commit(self, fragment: Fragment, path: str) -> None: ...
+    def spool_commit(self, fragment: Fragment, file: SpoolFile) -> None: ...
 
-    def spool_complete(self, fragment: Fragment, path: str) -> None: ...
+    def spool_complete(self, fragment: Fragment, file: SpoolFile, primary: bool) -> None:
+        """`primary`: the journal's primary completed it (it persists at once; replicas wait)."""
 
     def spool_gap(self, begin: int, end: int) -> None:
         """The spool rolled past [begin, end), which another replica committed and this one never got."""
@@ -65,7 +146,7 @@ class Spool:
 
     **Parameters:**
     * `journal` - the journal's name.
-    * `directory` - where spool files are created (one file per Fragment).
+    * `directory` - where spool files and HEAD live.
     * `observer` - told of commits and completed fragments.
     """
 
@@ -76,11 +157,15 @@ class Spool:
         self.fragment = Fragment(journal=journal, begin=0, end=0, sum=EMPTY_SUM, codec=pb.NONE)
         self.registers = pb.LabelSet()
         self.delta = 0
-        self.path: str | None = None
-        self.created_at = time.time()  # when the current Fragment began (for the flush interval)
-        self._fd: int | None = None
+        self.file: SpoolFile | None = None
+        self.first_append_time = 0.0  # unix time of the current Fragment's first commit (flush intervals)
         self._sum = hashlib.sha1()  # SHA1 of committed content of the current Fragment
         self._pending: hashlib._Hash | None = None  # SHA1 including the uncommitted delta
+        self._head_fd: int | None = None
+
+    def __repr__(self) -> str:
+        f = self.fragment
+        return f"Spool({self.journal!r}, [{f.begin}, {f.end}), delta={self.delta})"
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -89,16 +174,18 @@ class Spool:
         """The committed end offset: where the next append lands."""
         return self.fragment.end
 
-    def next_fragment(self) -> Fragment:
-        """The Fragment that committing the current `delta` would produce."""
+    def next_fragment(self, then: bytes | memoryview = b"") -> Fragment:
+        """The Fragment that committing the current `delta` would produce (after also applying the
+        chunk `then`, which travels with the commit proposal in one request)."""
+        if not self.delta and not then:
+            return self.fragment
         pending = self._pending or self._sum
-        return Fragment(
-            journal=self.journal,
-            begin=self.fragment.begin,
-            end=self.fragment.end + self.delta,
-            sum=pending.digest() if self.delta else self.fragment.sum,
-            codec=self.fragment.codec,
-        )
+        if then:
+            pending = pending.copy()
+            pending.update(then)
+        f = self.fragment
+        end = f.end + self.delta + len(then)
+        return Fragment(journal=self.journal, begin=f.begin, end=end, sum=pending.digest(), codec=f.codec)
 
     def mismatch_response(self) -> pb.ReplicateResponse:
         return pb.ReplicateResponse(
@@ -107,15 +194,15 @@ class Spool:
 
     # -- transitions -----------------------------------------------------------------------
 
-    def apply(self, req: pb.ReplicateRequest) -> pb.ReplicateResponse:
+    def apply(self, req: pb.ReplicateRequest, primary: bool = False) -> pb.ReplicateResponse:
         """Apply one validated ReplicateRequest: its content chunk, then its proposal (a request
         may carry both: an append's last chunk travels with its commit). Raises ValidationError
         on a bad content delta, which aborts the stream; a refused proposal is a
-        PROPOSAL_MISMATCH response instead."""
+        PROPOSAL_MISMATCH response instead. `primary`: applied by the journal's primary."""
         if req.content:
             self.apply_content(req.content, req.content_delta)
         if req.HasField("proposal"):
-            return self.apply_proposal(Fragment.from_proto(req.proposal), req.registers)
+            return self.apply_proposal(Fragment.from_proto(req.proposal), req.registers, primary)
         return pb.ReplicateResponse(status=pb.OK)
 
     def apply_content(self, content: bytes | memoryview, content_delta: int) -> None:
@@ -126,42 +213,47 @@ class Spool:
             )
         if not content:
             return
-        fd = self._ensure_file()
-        os.pwrite(fd, content, self.fragment.content_length + self.delta)
+        file = self._ensure_file()
+        os.pwrite(file.fd, content, self.fragment.content_length + self.delta)
         if self._pending is None:
             self._pending = self._sum.copy()
         self._pending.update(content)
         self.delta += len(content)
 
-    def classify(self, proposal: Fragment) -> Transition:
-        """Which transition `proposal` asks for, given this spool's state."""
+    def classify(self, proposal: Fragment, registers: pb.LabelSet | None = None) -> Transition:
+        """Which transition `proposal` (with `registers`) asks for, given this spool's state.
+
+        ROLL is reported for any proposal that rolls the spool first, whether or not the rolled
+        spool then adopts it (`apply_proposal` answers a mismatch in that case).
+        """
         cur = self.fragment
         if proposal.journal != self.journal:
             return Transition.MISMATCH
-        if proposal == cur:
-            return Transition.ROLLBACK
-        if (
-            proposal.begin == cur.begin
-            and proposal.end == cur.end + self.delta
-            and proposal.codec == cur.codec
-            and self.delta > 0
-        ):
-            return Transition.COMMIT if proposal.sum == self.next_fragment().sum else Transition.MISMATCH
-        if proposal.begin == proposal.end and proposal.begin >= cur.end and proposal.sum == EMPTY_SUM:
+        if proposal.end > cur.end + self.delta or (proposal.end == cur.end and proposal.content_length == 0):
+            if proposal == cur and (registers is None or registers == self.registers):
+                return Transition.ROLLBACK  # an empty fragment re-proposed as it is
             return Transition.ROLL
+        if proposal == cur and (registers is None or registers == self.registers):
+            return Transition.ROLLBACK
+        if self.delta and proposal == self.next_fragment():
+            return Transition.COMMIT
         return Transition.MISMATCH
 
-    def apply_proposal(self, proposal: Fragment, registers: pb.LabelSet) -> pb.ReplicateResponse:
-        transition = self.classify(proposal)
+    def apply_proposal(
+        self, proposal: Fragment, registers: pb.LabelSet, primary: bool = False
+    ) -> pb.ReplicateResponse:
+        transition = self.classify(proposal, registers)
+        if transition is Transition.ROLL:
+            self._roll(proposal, registers, primary)
+            transition = self.classify(proposal, registers)
+            if transition is Transition.ROLL:  # a non-empty proposal beyond us: we hold none of it
+                transition = Transition.MISMATCH
         if transition is Transition.MISMATCH:
             return self.mismatch_response()
         if transition is Transition.COMMIT:
-            self._commit(proposal)
-        elif transition is Transition.ROLLBACK:
-            self.rollback()
+            self._commit(proposal, registers)
         else:
-            self._roll(proposal)
-        self.registers = registers
+            self.rollback()
         return pb.ReplicateResponse(status=pb.OK)
 
     def rollback(self) -> None:
@@ -169,58 +261,179 @@ class Spool:
         self.delta = 0
         self._pending = None
 
-    def _commit(self, proposal: Fragment) -> None:
-        assert self._pending is not None
+    def _commit(self, proposal: Fragment, registers: pb.LabelSet) -> None:
+        assert self._pending is not None and self.file is not None
         self._sum, self._pending = self._pending, None
         self.delta = 0
         self.fragment = proposal
-        if self.observer is not None and self.path is not None:
-            self.observer.spool_commit(proposal, self.path)
+        self.registers = registers
+        if not self.first_append_time:
+            self.first_append_time = time.time()
+        self._write_head()
+        if self.observer is not None:
+            self.observer.spool_commit(proposal, self.file)
 
-    def _roll(self, proposal: Fragment) -> None:
-        """Complete the current Fragment (if it holds content) and begin an empty one at `proposal`."""
+    def _roll(self, proposal: Fragment, registers: pb.LabelSet, primary: bool) -> None:
+        """Complete the current Fragment (if it holds content) and begin an empty one at `proposal.end`."""
         self.rollback()
-        self._complete()
-        gap = (self.fragment.end, proposal.begin)
-        self.fragment = proposal
+        old = self.fragment
+        self._complete(primary)
+        if proposal.end > old.end:
+            self.registers = registers
+        self.fragment = Fragment(
+            journal=self.journal, begin=proposal.end, end=proposal.end, sum=EMPTY_SUM, codec=proposal.codec
+        )
         self._sum = hashlib.sha1()
-        self.created_at = time.time()
-        if gap[1] > gap[0] and gap[0] > 0 and self.observer is not None:
-            self.observer.spool_gap(*gap)
+        self.first_append_time = 0.0
+        self._write_head()
+        if proposal.end > old.end and old.end > 0 and self.observer is not None:
+            # Offsets [old.end, proposal.end) were committed by others while we did not hold them.
+            self.observer.spool_gap(old.end, proposal.end)
 
-    def roll_to(self, offset: int, codec: int) -> Fragment:
-        """Primary side: roll locally to an empty Fragment at `offset`; returns the proposal to send."""
-        proposal = Fragment(journal=self.journal, begin=offset, end=offset, sum=EMPTY_SUM, codec=codec)
-        self._roll(proposal)
-        return proposal
-
-    def _complete(self) -> None:
-        fd, path = self._fd, self.path
-        self._fd, self.path = None, None
-        if fd is not None:
-            os.close(fd)
-        if path is None:
+    def _complete(self, primary: bool) -> None:
+        file, self.file = self.file, None
+        if file is None:
             return
-        if self.fragment.content_length and self.observer is not None:
-            os.truncate(path, self.fragment.content_length)
-            self.observer.spool_complete(self.fragment, path)
-        elif not self.fragment.content_length:
-            os.unlink(path)
+        if not self.fragment.content_length:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(file.path)
+            file.unlinked = True
+            return
+        file.complete(self.fragment)
+        if self.observer is not None:
+            self.observer.spool_complete(self.fragment, file, primary)
 
-    def _ensure_file(self) -> int:
-        if self._fd is None:
+    def _ensure_file(self) -> SpoolFile:
+        if self.file is None:
             self.directory.mkdir(parents=True, exist_ok=True)
-            name = f"spool-{self.fragment.begin:016x}-{uuid.uuid4().hex[:8]}"
-            self.path = str(self.directory / name)
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        return self._fd
+            path = self.directory / f"spool-{self.fragment.begin:016x}"
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # a leftover from before a crash holds nothing committed
+            self.file = SpoolFile(path)
+        return self.file
 
-    def close(self) -> None:
-        """Complete the current Fragment (hand it to the observer to persist) and close the file."""
+    def close(self, primary: bool = False) -> None:
+        """Complete the current Fragment (hand it to the observer to persist) and close HEAD.
+
+        HEAD keeps the spool's end and registers for a broker restarted on this data dir.
+        """
         self.rollback()
-        self._complete()
+        self._complete(primary)
+        if self._head_fd is not None:
+            os.close(self._head_fd)
+            self._head_fd = None
+
+    # -- HEAD ------------------------------------------------------------------------------
+
+    def _write_head(self) -> None:
+        payload = pb.ReplicateResponse(fragment=self.fragment.to_proto(), registers=self.registers).SerializeToString()
+        if self._head_fd is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._head_fd = os.open(self.directory / HEAD, os.O_WRONLY | os.O_CREAT, 0o644)
+        os.pwrite(self._head_fd, _HEAD_PREFIX.pack(zlib.crc32(payload), len(payload)) + payload, 0)
+
+    def resume(self, fragment: Fragment, registers: pb.LabelSet) -> None:
+        """Start at an empty Fragment at `fragment.end` with `registers` (after `recover()`)."""
+        assert self.file is None and self.delta == 0
+        self.fragment = Fragment(
+            journal=self.journal, begin=fragment.end, end=fragment.end, sum=EMPTY_SUM, codec=fragment.codec
+        )
+        self.registers = registers
+        self._sum = hashlib.sha1()
+        self._write_head()
 
 
 def apply_registers(current: pb.LabelSet, union: pb.LabelSet, subtract: pb.LabelSet) -> pb.LabelSet:
-    """Registers after an append: `union` then `subtract` (Gazette's order)."""
-    return labels.subtract(labels.union(current, union), subtract)
+    """Registers after an append: `subtract` then `union` (Gazette's order and semantics)."""
+    return labels.union(labels.subtract(current, subtract), union)
+
+
+# -- recovery -------------------------------------------------------------------------------
+
+
+@dataclass
+class Recovered:
+    """What a spool directory held: committed fragments with their files, and where the spool stood."""
+
+    fragments: list[tuple[Fragment, SpoolFile]] = field(default_factory=list)
+    head: Fragment | None = None  # the spool's last Fragment (its end is where appends resume)
+    registers: pb.LabelSet = field(default_factory=pb.LabelSet)
+
+
+def _read_head(path: Path, journal: str) -> tuple[Fragment, pb.LabelSet] | None:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    if len(raw) < _HEAD_PREFIX.size:
+        return None
+    crc, n = _HEAD_PREFIX.unpack_from(raw)
+    payload = raw[_HEAD_PREFIX.size : _HEAD_PREFIX.size + n]
+    if len(payload) != n or zlib.crc32(payload) != crc:
+        log.warning("journal %s: %s is damaged; ignoring it", journal, path)
+        return None
+    msg = pb.ReplicateResponse.FromString(payload)
+    try:
+        frag = Fragment.from_proto(msg.fragment)
+    except ValidationError as exc:
+        log.warning("journal %s: %s holds an invalid fragment: %s", journal, path, exc)
+        return None
+    if frag.journal != journal:
+        return None
+    return frag, msg.registers
+
+
+def _verified(path: Path, frag: Fragment) -> bool:
+    """The file holds at least the fragment's content length and its first bytes hash to the sum."""
+    try:
+        with open(path, "rb") as f:
+            h = hashlib.sha1()
+            left = frag.content_length
+            while left:
+                chunk = f.read(min(left, 1 << 20))
+                if not chunk:
+                    return False
+                h.update(chunk)
+                left -= len(chunk)
+    except OSError:
+        return False
+    return h.digest() == frag.sum
+
+
+def recover(journal: str, directory: Path) -> Recovered:
+    """Find the committed content a previous process left in `directory` (blocking: call in a thread).
+
+    Completed files (``{content name}.spool``) and the committed part of the current spool file
+    (per HEAD) are verified against their SHA1 and returned as completed fragments (renamed and
+    cut to their committed length); anything else there (uncommitted tails, temporaries, damaged
+    files) is removed. HEAD gives the end and registers the spool resumes at.
+    """
+    out = Recovered()
+    if not directory.is_dir():
+        return out
+    head = _read_head(directory / HEAD, journal)
+    for path in sorted(directory.iterdir()):
+        name = path.name
+        if name == HEAD:
+            continue
+        frag: Fragment | None = None
+        if name.endswith(COMPLETED_SUFFIX):
+            with contextlib.suppress(ValidationError):
+                frag = parse_content_name(journal, name[: -len(COMPLETED_SUFFIX)])
+        elif name.startswith("spool-") and head is not None:
+            hf = head[0]
+            if name == f"spool-{hf.begin:016x}" and hf.content_length:
+                frag = hf
+        if frag is not None and _verified(path, frag):
+            file = SpoolFile(path)
+            file.complete(frag)
+            out.fragments.append((frag, file))
+            continue
+        if frag is not None:
+            log.warning("journal %s: %s does not match its fragment; removing it", journal, path)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    if head is not None:
+        out.head, out.registers = head
+    out.fragments.sort(key=lambda e: (e[0].begin, e[0].end))
+    return out

@@ -155,38 +155,45 @@ class FragmentStore:
         self.fs.invalidate_cache(posixpath.dirname(path))
         return bool(self.fs.exists(path))
 
-    def persist(self, fragment: Fragment, local_path: str) -> Fragment:
-        """Compress the local raw file of `fragment` into this store; returns it with backing_store set.
+    def persist(self, fragment: Fragment, local: str | BinaryIO) -> Fragment:
+        """Compress the local raw content of `fragment` into this store; returns it with backing_store set.
 
-        The local file holds the fragment's content from offset 0 (bytes past content_length are
-        ignored). Raises ValidationError, leaving nothing in the store, if the content does not
-        match the fragment's length and SHA1.
+        `local` is a file path or a readable binary file positioned at the fragment's first byte
+        (left open for the caller to close); bytes past content_length are ignored. Raises
+        ValidationError, leaving nothing in the store, if the content does not match the
+        fragment's length and SHA1.
         """
-        target = self._path(fragment)
         persisted = fragment.with_store(self.store_url)
         if self.exists(fragment):
             return persisted
+        if isinstance(local, str):
+            with open(local, "rb") as raw:
+                self._persist(fragment, raw, local)
+        else:
+            self._persist(fragment, local, getattr(local, "name", "<spool file>"))
+        return persisted
+
+    def _persist(self, fragment: Fragment, raw: BinaryIO, local_name: str) -> None:
+        target = self._path(fragment)
         if self._in_memory:
             buf = io.BytesIO()
-            with open(local_path, "rb") as raw:
-                src = _VerifyingReader(raw, fragment.content_length)
-                codecs.compress_stream(src, buf, fragment.codec)  # type: ignore[arg-type]
-                src.check(fragment, local_path)
+            src = _VerifyingReader(raw, fragment.content_length)
+            codecs.compress_stream(src, buf, fragment.codec)  # type: ignore[arg-type]
+            src.check(fragment, local_name)
             self.fs.pipe_file(target, buf.getvalue())
-            return persisted
+            return
         folder = posixpath.dirname(target)
         write_to = target if self._atomic_put else f"{folder}/.{fragment.content_name()}.{uuid.uuid4().hex[:12]}.tmp"
         self.fs.makedirs(folder, exist_ok=True)
-        with open(local_path, "rb") as raw:
-            dst = self.fs.open(write_to, "wb")
-            try:
-                src = _VerifyingReader(raw, fragment.content_length)
-                codecs.compress_stream(src, dst, fragment.codec)  # type: ignore[arg-type]
-                src.check(fragment, local_path)  # before close(), which is what publishes
-                dst.close()
-            except BaseException:
-                self._abandon(dst, write_to, target)
-                raise
+        dst = self.fs.open(write_to, "wb")
+        try:
+            src = _VerifyingReader(raw, fragment.content_length)
+            codecs.compress_stream(src, dst, fragment.codec)  # type: ignore[arg-type]
+            src.check(fragment, local_name)  # before close(), which is what publishes
+            dst.close()
+        except BaseException:
+            self._abandon(dst, write_to, target)
+            raise
         if write_to != target:
             try:
                 self.fs.mv(write_to, target)
@@ -194,7 +201,6 @@ class FragmentStore:
                 with contextlib.suppress(Exception):
                     self.fs.rm(write_to)
                 raise
-        return persisted
 
     def _abandon(self, dst: Any, write_to: str, target: str) -> None:
         """Drop a failed write without publishing it.

@@ -33,10 +33,14 @@ def union(a: pb.LabelSet, b: pb.LabelSet) -> pb.LabelSet:
 
 
 def subtract(a: pb.LabelSet, b: pb.LabelSet) -> pb.LabelSet:
-    """`a` without the labels of `b`; a label of b with an empty value removes the whole name."""
-    drop_names = {lb.name for lb in b.labels if lb.value == ""}
-    drop = set(pairs(b))
-    return label_set([p for p in pairs(a) if p not in drop and p[0] not in drop_names])
+    """`a` without each name whose values equal b's values of that name (Gazette's SubtractLabelSet)."""
+    values_b: dict[str, list[str]] = {}
+    for lb in b.labels:
+        values_b.setdefault(lb.name, []).append(lb.value)
+    values_a: dict[str, list[str]] = {}
+    for lb in a.labels:
+        values_a.setdefault(lb.name, []).append(lb.value)
+    return label_set([(k, v) for k, vs in values_a.items() if values_b.get(k) != vs for v in vs])
 
 
 def _contains(ls: pb.LabelSet, label: pb.Label) -> bool:
