@@ -16,6 +16,8 @@ from tests.support.waiting import wait_until
 from tidings.allocator import (
     Allocator,
     Announcement,
+    Assignment,
+    Change,
     MemberConflictError,
     State,
     advertise_consistency,
@@ -24,10 +26,12 @@ from tidings.allocator import (
     item_key,
     member_key,
     parse_assign_key,
+    plan,
     routes_equivalent,
 )
+from tidings.allocator.converge import _transactions
 from tidings.cluster.etcd import EtcdProcess
-from tidings.keyspace import Etcd, KeySpace, LeaseLostError, decoder
+from tidings.keyspace import Etcd, KeySpace, LeaseLostError, decoder, mod_revision_is, put_op
 from tidings.protocol import protocol_pb2 as pb
 
 MemberId = tuple[str, str]
@@ -86,8 +90,8 @@ class Invariant5Checker:
             gone = {a.member for a in before} - after
             if not gone or journal not in prev.items:
                 continue
-            if all(mid not in prev.members for mid in gone):
-                continue  # the member's key had expired
+            if all(mid not in prev.members or mid not in new.members for mid in gone):
+                continue  # the member's lease expired (its leased assignments go in the same revision)
             route = prev.route(journal)
             remaining = sum(routes_equivalent(a.value, route) for a in before if a.member in after)
             r = prev.items[journal].spec.replication
@@ -104,6 +108,31 @@ class Cluster:
     ks: KeySpace  # the test's own view
     checker: Invariant5Checker
     nodes: list[Node] = field(default_factory=list)
+    members: list[Announcement] = field(default_factory=list)  # announced without an Allocator
+
+    async def add_member(self, mid: MemberId, limit: int = 100) -> Announcement:
+        """Announce a member whose allocator the test drives itself (``idle_allocator``)."""
+        announcement = await announce(self.etcd, self.root, broker_spec(mid, limit), ttl=5)
+        self.members.append(announcement)
+        await self.ks.wait_for_revision(announcement.create_revision, timeout=5)
+        return announcement
+
+    def idle_allocator(self, mid: MemberId) -> Allocator:
+        """An Allocator that is never started: the test calls ``plan`` and ``_apply`` at views it chooses."""
+        return Allocator(self.etcd, self.ks, self.root, mid)
+
+    async def converge_by_hand(self, allocator: Allocator, rounds: int = 20) -> State:
+        """Play the leader round by round (plan, apply, advertise) until nothing is left to change."""
+        for _ in range(rounds):
+            await self.advertise_all()
+            state = self.state()
+            changes = plan(state)
+            if not changes:
+                return state
+            ok, rev = await allocator._apply(state, changes)
+            assert ok, f"no concurrent writer, yet a transaction failed at revision {rev}"
+            await self.ks.wait_for_revision(rev, timeout=5)
+        raise AssertionError(f"no fixed point after {rounds} rounds")
 
     async def add_node(self, mid: MemberId, limit: int = 100) -> Node:
         etcd = await Etcd.connect(self.etcd.endpoint)
@@ -162,7 +191,16 @@ class Cluster:
 
         await wait_until(done, timeout=timeout)
         assert self.checker.violations == []
-        return self.state()
+        state = self.state()
+        assert_assignments_leased_by_their_members(state)
+        return state
+
+
+def assert_assignments_leased_by_their_members(state: State) -> None:
+    """Every assignment lives under its member's lease, so it goes with the member key (Gazette)."""
+    for assigned in state.assignments.values():
+        for a in assigned:
+            assert a.lease == state.members[a.member].lease != 0, f"{a.key} is not under its member's lease"
 
 
 @pytest.fixture
@@ -178,6 +216,8 @@ async def cluster(etcd: EtcdProcess, etcd_root: str) -> AsyncIterator[Cluster]:
     finally:
         for node in c.nodes:
             await node.aclose()
+        for member in c.members:
+            await member.aclose()
         await ks.aclose()
         await client.delete_prefix(etcd_root + "/")
         assert (await client.get_prefix(etcd_root + "/"))[0] == []
@@ -289,13 +329,146 @@ async def test_stale_decisions_fail_their_guards(cluster: Cluster) -> None:
     stale = await cluster.settle()
     journal = "journals/j1-r2"
     a = stale.assignments[journal][0]
-    rev = await cluster.etcd.put(a.key, b"")  # the assignment changes behind the stale state's back
+    # The assignment changes behind the stale state's back (keeping its lease, as a broker would).
+    ok, rev = await cluster.etcd.txn([], [put_op(a.key, b"", ignore_lease=True)])
+    assert ok
     await cluster.ks.wait_for_revision(rev, timeout=5)
     ok, _ = await advertise_consistency(cluster.etcd, stale, journal, pb.Route(primary=-1))
     assert not ok
     kv, _ = await cluster.etcd.get(a.key)
     assert kv is not None and kv.value == b""
     await cluster.settle()
+
+
+async def test_removal_planned_before_a_raised_replication_fails(cluster: Cluster) -> None:
+    """Invariant 5: a removal decided at R=1 must not land once R is back to 3 (item mod revision guard)."""
+    for mid in (ZA, ZB, ZC):
+        await cluster.add_member(mid)
+    leader = cluster.idle_allocator(ZA)
+    journal = "journals/raised"
+    await cluster.ks.wait_for_revision(await cluster.put_item(journal, 3), timeout=5)
+    state = await cluster.converge_by_hand(leader)
+    assert len(state.assignments[journal]) == 3 and state.is_consistent(journal)
+
+    await cluster.ks.wait_for_revision(await cluster.put_item(journal, 1), timeout=5)
+    stale = cluster.state()
+    changes = plan(stale)
+    assert [c.kind for c in changes] == ["delete", "delete"]
+
+    await cluster.ks.wait_for_revision(await cluster.put_item(journal, 3), timeout=5)  # raised meanwhile
+    ok, _ = await leader._apply(stale, changes)
+    assert not ok
+    assert len(cluster.state().assignments[journal]) == 3
+
+    state = await cluster.converge_by_hand(leader)
+    assert len(state.assignments[journal]) == 3
+
+
+async def test_removal_of_a_deleted_journal_fails_once_it_is_recreated(cluster: Cluster) -> None:
+    """Assignments of a journal are dropped as dead only while its item does not exist."""
+    await cluster.add_member(ZA)
+    await cluster.add_member(ZB)
+    leader = cluster.idle_allocator(ZA)
+    journal = "journals/reborn"
+    await cluster.put_item(journal, 2)
+    await cluster.converge_by_hand(leader)
+
+    await cluster.ks.wait_for_revision(await cluster.etcd.delete(item_key(cluster.root, journal)), timeout=5)
+    stale = cluster.state()
+    changes = plan(stale)
+    assert [c.kind for c in changes] == ["delete", "delete"]
+
+    await cluster.ks.wait_for_revision(await cluster.put_item(journal, 2), timeout=5)  # re-created meanwhile
+    ok, _ = await leader._apply(stale, changes)
+    assert not ok
+    assert len(cluster.state().assignments[journal]) == 2
+
+
+async def test_addition_planned_before_a_lowered_journal_limit_fails(cluster: Cluster) -> None:
+    """An assignment decided while a member had room must not land once its limit drops (member guard)."""
+    await cluster.add_member(ZA)
+    zb = await cluster.add_member(ZB)
+    leader = cluster.idle_allocator(ZA)
+    journal = "journals/limited"
+    await cluster.ks.wait_for_revision(await cluster.put_item(journal, 2), timeout=5)
+    stale = cluster.state()
+    changes = plan(stale)
+    assert {(c.kind, c.member) for c in changes} == {("create", ZA), ("create", ZB)}
+
+    await zb.update(broker_spec(ZB, limit=0))  # lowered meanwhile
+    ok, _ = await leader._apply(stale, changes)
+    assert not ok
+    assert journal not in cluster.state().assignments
+
+    state = await cluster.converge_by_hand(leader)
+    assert [a.member for a in state.assignments[journal]] == [ZA]
+
+
+async def test_leader_whose_member_key_changed_cannot_apply_an_older_plan(cluster: Cluster) -> None:
+    """The leader guard is its member key's mod revision: a rewrite of that key (e.g. exiting) fences old plans."""
+    za = await cluster.add_member(ZA, limit=0)
+    await cluster.add_member(ZB)
+    leader = cluster.idle_allocator(ZA)
+    journal = "journals/fenced"
+    await cluster.ks.wait_for_revision(await cluster.put_item(journal, 1), timeout=5)
+    stale = cluster.state()
+    changes = plan(stale)
+    assert [(c.kind, c.member) for c in changes] == [("create", ZB)]  # nothing names the leader's own key
+
+    await za.update(broker_spec(ZA, limit=0, exiting=True))
+    ok, _ = await leader._apply(stale, changes)
+    assert not ok
+    assert journal not in cluster.state().assignments
+
+    # Leadership is still the oldest member by create revision; at the new view its plan lands.
+    assert cluster.state().leader() == ZA
+    state = await cluster.converge_by_hand(leader)
+    assert [a.member for a in state.assignments[journal]] == [ZB]
+
+
+async def test_lost_member_lease_removes_its_key_and_assignments_in_one_revision(cluster: Cluster) -> None:
+    """Assignments live under their member's lease: no revision shows a Route naming a member without a key."""
+    await cluster.add_member(ZA)
+    zb = await cluster.add_member(ZB)
+    leader = cluster.idle_allocator(ZA)
+    await cluster.put_item("journals/leased-0", 1)
+    await cluster.converge_by_hand(leader)  # ZA is now the more loaded member ...
+    await cluster.put_item("journals/leased-1", 2)
+    state = await cluster.converge_by_hand(leader)  # ... so ZB becomes leased-1's primary
+    assert_assignments_leased_by_their_members(state)
+    held = state.assignments_of(*ZB)
+    assert [(a.journal, a.slot) for a in held] == [("journals/leased-1", 0)]
+
+    events = []
+    async with cluster.etcd.watch(cluster.root + "/", state.revision + 1) as watch:
+        await cluster.etcd.revoke_lease(zb.lease_id)  # as etcd does when the lease expires
+        async for batch in watch:
+            events.extend(batch.events)
+            if any(e.kv.key == member_key(cluster.root, *ZB) for e in events):
+                break
+    gone = {e.kv.key: e.kv.mod_revision for e in events if e.type == "delete"}
+    assert set(gone) == {member_key(cluster.root, *ZB), *(a.key for a in held)}
+    assert len(set(gone.values())) == 1
+
+    # ZA takes over as primary where ZB was: the promoted key keeps ZA's lease.
+    state = await cluster.converge_by_hand(leader)
+    assert all([a.member for a in assigned] == [ZA] for assigned in state.assignments.values())
+    assert_assignments_leased_by_their_members(state)
+
+
+async def test_unleased_assignment_of_a_gone_member_is_removed(cluster: Cluster) -> None:
+    """Assignments written without a lease (older code) outlive their member; the leader deletes them."""
+    await cluster.add_member(ZA)
+    leader = cluster.idle_allocator(ZA)
+    journal = "journals/legacy"
+    await cluster.put_item(journal, 1)
+    await cluster.converge_by_hand(leader)
+    orphan = assign_key(cluster.root, journal, "zq", "gone", 1)
+    await cluster.ks.wait_for_revision(await cluster.etcd.put(orphan, b""), timeout=5)
+
+    state = await cluster.converge_by_hand(leader)
+    assert [a.member for a in state.assignments[journal]] == [ZA]
+    assert (await cluster.etcd.get(orphan))[0] is None
 
 
 async def test_announce_refuses_a_live_duplicate_and_reports_a_lost_lease(cluster: Cluster) -> None:
@@ -319,6 +492,37 @@ async def test_announce_refuses_a_live_duplicate_and_reports_a_lost_lease(cluste
     second = await announce(cluster.etcd, cluster.root, broker_spec(ZA), ttl=5)
     await second.aclose()
     assert (await cluster.etcd.get(member_key(cluster.root, *ZA)))[0] is None
+
+
+def test_transactions_stay_within_etcd_limits_and_check_each_guard_once() -> None:
+    """etcd's --max-txn-ops bounds compares as well as ops; shared guards (item, member) are checked once."""
+    gone, target = ("zb", "b2"), ("za", "b1")
+
+    def held(journal: str, slot: int) -> Assignment:
+        return Assignment(journal, *gone, slot, pb.Route(), assign_key("/r", journal, *gone, slot), 7, lease=9)
+
+    changes = []
+    for i in range(40):
+        journal = f"j/{i:02d}"
+        changes += [
+            Change("delete", journal, gone, 1, held(journal, 1), item_revision=5),
+            Change("delete", journal, gone, 2, held(journal, 2), item_revision=5),
+            Change("create", journal, target, 3, member_revision=4, lease=8),
+        ]
+    leader_guard = mod_revision_is(member_key("/r", *target), 4)  # the leader adds to itself
+    txns = list(_transactions(changes, "/r", [leader_guard], 20))
+    assert [c for t in txns for c in t.changes] == changes
+    for t in txns:
+        assert len(t.compares) <= 20 and len(t.ops) <= 20
+        assert t.compares[0] == leader_guard
+        raw = [c.SerializeToString() for c in t.compares]
+        assert len(raw) == len(set(raw))
+        journals = {c.journal for c in t.changes}
+        assert len([c for c in t.compares if c.key.startswith(b"/r/items/")]) == len(journals)
+        assert len([c for c in t.compares if c.key == member_key("/r", *target).encode()]) == 1
+        # Deletes are guarded by the item's mod revision; creates go under the member's lease.
+        assert all(c.mod_revision == 5 for c in t.compares if c.key.startswith(b"/r/items/"))
+        assert {op.request_put.lease for op in t.ops if op.HasField("request_put")} == {8}
 
 
 def test_key_layout_round_trips() -> None:

@@ -9,8 +9,10 @@ change and applies the difference in guarded etcd transactions (``converge``).
 
 Guarantee (Invariant 5): an assignment is never removed while its journal's Route is not
 consistent, or if fewer than R consistent replicas would remain; the allocator over-subscribes
-(adds first) and removes later. Only assignments of members whose key is gone, and of journals
-that no longer exist, are dropped without that check.
+(adds first) and removes later. Assignments live under their member's etcd lease, so a member
+whose lease expires takes its assignments with it in the same revision; only assignments of
+journals that no longer exist (and lease-less ones of members that are gone) are dropped by the
+leader without that check.
 """
 
 from tidings.allocator.announce import Announcement, MemberConflictError, announce

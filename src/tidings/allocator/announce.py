@@ -3,8 +3,9 @@
 ``announce()`` creates ``{root}/members/{zone}#{suffix}`` under a fresh lease, refused if the key
 exists (another live broker has that id), and keeps the lease alive over one stream. When the
 process stops, ``aclose()`` revokes the lease so the key goes at once; when it dies, etcd expires
-the lease after ``ttl`` seconds. Either way the allocator drops the member's assignments. Marking
-the broker ``exiting`` (``update``) instead asks the allocator to move its journals away first.
+the lease after ``ttl`` seconds. Either way the member's assignments, which the allocator puts
+under the same lease, go with the key in the same etcd revision. Marking the broker ``exiting``
+(``update``) instead asks the allocator to move its journals away first.
 """
 
 from __future__ import annotations

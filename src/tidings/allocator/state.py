@@ -22,11 +22,19 @@ MemberId = tuple[str, str]  # (zone, suffix)
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Member:
-    """A live broker: its leased member key and spec."""
+    """A live broker: its leased member key and spec.
+
+    ``create_revision`` orders leadership (the oldest key leads); ``mod_revision`` changes with
+    every rewrite of the spec and guards the leader's transactions and additions to this member;
+    ``lease`` is the member's etcd lease (0 if the key was written without one), under which its
+    assignments are created.
+    """
 
     spec: pb.BrokerSpec
     create_revision: int
     key: str
+    mod_revision: int = 0
+    lease: int = 0
 
     @property
     def id(self) -> MemberId:
@@ -48,7 +56,11 @@ class Item:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Assignment:
-    """A journal assigned to a member at a slot (0 = primary); ``value`` is its last synced Route."""
+    """A journal assigned to a member at a slot (0 = primary); ``value`` is its last synced Route.
+
+    ``lease`` is the etcd lease the key lives under: its member's, so it goes with the member key
+    (0 for a key written without one, which outlives its member until the leader deletes it).
+    """
 
     journal: str
     zone: str
@@ -57,6 +69,7 @@ class Assignment:
     value: pb.Route
     key: str
     mod_revision: int
+    lease: int = 0
 
     @property
     def member(self) -> MemberId:
@@ -98,7 +111,7 @@ class State:
         root = ks.root
         state = cls(root=root, revision=ks.revision)
         for kv in ks.prefixed(keys.members_prefix(root)):
-            member = Member(kv.decoded, kv.create_revision, kv.key)
+            member = Member(kv.decoded, kv.create_revision, kv.key, kv.mod_revision, kv.lease)
             state.members[member.id] = member
         for kv in ks.prefixed(keys.items_prefix(root)):
             item = Item(kv.decoded, kv.mod_revision, kv.create_revision)
@@ -106,14 +119,18 @@ class State:
         for kv in ks.prefixed(keys.assign_prefix(root)):
             ak = keys.parse_assign_key(root, kv.key)
             state.assignments.setdefault(ak.journal, []).append(
-                Assignment(ak.journal, ak.zone, ak.suffix, ak.slot, kv.decoded, kv.key, kv.mod_revision)
+                Assignment(ak.journal, ak.zone, ak.suffix, ak.slot, kv.decoded, kv.key, kv.mod_revision, kv.lease)
             )
         for assignments in state.assignments.values():
             assignments.sort(key=lambda a: (a.slot, a.member))
         return state
 
     def leader(self) -> MemberId | None:
-        """The member with the oldest key (smallest create revision): the one that allocates."""
+        """The member with the oldest key (smallest create revision): the one that allocates.
+
+        Its transactions are guarded by its key's *mod* revision (``converge``), so a leader whose
+        spec changed since its view (e.g. it began exiting) replans before writing.
+        """
         if not self.members:
             return None
         return min(self.members.values(), key=lambda m: (m.create_revision, m.id)).id

@@ -159,8 +159,17 @@ def value_is(key: str, value: bytes) -> Compare:
     )
 
 
-def put_op(key: str, value: bytes, lease: int = 0) -> RequestOp:
-    return rpc.RequestOp(request_put=rpc.PutRequest(key=key.encode(), value=value, lease=lease))
+def put_op(key: str, value: bytes, lease: int = 0, *, ignore_lease: bool = False) -> RequestOp:
+    """Put ``value`` under ``lease`` (0: none); ``ignore_lease`` keeps the existing key's lease instead.
+
+    etcd fails an ``ignore_lease`` put of a key that does not exist, so guard it with
+    ``mod_revision_is``.
+    """
+    if ignore_lease and lease:
+        raise UsageError(f"put of {key!r}: pass a lease or ignore_lease, not both")
+    return rpc.RequestOp(
+        request_put=rpc.PutRequest(key=key.encode(), value=value, lease=lease, ignore_lease=ignore_lease)
+    )
 
 
 def delete_op(key: str) -> RequestOp:
