@@ -142,3 +142,180 @@ async def test_a_failed_append_that_did_commit_is_found_not_written_again(cluste
         other.add(b"never written", svc.spill_bytes, None)
         assert await svc._find_committed(q, other) is None
         assert q.head == landed.end, "not found: the next attempt can only land at or after the head"
+
+
+# -- order after a definite failure, dependencies, and the search after a lost answer ---------------
+
+
+async def _set_flags(c: AsyncClient, name: str, flags: str) -> None:
+    """Change a journal's flags (read-only / read-write), guarded by its current mod revision."""
+    from tidings.protocol.specs import spec_to_dict
+
+    j = next(j for j in (await c.list()).journals if j.spec.name == name)
+    spec = spec_from_dict({**spec_to_dict(j.spec), "flags": flags})
+    await c.apply([pb.ApplyRequest.Change(expect_mod_revision=j.mod_revision, upsert=spec)])
+
+
+async def test_a_batch_that_fails_definitely_stops_every_later_batch_of_its_journal(cluster, tmp_path) -> None:
+    """Order: content queued after a batch that was not written must not commit after the hole.
+
+    The first batch's spill file is cut short (a local disk fault): that batch fails definitely,
+    and the appends queued behind it fail with an error naming it, instead of committing."""
+    from tidings.client import EarlierAppendFailedError
+
+    await cluster.create_journal("as/order", 3)
+    async with cluster.client(0) as c:
+        svc = AppendService(c, batch_bytes=100 << 10, spill_bytes=64 << 10, spill_dir=str(tmp_path))
+        first = svc.append_nowait("as/order", b"a" * (100 << 10))  # spilled; one batch
+        second = svc.append_nowait("as/order", b"after the first")  # the next batch
+        third = svc.append_nowait("as/order", b"and more")
+        q = svc._queues["as/order"]
+        assert len(q.ready) == 1 and q.ready[0].file is not None
+        q.ready[0].file.truncate(10)  # the disk loses the batch before it is sent
+        with pytest.raises(UsageError, match="spilled batch"):
+            await first
+        for later in (second, third):
+            with pytest.raises(EarlierAppendFailedError, match=r"as/order.*batch #1 \(1 appends?, 102400 bytes\)"):
+                await later
+        assert isinstance(second.exception().__cause__, UsageError)
+        assert await c.read_all("as/order") == b"", "nothing after the failed batch was written"
+        await svc.aclose()
+
+
+async def test_a_refused_journal_stays_failed_until_resumed(cluster) -> None:
+    """NOT_ALLOWED (a read-only journal): the batch and everything queued behind it fail; later
+    appends fail too (the caller may not have seen the error yet) until `resume(journal)`."""
+    from tidings.client import EarlierAppendFailedError
+    from tidings.protocol.status import NotAllowedError
+
+    await cluster.create_journal("as/ro", 3, flags="read-only")
+    async with cluster.client(0) as c:
+        svc = AppendService(c, batch_bytes=1)  # one append per batch
+        refused = svc.append_nowait("as/ro", b"refused")
+        behind = svc.append_nowait("as/ro", b"queued behind it")
+        with pytest.raises(NotAllowedError, match="as/ro"):
+            await refused
+        with pytest.raises(EarlierAppendFailedError, match=r"batch #1 .*NOT_ALLOWED.*resume"):
+            await behind
+        assert isinstance(svc.failure("as/ro"), NotAllowedError)
+        await _set_flags(c, "as/ro", "read-write")
+
+        async def writable() -> bool:
+            try:
+                await c.append("as/ro", b"probe|")
+            except NotAllowedError:
+                return False
+            return True
+
+        await wait_until(writable, 10)
+        later = await svc.append("as/ro", b"made after the failure")
+        with pytest.raises(EarlierAppendFailedError, match="NOT_ALLOWED"):
+            await later
+        assert await c.read_all("as/ro") == b"probe|", "the failed journal took nothing more"
+        assert isinstance(svc.resume("as/ro"), NotAllowedError)
+        assert svc.failure("as/ro") is None
+        resumed = await (await svc.append("as/ro", b"after resume"))
+        assert await c.read_all("as/ro") == b"probe|after resume" and resumed.begin == len(b"probe|")
+        await svc.aclose()
+
+
+async def test_a_failed_dependency_fails_its_dependant_without_writing_it(cluster) -> None:
+    from tidings.client import DependencyFailedError, EarlierAppendFailedError
+
+    await cluster.create_journal("as/dependant", 3)
+    async with cluster.client(0) as c:
+        svc = AppendService(c)
+        missing = await svc.append("as/no-such-journal", b"messages")
+        ack = await svc.append("as/dependant", b"ack", dependencies=[missing])
+        with pytest.raises(JournalNotFoundError):
+            await missing
+        with pytest.raises(DependencyFailedError, match=r"as/dependant.*as/no-such-journal.*JOURNAL_NOT_FOUND"):
+            await ack
+        later = await svc.append("as/dependant", b"after")
+        with pytest.raises(EarlierAppendFailedError):
+            await later
+        assert await c.read_all("as/dependant") == b"", "the dependant was never written"
+        with pytest.raises(UsageError, match="dependencies"):
+            await svc.append("as/dependant", b"x", dependencies=[b"not a future"])  # type: ignore[list-item]
+        await svc.aclose()
+
+
+async def test_a_batch_waiting_for_dependencies_holds_only_its_own_journal(cluster) -> None:
+    """The dependant waits for a journal without quorum (R=4 on three brokers) while other journals,
+    and appends queued before it, go on; it commits once its dependency has. The dependency's caller
+    cancelling its future changes nothing: the content is still written, and the dependant waits."""
+    spec = spec_from_dict({"name": "as/stuck", "replication": 4, "fragment": {"stores": [cluster.store_url]}})
+    await cluster.create_journal("as/waits", 3)
+    await cluster.create_journal("as/free", 3)
+    async with cluster.client(0) as c:
+        await c.apply([pb.ApplyRequest.Change(upsert=spec)])
+        svc = AppendService(c)
+        stuck = await svc.append("as/stuck", b"first")
+        before = await svc.append("as/waits", b"before|")
+        held = await svc.append("as/waits", b"held", dependencies=[stuck])
+        stuck.cancel()
+        await before
+        await wait_until(lambda: svc.statistics().retries >= 3, 20)
+        free = await (await svc.append("as/free", b"free"))
+        assert free.end == 4, "an unrelated journal is not held"
+        assert not held.done() and await c.read_all("as/waits") == b"before|", "the dependant waits"
+        await cluster.add_broker("zone-a")
+        assert (await held).begin == len(b"before|")
+        assert await c.read_all("as/stuck") == b"first"
+        await svc.aclose()
+
+
+async def _journal_with_a_skipped_span(cluster, name: str) -> None:
+    """`name` holds b"abc" at [0, 3), nothing at [3, 100) (skipped by a reset head), and b"0123456789"
+    at [100, 110): a read of [0, 110) jumps from 3 to 100."""
+    from tidings.protocol.status import IndexHasGreaterOffsetError
+
+    from .test_broker_recovery import write_foreign_fragment
+
+    await cluster.create_journal(name, 3)
+    async with cluster.client(0) as c:
+        await c.append(name, b"abc")
+        write_foreign_fragment(cluster, name, 100, b"0123456789")
+
+        async def refused() -> bool:
+            try:
+                await c.append(name, b"")
+            except IndexHasGreaterOffsetError:
+                return True
+            return False
+
+        await wait_until(refused, 20)
+        assert (await c.append(name, b"", offset=110)).end == 110  # what `journals reset-head` sends
+
+
+async def test_the_search_for_a_lost_batch_accounts_for_offset_jumps(cluster) -> None:
+    """A batch found after a jump is placed at its true offset; bytes on both sides of a jump never
+    match; and a window the journal cannot fully show is not taken as "not written"."""
+    from tidings.client import AppendOutcomeUnknownError
+    from tidings.client._append_service import _Batch, _JournalQueue
+
+    await _journal_with_a_skipped_span(cluster, "as/jump")
+    async with cluster.client(0) as c:
+        svc = AppendService(c)
+        svc.dedup_wait = 1.0  # how long an unreadable span may stay unreadable before the search gives up
+
+        def batch(content: bytes) -> _Batch:
+            b = _Batch()
+            b.add(content, svc.spill_bytes, None)
+            return b
+
+        for low in (0, 3):
+            q = _JournalQueue("as/jump")
+            q.head = low
+            found = await svc._find_committed(q, batch(b"56789"))
+            assert found is not None and (found.begin, found.end) == (105, 110), "placed at its true offset"
+            assert q.head == 110
+        for content in (b"bc01", b"never written"):
+            q = _JournalQueue("as/jump")
+            q.head = 0
+            with pytest.raises(AppendOutcomeUnknownError, match=r"as/jump.*\[3, 100\)"):
+                await svc._find_committed(q, batch(content))
+        q = _JournalQueue("as/jump")
+        q.head = 100  # past the jump: the whole window is readable, so "not found" is an answer
+        assert await svc._find_committed(q, batch(b"nope")) is None
+        assert q.head == 110

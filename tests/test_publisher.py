@@ -23,7 +23,9 @@ from tidings.message import (
     read_uncommitted,
     rendezvous_mapping,
 )
-from tidings.protocol.status import UsageError
+from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.specs import spec_from_dict
+from tidings.protocol.status import NotAllowedError, UsageError
 
 from .support.waiting import wait_until
 from .test_message_framing import BytesEvent
@@ -236,3 +238,54 @@ async def test_stopping_early_over_several_journals_leaves_no_reader_behind(clus
         first = await anext(it)
         await asyncio.wait_for(it.aclose(), 10)  # the journals' pumps stop even with a full queue
         assert first and not [t for t in asyncio.all_tasks() if t.get_name().startswith("read:msg/early")]
+
+
+async def test_an_ack_is_never_committed_before_the_messages_it_acknowledges(cluster) -> None:
+    """Invariant 7 across journals: a transaction's ACK in one journal waits until its messages in
+    every other journal have committed (here one has no quorum, R=4 on three brokers, for a while)."""
+    stuck = spec_from_dict(
+        {"name": "msg/stuck", "replication": 4, "labels": NDJSON_LABELS, "fragment": {"stores": [cluster.store_url]}}
+    )
+    await cluster.create_journal("msg/quick", 3, labels=NDJSON_LABELS)
+    await cluster.create_journal("msg/other", 3, labels=NDJSON_LABELS)
+    async with cluster.client(0) as c:
+        await c.apply([pb.ApplyRequest.Change(upsert=stuck)])
+        svc = AppendService(c)
+        pub = Publisher(svc)
+        slow = await pub.publish_uncommitted("msg/stuck", {"n": 1})
+        await (await pub.publish_uncommitted("msg/quick", {"n": 2}))
+        acks = await pub.write_ack_intents(pub.build_ack_intents())
+        await wait_until(lambda: svc.statistics().retries >= 3, 20)
+        await (await pub.publish_committed("msg/other", {"n": 3}))  # other journals go on meanwhile
+        flags = [get_flags(e.uuid) async for e in _aiter(read_uncommitted(c, "msg/quick", block=False))]
+        assert flags == [CONTINUE_TXN], "no ACK in msg/quick while its transaction's message in msg/stuck waits"
+        assert await _committed(c, "msg/quick") == []
+        await cluster.add_broker("zone-a")
+        await slow
+        await acks
+        got = await _committed(c, ["msg/stuck", "msg/quick"])
+        await svc.aclose()
+    assert sorted(e.message["n"] for e in got) == [1, 2]
+
+
+async def test_an_ack_is_not_written_when_a_message_of_its_transaction_failed(cluster) -> None:
+    """Atomicity: a message append of the transaction was refused, so no journal gets the ACK, and
+    the messages that did commit stay pending (read-committed readers never see them)."""
+    from tidings.client import DependencyFailedError, EarlierAppendFailedError
+
+    await cluster.create_journal("msg/ok", 3, labels=NDJSON_LABELS)
+    await cluster.create_journal("msg/ro", 3, labels=NDJSON_LABELS, flags="read-only")
+    async with cluster.client(0) as c:
+        pub = Publisher(AppendService(c))
+        ok = await pub.publish_uncommitted("msg/ok", {"n": 1})
+        bad = await pub.publish_uncommitted("msg/ro", {"n": 2})
+        await ok
+        with pytest.raises(NotAllowedError):
+            await bad
+        acks = await pub.write_ack_intents(pub.build_ack_intents())
+        with pytest.raises((DependencyFailedError, EarlierAppendFailedError)):
+            await acks
+        await pub.service.aclose()
+        flags = [get_flags(e.uuid) async for e in _aiter(read_uncommitted(c, "msg/ok", block=False))]
+        assert flags == [CONTINUE_TXN], "the ACK was not written"
+        assert await _committed(c, ["msg/ok", "msg/ro"]) == []

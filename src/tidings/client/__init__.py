@@ -10,23 +10,34 @@
 * `Reader`: content from an offset, surviving broker restarts and Route changes, reporting offset
   jumps, optionally reading persisted fragments straight from their store.
 * `AppendService`: batched appends with a future per append, ordered per journal, spilled to a
-  temporary file beyond a memory threshold, retried until committed, with back-pressure.
+  temporary file beyond a memory threshold, retried until committed, with back-pressure; an append
+  may depend on others (in any journal) committing first. A definite failure stops its journal:
+  `EarlierAppendFailedError`, `DependencyFailedError`, `AppendOutcomeUnknownError`.
 
 Modules: `_base` (results, Route cache, retry policy: no I/O), `_async`, `_append_service`, `_sync`.
 """
 
-from tidings.client._append_service import AppendService, AppendServiceStatistics
+from tidings.client._append_service import (
+    AppendOutcomeUnknownError,
+    AppendService,
+    AppendServiceStatistics,
+    DependencyFailedError,
+    EarlierAppendFailedError,
+)
 from tidings.client._async import Appender, AsyncClient, Reader
 from tidings.client._base import AppendResult, ReadChunk, RetryPolicy, RouteCache
 from tidings.client._sync import Client, SyncAppender, SyncReader
 
 __all__ = [
+    "AppendOutcomeUnknownError",
     "AppendResult",
     "AppendService",
     "AppendServiceStatistics",
     "Appender",
     "AsyncClient",
     "Client",
+    "DependencyFailedError",
+    "EarlierAppendFailedError",
     "ReadChunk",
     "Reader",
     "RetryPolicy",

@@ -10,18 +10,48 @@ content got inside the batch's committed span.
 A batch stays in memory up to `spill_bytes`, then moves to a temporary file under `spill_dir`
 (the seed's "buffer to local disk"). When `buffer_bytes` of content wait in memory and on disk,
 `append()` waits for room (back-pressure). A batch is retried until it commits: through
-transient statuses, broker restarts and Route changes. Only a definite refusal (JOURNAL_NOT_FOUND,
-NOT_ALLOWED, ...) or an invalid request fails its futures. A transport failure leaves the outcome
-unknown (the primary may have died after its peers committed), so before retrying, the service
-takes the journal's write head through a zero-byte barrier and looks for the batch between the end
-of its previous batch and that head: found, it resolves there; not found, it is retried. The
-journal thus holds each batch once for a single writer, or for content carrying message UUIDs
-(beyond `dedup_scan_bytes` of other writers' content the scan is skipped and the retry may write
-it twice: appends stay at-least-once, and message UUIDs de-duplicate).
+transient statuses, broker restarts and Route changes.
+
+**A definite failure stops the journal.** A refusal (JOURNAL_NOT_FOUND, NOT_ALLOWED,
+REGISTER_MISMATCH, INDEX_HAS_GREATER_OFFSET, ...), an invalid request, a spill file that cannot be
+read back, a failed dependency, or an outcome that cannot be established (below) fails the batch's
+futures with that error. Every append to the journal queued behind it then fails with
+`EarlierAppendFailedError` (naming the failed batch and its error) without being written, so no
+content ever commits after a hole in the order the caller made its appends. The failure is
+sticky: appends made to that journal afterwards fail the same way, because a caller that
+publishes without awaiting each future cannot have seen the error yet. Once it has, and has dealt
+with it, `resume(journal)` lets appends through again; `failure(journal)` says whether a journal
+is stopped. (Gazette keeps such an error for the AppendService's lifetime, as its `errs`; we add
+the explicit resume.) Other journals are not affected.
+
+**Dependencies.** `append(journal, content, dependencies=[...])` holds the batch holding this
+append until every dependency (a future of this service's `append()`, or any asyncio future, e.g.
+a checkpoint's commit) has finished; a dependency that failed or was cancelled fails the append
+with `DependencyFailedError`, unwritten (Gazette's `StartAppend(req, dependencies)`). An append
+with dependencies starts a new batch; appends without any made after it may join that batch, as
+they are ordered after it anyway. A dependency on an earlier append to the same journal is
+already met by the journal's order and is dropped. Each wait points at an append made earlier,
+and a batch waits only for its own journal's earlier batches and its first append's dependencies,
+so waits cannot form a cycle; a waiting batch holds its own journal only. A dependency on one of
+this service's futures follows the batch's outcome, so a caller cancelling that future (e.g. a
+cancelled `gather`) neither fails nor releases its dependants early.
+
+**An unknown outcome.** A transport failure leaves the outcome unknown (the primary may have died
+after its peers committed), so before retrying, the service takes the journal's write head
+through a zero-byte barrier and looks for the batch between the end of its previous batch and
+that head: found, it resolves there; not found, it is retried. The search matches only within
+spans read contiguously, at their true offsets. Where the read jumps (content removed, a head
+reset past never-written offsets, a replica's hole) the skipped span is read again until it is
+readable or `dedup_wait` seconds have passed; a window that cannot be read in full is not taken
+as "not written": the batch fails with `AppendOutcomeUnknownError` (and the journal stops, as
+above) rather than risk writing it twice. The journal thus holds each batch once for a single
+writer, or for content carrying message UUIDs (beyond `dedup_scan_bytes` of other writers'
+content the scan is skipped and the retry may write it twice: appends stay at-least-once, and
+message UUIDs de-duplicate).
 
 Cancelling a future does not withdraw its content: once `append()` returns, the content will be
 written. `aclose()` waits until everything queued has committed; a task that dies unexpectedly
-fails every pending future with its error.
+fails every pending future with its error, and stops its journal.
 """
 
 from __future__ import annotations
@@ -33,8 +63,9 @@ import dataclasses
 import logging
 import os
 import tempfile
-from collections.abc import AsyncIterator
-from typing import BinaryIO
+import weakref
+from collections.abc import AsyncIterator, Iterable
+from typing import Any, BinaryIO
 
 import grpc
 
@@ -42,7 +73,13 @@ from tidings.client._async import ATTEMPT_TIMEOUT, AsyncClient
 from tidings.client._base import CHUNK, AppendResult, first_append_request
 from tidings.protocol.status import StatusError, TidingsError, TransportError, UsageError
 
-__all__ = ["AppendService", "AppendServiceStatistics"]
+__all__ = [
+    "AppendOutcomeUnknownError",
+    "AppendService",
+    "AppendServiceStatistics",
+    "DependencyFailedError",
+    "EarlierAppendFailedError",
+]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +95,59 @@ _DEFINITE_CODES = frozenset(
 )
 
 
+class EarlierAppendFailedError(TidingsError):
+    """Not written: an earlier batch of the same journal failed, and appends keep their order.
+
+    `journal`, `batch` (which batch failed) and `cause` (its error, also `__cause__`)."""
+
+    def __init__(self, journal: str, batch: str, cause: BaseException) -> None:
+        super().__init__(
+            f"journal {journal!r}: not written, because {batch}, made before this append, failed: {cause}; "
+            f"appends to {journal!r} fail until AppendService.resume({journal!r})"
+        )
+        self.journal = journal
+        self.batch = batch
+        self.cause = cause
+        self.__cause__ = cause
+
+
+class DependencyFailedError(TidingsError):
+    """Not written: a dependency of the append failed (or was cancelled).
+
+    `journal`, `batch` (the dependant batch), `dependency` (its journal, when it was an append of this
+    service) and `cause`."""
+
+    def __init__(self, journal: str, batch: str, dependency: str, cause: BaseException) -> None:
+        what = f"an append to {dependency!r}" if dependency else "a dependency"
+        reason = "was cancelled" if isinstance(cause, asyncio.CancelledError) else f"failed: {cause}"
+        super().__init__(f"journal {journal!r}: {batch} not written, because it depends on {what}, which {reason}")
+        self.journal = journal
+        self.batch = batch
+        self.dependency = dependency
+        self.cause = cause
+        self.__cause__ = cause
+
+
+class AppendOutcomeUnknownError(TidingsError):
+    """An attempt's answer was lost and the journal cannot show whether the batch committed.
+
+    The span where it would be could not be read in full (`unread`: offset ranges skipped by the
+    read, e.g. removed content or a reset head), so the batch is neither taken as written nor
+    written again."""
+
+    def __init__(self, journal: str, batch: str, low: int, high: int, unread: list[tuple[int, int]]) -> None:
+        spans = ", ".join(f"[{a}, {b})" for a, b in unread)
+        super().__init__(
+            f"journal {journal!r}: {batch} may have committed, but [{low}, {high}) cannot be read in full "
+            f"(unreadable: {spans}); read the journal to check, then AppendService.resume({journal!r})"
+        )
+        self.journal = journal
+        self.batch = batch
+        self.low = low
+        self.high = high
+        self.unread = unread
+
+
 @dataclasses.dataclass(frozen=True)
 class AppendServiceStatistics:
     """Counters since the service started (for the CLI and benchmarks)."""
@@ -68,18 +158,30 @@ class AppendServiceStatistics:
     retries: int
     spilled_batches: int
     buffered_bytes: int
+    failed_batches: int  # batches whose appends failed: a definite failure, and those queued behind it
 
 
 class _Batch:
-    """Content of consecutive appends to one journal, in memory or spilled to a temporary file."""
+    """Content of consecutive appends to one journal, in memory or spilled to a temporary file.
 
-    __slots__ = ("buf", "file", "size", "waiters")
+    `done` is the service's own record of the outcome (None or the error), which dependants
+    follow: the futures handed to callers may be cancelled by them."""
 
-    def __init__(self) -> None:
+    __slots__ = ("buf", "deps", "done", "file", "journal", "seq", "size", "waiters")
+
+    def __init__(self, journal: str = "", seq: int = 0, deps: list[asyncio.Future[Any]] | None = None) -> None:
+        self.journal = journal
+        self.seq = seq
+        self.deps = deps
+        self.done: asyncio.Future[BaseException | None] | None = None  # made when a dependant first asks
         self.buf = bytearray()
         self.file: BinaryIO | None = None
         self.size = 0
         self.waiters: list[tuple[asyncio.Future[AppendResult], int, int]] = []
+
+    def describe(self) -> str:
+        n = len(self.waiters)
+        return f"batch #{self.seq} ({n} append{'' if n == 1 else 's'}, {self.size} bytes)"
 
     def add(self, content: bytes | bytearray | memoryview, spill_bytes: int, spill_dir: str | None) -> bool:
         """Add content; returns True when this call moved the batch to disk."""
@@ -112,6 +214,10 @@ class _Batch:
             offset += len(data)
             yield data
 
+    async def all_content(self) -> bytes:
+        content = self.content()
+        return content if isinstance(content, bytes) else b"".join([part async for part in content])
+
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
@@ -120,7 +226,7 @@ class _Batch:
 
 
 class _JournalQueue:
-    __slots__ = ("head", "journal", "open", "ready", "task")
+    __slots__ = ("batches", "failed", "head", "journal", "open", "ready", "task")
 
     def __init__(self, journal: str) -> None:
         self.journal = journal
@@ -128,6 +234,8 @@ class _JournalQueue:
         self.open: _Batch | None = None
         self.ready: collections.deque[_Batch] = collections.deque()
         self.task: asyncio.Task[None] | None = None
+        self.batches = 0  # batches made so far (numbers them in errors)
+        self.failed: EarlierAppendFailedError | None = None  # set by a definite failure, until resume()
 
 
 class AppendService:
@@ -150,6 +258,7 @@ class AppendService:
         service = AppendService(client)
         done = await service.append("shop/orders", b'{"id": 1}\\n')
         span = await done            # AppendResult: the committed [begin, end) of this content
+        ack = await service.append("shop/acks", b"ack\\n", dependencies=[done])  # held until `done` commits
         await service.aclose()
     """
 
@@ -173,20 +282,34 @@ class AppendService:
         self.spill_dir = spill_dir
         self.dedup_scan_bytes = dedup_scan_bytes
         self.attempt_timeout = attempt_timeout
-        self.dedup_wait = 60.0  # seconds to wait for a range to become readable while looking
+        self.dedup_wait = 60.0  # seconds a span may stay unreadable while looking for a batch
         self._queues: dict[str, _JournalQueue] = {}
+        self._pending: dict[asyncio.Future[AppendResult], _Batch] = {}  # each unsettled future's batch
+        # Outcomes of futures their caller cancelled before the batch settled (for later dependants).
+        self._cancelled: weakref.WeakKeyDictionary[asyncio.Future[AppendResult], BaseException | None] = (
+            weakref.WeakKeyDictionary()
+        )
         self._buffered = 0
         self._room = asyncio.Event()
         self._closed = False
-        self._appends = self._batches = self._bytes = self._retries = self._spilled = 0
+        self._appends = self._batches = self._bytes = self._retries = self._spilled = self._failed = 0
 
     # -- public ----------------------------------------------------------------------------
 
-    async def append(self, journal: str, content: bytes | bytearray | memoryview) -> asyncio.Future[AppendResult]:
+    async def append(
+        self,
+        journal: str,
+        content: bytes | bytearray | memoryview,
+        *,
+        dependencies: Iterable[asyncio.Future[Any]] = (),
+    ) -> asyncio.Future[AppendResult]:
         """Queue `content` for `journal`; returns a future of its committed span.
 
         Waits only for room in the buffer (back-pressure). Appends to one journal commit in the
-        order of their `append()` calls.
+        order of their `append()` calls. The append is not sent before every future of
+        `dependencies` has finished, and fails unwritten (`DependencyFailedError`) if one failed
+        (a dependency that never finishes holds this journal, and `aclose()`, for good). After a
+        definite failure of the journal the future fails at once (see `resume()`).
         """
         if self._closed:
             raise UsageError("the AppendService is closed; make a new one")
@@ -194,31 +317,61 @@ class AppendService:
         while self._buffered and self._buffered + size > self.buffer_bytes:
             self._room.clear()
             await self._room.wait()
-        return self.append_nowait(journal, content)
+        return self.append_nowait(journal, content, dependencies=dependencies)
 
-    def append_nowait(self, journal: str, content: bytes | bytearray | memoryview) -> asyncio.Future[AppendResult]:
+    def append_nowait(
+        self,
+        journal: str,
+        content: bytes | bytearray | memoryview,
+        *,
+        dependencies: Iterable[asyncio.Future[Any]] = (),
+    ) -> asyncio.Future[AppendResult]:
         """Like `append()`, without waiting for room in the buffer (use when the caller bounds itself)."""
         if self._closed:
             raise UsageError("the AppendService is closed; make a new one")
         q = self._queues.get(journal)
         if q is None:
             q = self._queues[journal] = _JournalQueue(journal)
+        deps = self._open_dependencies(journal, dependencies) if dependencies else None
+        fut: asyncio.Future[AppendResult] = asyncio.get_running_loop().create_future()
+        if q.failed is not None:
+            fut.set_exception(q.failed)
+            fut.exception()  # retrieved: the failure was logged once, when it happened
+            return fut
         size = len(content)
         batch = q.open
-        if batch is None or (batch.size and batch.size + size > self.batch_bytes):
+        if batch is None or deps or (batch.size and batch.size + size > self.batch_bytes):
             if batch is not None:
                 q.ready.append(batch)
-            batch = q.open = _Batch()
+            q.batches += 1
+            batch = q.open = _Batch(journal, q.batches, deps)
         start = batch.size
         if batch.add(content, self.spill_bytes, self.spill_dir):
             self._spilled += 1
-        fut: asyncio.Future[AppendResult] = asyncio.get_running_loop().create_future()
         batch.waiters.append((fut, start, start + size))
+        self._pending[fut] = batch
         self._buffered += size
         self._appends += 1
         if q.task is None:
             q.task = asyncio.create_task(self._append_loop(q), name=f"append-service:{journal}")
         return fut
+
+    def failure(self, journal: str) -> BaseException | None:
+        """The error that stopped `journal` (appends to it fail until `resume()`), or None."""
+        q = self._queues.get(journal)
+        return None if q is None or q.failed is None else q.failed.cause
+
+    def resume(self, journal: str) -> BaseException | None:
+        """Let appends to `journal` through again after a definite failure; returns the error it clears.
+
+        Call it once the failure has been dealt with: content appended from now on is written after
+        whatever committed before the failed batch (the failed batch and those behind it are not)."""
+        q = self._queues.get(journal)
+        if q is None or q.failed is None:
+            return None
+        cause, q.failed = q.failed.cause, None
+        log.info("journal %s: appends resume after %s", journal, cause)
+        return cause
 
     async def flush(self) -> None:
         """Wait until everything appended so far has committed (or failed)."""
@@ -232,8 +385,55 @@ class AppendService:
 
     def statistics(self) -> AppendServiceStatistics:
         return AppendServiceStatistics(
-            self._appends, self._batches, self._bytes, self._retries, self._spilled, self._buffered
+            self._appends, self._batches, self._bytes, self._retries, self._spilled, self._buffered, self._failed
         )
+
+    # -- dependencies ----------------------------------------------------------------------
+
+    def _open_dependencies(
+        self, journal: str, dependencies: Iterable[asyncio.Future[Any]]
+    ) -> list[asyncio.Future[Any]] | None:
+        """The dependencies that still need waiting for: not finished well, not ordered before us anyway."""
+        deps = []
+        for dep in dependencies:
+            if not asyncio.isfuture(dep):
+                raise UsageError(
+                    f"journal {journal!r}: dependencies must be futures (from AppendService.append, or asyncio "
+                    f"futures and tasks), not {type(dep).__name__}"
+                )
+            batch = self._pending.get(dep)
+            if batch is not None:
+                if batch.journal != journal:  # (an earlier append to this journal is met by the order)
+                    deps.append(dep)
+            elif not dep.done() or self._outcome(dep) is not None:
+                deps.append(dep)
+        return deps or None
+
+    def _outcome(self, dep: asyncio.Future[Any]) -> BaseException | None:
+        """How a finished dependency ended: None when well, else its error."""
+        if dep.cancelled():
+            with contextlib.suppress(TypeError):  # (TypeError: a future-like that takes no weak reference)
+                if dep in self._cancelled:  # one of ours, cancelled by its caller: the batch's outcome counts
+                    return self._cancelled[dep]
+            return asyncio.CancelledError()
+        return dep.exception()
+
+    async def _wait_for_dependencies(self, batch: _Batch) -> None:
+        """Return once every dependency of the batch finished well; raise DependencyFailedError if one did not."""
+        for dep in batch.deps or ():
+            owner = self._pending.get(dep)
+            if owner is not None:  # follow the batch, not the caller's future (which may be cancelled)
+                if owner.done is None:
+                    owner.done = asyncio.get_running_loop().create_future()
+                await asyncio.wait([owner.done])  # (never cancels what it waits for)
+                err = owner.done.result()
+            else:
+                if not dep.done():
+                    await asyncio.wait([dep])
+                err = self._outcome(dep)
+            if err is not None:
+                source = owner.journal if owner is not None else getattr(err, "journal", "")
+                raise DependencyFailedError(batch.journal, batch.describe(), source, err)
 
     # -- the per-journal loop --------------------------------------------------------------
 
@@ -249,27 +449,60 @@ class AppendService:
                 else:
                     return
                 try:
+                    if batch.deps:
+                        await self._wait_for_dependencies(batch)
                     result = await self._commit(q, batch)
                 except TidingsError as exc:
-                    log.warning("journal %s: %d appends failed: %s", q.journal, len(batch.waiters), exc)
-                    _fail(batch, exc)
+                    self._stop_journal(q, batch, exc)
                 else:
-                    for fut, begin, end in batch.waiters:
-                        if not fut.done():
-                            fut.set_result(AppendResult(q.journal, result.begin + begin, result.begin + end,
-                                                        result.registers))  # fmt: skip
+                    self._settle(batch, result)
                 self._release(batch)
                 batch = None
         except BaseException as exc:  # dying: no future may be left waiting
             err = exc if isinstance(exc, Exception) else UsageError("the AppendService stopped")
-            for pending in ([batch] if batch else []) + list(q.ready) + ([q.open] if q.open else []):
-                _fail(pending, err)
-                self._release(pending)
-            q.ready.clear()
-            q.open = None
+            if batch is not None:
+                self._stop_journal(q, batch, err)
+                self._release(batch)
+            else:
+                for pending in [*q.ready, *([q.open] if q.open else [])]:
+                    self._settle(pending, err)
+                    self._release(pending)
+                q.ready.clear()
+                q.open = None
             raise
         finally:
             q.task = None
+
+    def _stop_journal(self, q: _JournalQueue, batch: _Batch, exc: BaseException) -> None:
+        """Fail the batch, and every append to its journal queued behind it or made until resume()."""
+        behind = [*q.ready, *([q.open] if q.open else [])]
+        log.warning("journal %s: %s failed (%d more queued behind it fail too; resume() lets appends through "
+                    "again): %s", q.journal, batch.describe(), sum(len(b.waiters) for b in behind), exc)  # fmt: skip
+        self._failed += 1 + len(behind)
+        self._settle(batch, exc)
+        later = q.failed = EarlierAppendFailedError(q.journal, batch.describe(), exc)
+        for b in behind:
+            self._settle(b, later)
+            self._release(b)
+        q.ready.clear()
+        q.open = None
+
+    def _settle(self, batch: _Batch, outcome: AppendResult | BaseException) -> None:
+        """Resolve the batch's futures (each with its own span) and its record for dependants."""
+        pending = self._pending
+        failed = isinstance(outcome, BaseException)
+        for fut, begin, end in batch.waiters:
+            pending.pop(fut, None)
+            if fut.cancelled():
+                self._cancelled[fut] = outcome if failed else None  # type: ignore[assignment]
+            elif failed:
+                fut.set_exception(outcome)  # type: ignore[arg-type]
+                fut.exception()  # mark it retrieved: the service has logged the failure
+            else:
+                r: AppendResult = outcome  # type: ignore[assignment]
+                fut.set_result(AppendResult(r.journal, r.begin + begin, r.begin + end, r.registers))
+        if batch.done is not None and not batch.done.done():
+            batch.done.set_result(outcome if failed else None)  # type: ignore[arg-type]
 
     async def _commit(self, q: _JournalQueue, batch: _Batch) -> AppendResult:
         """Append the batch, retrying everything but a definite refusal or an invalid request.
@@ -337,7 +570,12 @@ class AppendService:
         (`q.head`) and the journal's authoritative write head (a zero-byte barrier through the
         primary's synchronized pipeline). The first exact match is taken as ours: exact for a single
         writer or for content carrying message UUIDs; identical bytes of another writer in that
-        window would be mistaken for ours."""
+        window would be mistaken for ours.
+
+        Only bytes read contiguously are matched, at the offsets the broker gave them. A span the
+        read jumped over (the Reader's `jumps`: removed content, a head reset past it, a replica's
+        hole) is read again until `dedup_wait` runs out; if the window is still not whole and the
+        batch was not found, AppendOutcomeUnknownError: "not found" would be a guess."""
         client, journal = self.client, q.journal
         barrier = await client.append(journal, b"")
         low, high = q.head or 0, barrier.end
@@ -349,31 +587,50 @@ class AppendService:
                         journal, high - low)  # fmt: skip
             q.head = high
             return None
-        # Read through `high` even where the replica we read from has a hole that another replica
-        # committed (a primary died between peers): that range arrives once it is persisted.
-        parts: list[bytes] = []
-        try:
-            async with asyncio.timeout(self.dedup_wait):
-                async with contextlib.aclosing(client.reader(journal, low, block=True, end_offset=high)) as reader:
-                    async for chunk in reader:
-                        parts.append(chunk.content)
-        except TimeoutError:
-            log.warning("journal %s: [%d, %d) is not readable after %.0fs; retrying a failed append (it may now "
-                        "appear twice)", journal, low + sum(map(len, parts)), high, self.dedup_wait)  # fmt: skip
-        written = b"".join(parts)
-        content = batch.content()
-        if not isinstance(content, bytes):
-            content = b"".join([part async for part in content])
-        at = written.find(content)
-        if at < 0:
-            q.head = high
-            return None
-        begin = low + at
-        q.head = begin + batch.size
-        self._batches += 1
-        self._bytes += batch.size
-        log.info("journal %s: a failed append of %d bytes had committed at %d", journal, batch.size, begin)
-        return AppendResult(journal, begin, begin + batch.size, barrier.registers)
+        content = await batch.all_content()
+        pieces: list[tuple[int, bytes | bytearray]] = []  # (offset, bytes read there)
+        unread = [(low, high)]
+        deadline = asyncio.get_running_loop().time() + self.dedup_wait
+        attempt = 0
+        while True:
+            for begin, end in unread:
+                await self._read_span(journal, begin, end, deadline, pieces)
+            runs = _coalesce(pieces)  # begin -> bytes read contiguously from there
+            pieces = list(runs.items())
+            for begin in sorted(runs):
+                at = runs[begin].find(content)
+                if at >= 0:
+                    found = begin + at
+                    q.head = found + batch.size
+                    self._batches += 1
+                    self._bytes += batch.size
+                    log.info("journal %s: a failed append of %d bytes had committed at %d", journal, batch.size, found)
+                    return AppendResult(journal, found, found + batch.size, barrier.registers)
+            unread = _uncovered(low, high, runs)
+            if not unread:
+                q.head = high
+                return None
+            if asyncio.get_running_loop().time() >= deadline:
+                raise AppendOutcomeUnknownError(journal, batch.describe(), low, high, unread)
+            log.info("journal %s: looking for a failed append, %s of [%d, %d) is not readable yet", journal,
+                     ", ".join(f"[{a}, {b})" for a, b in unread), low, high)  # fmt: skip
+            await client.backoff(min(attempt, 6))
+            attempt += 1
+
+    async def _read_span(
+        self, journal: str, begin: int, end: int, deadline: float, pieces: list[tuple[int, bytes | bytearray]]
+    ) -> None:
+        """Add the committed content of [begin, end) to `pieces`, each chunk at its own offset, until
+        `deadline`; what the read jumps over (logged from the Reader's `jumps`) or does not reach in
+        time is simply missing."""
+        reader = self.client.reader(journal, begin, block=True, end_offset=end)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(deadline), contextlib.aclosing(reader):
+                async for chunk in reader:
+                    pieces.append((chunk.offset, chunk.content))
+        if reader.jumps:
+            log.info("journal %s: reading [%d, %d) jumped over %s", journal, begin, end,
+                     ", ".join(f"[{a}, {b})" for a, b in reader.jumps))  # fmt: skip
 
     def _release(self, batch: _Batch) -> None:
         self._buffered -= batch.size
@@ -381,9 +638,35 @@ class AppendService:
         self._room.set()
 
 
-def _fail(batch: _Batch, exc: BaseException) -> None:
-    for fut, _b, _e in batch.waiters:
-        if not fut.done():
-            fut.set_exception(exc)
-            with contextlib.suppress(BaseException):
-                fut.exception()  # mark it retrieved: the service has logged the failure
+def _coalesce(pieces: list[tuple[int, bytes | bytearray]]) -> dict[int, bytearray]:
+    """Merge pieces of content that touch or overlap into runs, by offset (committed bytes at an offset
+    are the same on every read, so an overlap only extends a run)."""
+    runs: dict[int, bytearray] = {}
+    last = -1
+    for begin, data in sorted(pieces, key=lambda p: p[0]):
+        if not data:
+            continue
+        if last >= 0 and begin <= last + len(runs[last]):
+            run = runs[last]
+            overlap = last + len(run) - begin
+            if overlap < len(data):
+                run += data[overlap:]
+        else:
+            runs[begin] = bytearray(data)
+            last = begin
+    return runs
+
+
+def _uncovered(low: int, high: int, runs: dict[int, bytearray]) -> list[tuple[int, int]]:
+    """The parts of [low, high) no run covers (runs are coalesced: sorted and disjoint)."""
+    gaps, at = [], low
+    for begin in sorted(runs):
+        end = begin + len(runs[begin])
+        if begin > at:
+            gaps.append((at, min(begin, high)))
+        at = max(at, end)
+        if at >= high:
+            break
+    if at < high:
+        gaps.append((at, high))
+    return [(a, b) for a, b in gaps if a < b]

@@ -13,6 +13,19 @@ UUID of (producer, clock tick, flags) before it is framed by its journal's ``con
   older intents again rolls back whatever the producer published after them. A consumer keeps
   its intents in its checkpoint and writes them only after the checkpoint commits.
 
+An ACK must never commit before the messages it acknowledges: readers of its journal would deliver
+the transaction while its messages in another journal could still fail, and it would not be
+all-or-nothing. So `write_ack_intents` makes every ACK depend (AppendService dependencies, Gazette's
+`StartAppend(req, deps)`) on each uncommitted publish of the transaction its intents were built
+for, in every journal (and of earlier built transactions whose intents were never written, which an
+ACK with a newer clock commits too): an ACK waits until they committed, and if one of them failed
+it fails unwritten, so no journal gets an ACK for a transaction that is not whole. That failure
+stops the ACK's journal in the AppendService (its later appends fail too), as a later ACK there
+would otherwise commit the partial transaction's messages; a journal whose message append failed is
+stopped the same way. A producer whose transaction failed starts again under a new ProducerID (a
+new Publisher), as a recovering consumer shard does. Intents recovered from a checkpoint depend on
+nothing: their messages committed before the checkpoint did.
+
 A producer that restarts (a consumer shard recovering its checkpoint) writes the recovered intents
 and then publishes under a **new** ProducerID, as Gazette does. With the old one, an abandoned
 transaction's messages in a journal the recovered intents do not cover would still be pending,
@@ -230,6 +243,9 @@ class Publisher:
         self.journals = journals
         self._framings: dict[str, Framing] = {}
         self._txn: dict[str, type] = {}  # journals written in the open transaction -> their message type
+        self._txn_appends: list[asyncio.Future[AppendResult]] = []  # appends of the open transaction
+        self._acked_appends: list[asyncio.Future[AppendResult]] = []  # appends the built intents acknowledge
+        self._acks_written = True  # the last built intents went through write_ack_intents
 
     @staticmethod
     def new_producer_id() -> ProducerID:
@@ -247,6 +263,11 @@ class Publisher:
 
     def build_ack_intents(self) -> list[AckIntent]:
         """The ACK_TXN messages that commit the open transaction, one per journal it wrote; closes it."""
+        # The intents acknowledge every pending message of this producer (their clock is the newest).
+        # An earlier transaction whose intents were written is covered by those ACKs, which precede
+        # ours in each journal; one whose intents were not written must commit before ours do.
+        earlier = [] if self._acks_written else [f for f in self._acked_appends if not _committed(f)]
+        self._acked_appends, self._txn_appends, self._acks_written = earlier + self._txn_appends, [], False
         if not self._txn:
             return []
         self.clock.update()
@@ -260,8 +281,14 @@ class Publisher:
         return intents
 
     async def write_ack_intents(self, intents: Iterable[AckIntent]) -> asyncio.Future[list[AppendResult]]:
-        """Queue ACK intents (new, or recovered from a checkpoint); returns a future of their spans."""
-        futures = [await self.service.append(i.journal, i.content) for i in intents]
+        """Queue ACK intents (new, or recovered from a checkpoint); returns a future of their spans.
+
+        Each ACK is held until every uncommitted publish of the transaction the last
+        `build_ack_intents` closed has committed, in every journal, and fails unwritten
+        (`DependencyFailedError`) if one of them failed."""
+        deps = self._acked_appends = [f for f in self._acked_appends if not _committed(f)]
+        self._acks_written = True
+        futures = [await self.service.append(i.journal, i.content, dependencies=deps) for i in intents]
         return _all(futures)
 
     async def framing(self, journal: str) -> Framing:
@@ -295,10 +322,19 @@ class Publisher:
                     last_type = type(msg)
                     setter = uuid_setter(last_type)
                 setter(msg, build_uuid(producer, clock, flags))
-            futures.append(await self.service.append(journal, framing.encode_batch(msgs)))
+            fut = await self.service.append(journal, framing.encode_batch(msgs))
+            futures.append(fut)
             if flags == CONTINUE_TXN:
                 self._txn[journal] = type(msgs[-1])
+                self._txn_appends.append(fut)
+        if len(self._txn_appends) > 256:  # a long transaction: forget appends that committed
+            self._txn_appends = [f for f in self._txn_appends if not _committed(f)]
         return _all(futures)
+
+
+def _committed(fut: asyncio.Future[AppendResult]) -> bool:
+    """The append committed (a cancelled future's outcome is the AppendService's to tell: keep it)."""
+    return fut.done() and not fut.cancelled() and fut.exception() is None
 
 
 def _all(futures: list[asyncio.Future[AppendResult]]) -> asyncio.Future[list[AppendResult]]:
