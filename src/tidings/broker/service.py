@@ -2,9 +2,20 @@
 
 Start order: etcd client -> KeySpace (load + watch) -> persister -> resolver -> gRPC server ->
 member announcement (leased) -> allocator. `start()` returns once the server serves and the
-member key is in etcd. Graceful stop (SIGTERM): mark the member exiting so the allocator moves
-its journals away, wait for that (bounded), then stop serving, complete and persist spools,
-and revoke the lease.
+member key is in etcd; if any step fails (or start is cancelled) the steps already taken are
+undone, so nothing is left running. The announcement waits while a previous process's member
+key of the same id is still alive (see `allocator.announce`).
+
+Graceful stop (SIGTERM): mark the member exiting so the allocator moves its journals away, wait
+for that (at most `exit_timeout`, saying what it waits for and, when no other broker can take a
+journal, that too), then stop serving, complete and persist spools, and revoke the lease so the
+member key goes at once. Every etcd step of a stop is bounded by `ETCD_STOP_TIMEOUT`, and the
+hand-off wait ends as soon as etcd stops answering (nothing can move then), so a broker whose
+etcd is gone still exits within a few seconds; its key then goes when its lease expires.
+
+etcd outages shorter than the lease do not stop a broker: it keeps serving the routes it has
+while the keep-alive and the KeySpace watch retry; it stops (without hand-off) only once its
+lease is really lost.
 """
 
 from __future__ import annotations
@@ -13,6 +24,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import socket
+import time
 from pathlib import Path
 
 import grpc
@@ -38,7 +51,7 @@ from tidings.keyspace.etcd import Etcd, delete_op, mod_revision_is, put_op
 from tidings.protocol import labels, validate
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
-from tidings.protocol.status import ValidationError
+from tidings.protocol.status import TidingsError, UsageError, ValidationError
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +75,8 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
+ETCD_STOP_TIMEOUT = 2.0  # seconds for each etcd call while stopping: a gone etcd must not hold a stop up
+CLOSE_TIMEOUT = 5.0  # seconds for the replicas to close while stopping (they take milliseconds, unless stuck)
 
 
 @dataclasses.dataclass
@@ -102,57 +117,71 @@ class Broker:
     async def start(self) -> Broker:
         cfg = self.config
         validate.process_id(self.process_id, "broker")
-        self.etcd = await Etcd.connect(cfg.etcd)
-        self.keyspace = KeySpace(cfg.root, decoder(cfg.root))
-        await self.keyspace.start(self.etcd)
-        self.persister = Persister(self._on_persisted)
-        await self.persister.start()
-        self._recovered = await asyncio.to_thread(_recover_all, Path(cfg.data_dir))
-        self._persist_recovered()
-        self.resolver = Resolver(self.keyspace, self.process_id, self._new_replica, self._pulse)
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
-        pb_grpc.add_JournalServicer_to_server(_Servicer(self), self.server)
-        host = cfg.listen.rsplit(":", 1)[0]
-        port = self.server.add_insecure_port(cfg.listen)
-        if port == 0:
-            raise OSError(f"cannot listen on {cfg.listen}")
-        self.endpoint = f"{host}:{port}"
-        await self.server.start()
-        spec = pb.BrokerSpec(id=self.process_id, endpoint=self.endpoint, journal_limit=cfg.journal_limit)
-        self.announcement: Announcement = await announce(self.etcd, cfg.root, spec, ttl=cfg.lease_ttl)
-        self.allocator = Allocator(self.etcd, self.keyspace, cfg.root, (cfg.zone, cfg.suffix))
-        self._tasks.append(asyncio.create_task(self.allocator.run(), name=f"allocator:{cfg.suffix}"))
-        if cfg.metrics_listen:
-            from prometheus_client import start_http_server
+        async with contextlib.AsyncExitStack() as undo:  # undoes the steps taken if a later one fails
+            self.etcd = await Etcd.connect(cfg.etcd)
+            undo.push_async_callback(self.etcd.aclose)
+            self.keyspace = KeySpace(cfg.root, decoder(cfg.root))
+            await self.keyspace.start(self.etcd)
+            undo.push_async_callback(self.keyspace.aclose)
+            self.persister = Persister(self._on_persisted)
+            await self.persister.start()
+            undo.push_async_callback(self.persister.aclose)
+            self._recovered = await asyncio.to_thread(_recover_all, Path(cfg.data_dir))
+            self._persist_recovered()
+            self.resolver = Resolver(self.keyspace, self.process_id, self._new_replica, self._pulse)
+            undo.push_async_callback(self.resolver.aclose)
+            self.server = grpc.aio.server(options=SERVER_OPTIONS)
+            pb_grpc.add_JournalServicer_to_server(_Servicer(self), self.server)
+            host = cfg.listen.rsplit(":", 1)[0]
+            try:
+                _check_listen(cfg.listen)  # gRPC would fail too, but first print its own error line
+                port = self.server.add_insecure_port(cfg.listen)
+            except (OSError, RuntimeError) as err:
+                raise UsageError(f"broker cannot listen on {cfg.listen} ({err}); pass another --listen") from None
+            self.endpoint = f"{host}:{port}"
+            await self.server.start()
+            undo.push_async_callback(self.server.stop, 0)
+            spec = pb.BrokerSpec(id=self.process_id, endpoint=self.endpoint, journal_limit=cfg.journal_limit)
+            self.announcement: Announcement = await announce(self.etcd, cfg.root, spec, ttl=cfg.lease_ttl)
+            undo.push_async_callback(self.announcement.aclose, ETCD_STOP_TIMEOUT)
+            if cfg.metrics_listen:
+                from prometheus_client import start_http_server
 
-            mhost, mport = cfg.metrics_listen.rsplit(":", 1)
-            self._metrics_server, _thread = start_http_server(int(mport), addr=mhost)
+                mhost, mport = cfg.metrics_listen.rsplit(":", 1)
+                self._metrics_server, _thread = start_http_server(int(mport), addr=mhost)
+            self.allocator = Allocator(self.etcd, self.keyspace, cfg.root, (cfg.zone, cfg.suffix))
+            self._tasks.append(asyncio.create_task(self.allocator.run(), name=f"allocator:{cfg.suffix}"))
+            undo.pop_all()  # started: stop() undoes it all from here on
         log.info("broker %s/%s serving on %s", cfg.zone, cfg.suffix, self.endpoint)
         return self
 
     async def stop(self, graceful: bool = True) -> None:
-        """Graceful: hand journals off first. Either way: stop serving and release everything."""
+        """Graceful: hand journals off first (bounded). Either way: stop serving and release everything.
+
+        Bounded even when etcd is gone: each etcd call waits at most ``ETCD_STOP_TIMEOUT``.
+        """
         cfg = self.config
-        log.info("broker %s/%s stopping (graceful=%s)", cfg.zone, cfg.suffix, graceful)
-        if graceful:
-            spec = pb.BrokerSpec(id=self.process_id, endpoint=self.endpoint, journal_limit=0, exiting=True)
-            with contextlib.suppress(Exception):
-                await self.announcement.update(spec)
-                await self._wait_no_assignments(cfg.exit_timeout)
-        log.info("broker %s/%s: journals handed off; stopping the server", cfg.zone, cfg.suffix)
+        who = f"broker {cfg.zone}/{cfg.suffix}"
+        lost = self.announcement.lost.is_set()
+        log.info("%s stopping (%s)", who, "handing its journals off first" if graceful and not lost else "no hand-off")
+        if graceful and not lost:
+            await self._hand_off(cfg.exit_timeout)
         for task in self._tasks:
             task.cancel()
         with contextlib.suppress(Exception):
             await self.allocator.aclose()
         # Stop serving first: cancelled Replicate streams give their spools back.
         await self.server.stop(grace=1.0 if graceful else 0)
-        await self.resolver.aclose()
+        try:
+            async with asyncio.timeout(CLOSE_TIMEOUT):
+                await self.resolver.aclose()
+        except TimeoutError:
+            log.warning("%s: its replicas did not close within %.0fs; stopping anyway", who, CLOSE_TIMEOUT)
         if graceful:
             with contextlib.suppress(Exception):
                 await self.persister.drain(timeout=30)
         await self.persister.aclose()
-        with contextlib.suppress(Exception):
-            await self.announcement.aclose()
+        await self.announcement.aclose(timeout=ETCD_STOP_TIMEOUT)
         await self.keyspace.aclose()
         for ch in self._channels.values():
             await ch.close()
@@ -161,21 +190,95 @@ class Broker:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
         self.stopped.set()
-        log.info("broker %s/%s stopped", cfg.zone, cfg.suffix)
+        log.info("%s stopped", who)
+
+    async def _hand_off(self, timeout: float) -> None:
+        """Mark the member exiting, then wait (at most ``timeout`` seconds) for its journals to move away."""
+        cfg = self.config
+        spec = pb.BrokerSpec(id=self.process_id, endpoint=self.endpoint, journal_limit=0, exiting=True)
+        try:
+            await self.announcement.update(spec, timeout=ETCD_STOP_TIMEOUT)
+        except TidingsError as err:
+            log.warning(
+                "broker %s/%s: cannot mark itself exiting in etcd (%s); stopping without handing its journals off",
+                cfg.zone,
+                cfg.suffix,
+                err,
+            )
+            return
+        await self._wait_no_assignments(timeout)
 
     async def _wait_no_assignments(self, timeout: float) -> None:
-        """Wait until our journals have moved away, or until no other member could take them
-        (the whole cluster is stopping): then there is nothing to wait for."""
+        """Wait until our journals have moved away, at most ``timeout`` seconds.
+
+        Stops waiting early when no other member could take them (the whole cluster is
+        stopping), when our lease is lost, or when etcd stops answering (nothing can move then).
+        Logs what it waits for and how long, and says so when no other live broker is free to
+        take a journal (it then waits in case one joins).
+        """
+        who = f"broker {self.config.zone}/{self.config.suffix}"
         me = (self.config.zone, self.config.suffix)
-        async with asyncio.timeout(timeout):
-            while True:
-                state = self.resolver.state
-                others = [
-                    m for mid, m in state.members.items() if mid != me and not m.spec.exiting and m.spec.journal_limit
-                ]
-                if not state.assignments_of(*me) or not others:
+        started = time.monotonic()
+        deadline = started + timeout
+        said: tuple[list[str], list[str]] | None = None
+        first_look = True
+        while True:
+            state = self.resolver.state
+            mine = sorted({a.journal for a in state.assignments_of(*me)})
+            if not mine:
+                log.info("%s: no journals left to hand off", who)
+                return
+            others = [
+                m for mid, m in state.members.items() if mid != me and not m.spec.exiting and m.spec.journal_limit
+            ]
+            if not others:
+                log.info("%s: no other broker is serving; keeping its %s for its next start", who, _journal_list(mine))
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                log.warning(
+                    "%s: %s still assigned after %.0fs; stopping anyway (their other replicas keep serving, and "
+                    "the allocator reassigns them once the lease is revoked)",
+                    who,
+                    _journal_list(mine),
+                    now - started,
+                )
+                return
+            load = {m.id: 0 for m in others}
+            for assignments in state.assignments.values():
+                for a in assignments:
+                    if a.member in load:
+                        load[a.member] += 1
+            free = [m.id for m in others if load[m.id] < m.spec.journal_limit]
+            stuck = [j for j in mine if not {*free} - {a.member for a in state.assignments.get(j, [])}]
+            if stuck:
+                message = (
+                    f"no other live broker is free to take {_journal_list(stuck)} ({len(others)} others, all "
+                    f"already replicas or full); waiting up to {timeout:g}s for one to join, "
+                    "then stopping without handing them off"
+                )
+            else:
+                message = f"waiting up to {timeout:g}s for {_journal_list(mine)} to move to other brokers"
+            if first_look:  # brokers stopping together mark themselves exiting at about the same time
+                first_look = False
+                with contextlib.suppress(TimeoutError):
+                    await self.keyspace.wait_for_update(self.keyspace.revision, timeout=min(0.5, deadline - now))
+                continue
+            if said != (mine, stuck):  # say it again only when the situation changes
+                log.info("%s: %s", who, message)
+                said = (mine, stuck)
+            if self.announcement.lost.is_set():
+                return
+            try:
+                await self.keyspace.wait_for_update(self.keyspace.revision, timeout=min(1.0, deadline - now))
+            except TimeoutError:
+                try:  # a quiet second: is etcd still there?
+                    await self.etcd.get(self.announcement.key, timeout=ETCD_STOP_TIMEOUT)
+                except TidingsError as err:
+                    log.warning(
+                        "%s: etcd does not answer (%s); stopping without handing off %s", who, err, _journal_list(mine)
+                    )
                     return
-                await self.keyspace.wait_for_update(self.keyspace.revision)
 
     # -- shared services -------------------------------------------------------------------
 
@@ -391,3 +494,22 @@ class _Servicer(pb_grpc.JournalServicer):
             return await self.broker.list_fragments(request)
         except ValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+def _journal_list(names: list[str], most: int = 5) -> str:
+    """'journals a, b and 3 more' for log lines."""
+    shown = ", ".join(names[:most])
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return f"journal{'s' if len(names) > 1 else ''} {shown}{more}"
+
+
+def _check_listen(listen: str) -> None:
+    """Raise OSError if ``HOST:PORT`` cannot be bound (port taken, address not this host's)."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    if not port.isdigit():
+        raise OSError(f"{port!r} is not a port number")
+    for family, kind, proto, _name, addr in socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM):
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no conflict
+            s.bind(addr)

@@ -42,7 +42,7 @@ def main() -> None:
     try:
         app()
     except TidingsError as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)  # one line, however long
         raise SystemExit(1) from None
 
 
@@ -77,16 +77,24 @@ def broker(
     stall_timeout: Annotated[float, typer.Option(envvar="TIDINGS_STALL_TIMEOUT")] = 10.0,
     min_append_rate: Annotated[int, typer.Option(envvar="TIDINGS_MIN_APPEND_RATE")] = 16 * 1024,
     pulse_interval: Annotated[float, typer.Option(envvar="TIDINGS_PULSE_INTERVAL")] = 2.0,
-    lease_ttl: Annotated[int, typer.Option(envvar="TIDINGS_LEASE_TTL")] = 5,
+    lease_ttl: Annotated[
+        int, typer.Option(envvar="TIDINGS_LEASE_TTL", help="Seconds etcd keeps this broker's member key without it.")
+    ] = 5,
+    exit_timeout: Annotated[
+        float,
+        typer.Option(envvar="TIDINGS_EXIT_TIMEOUT", help="On SIGTERM, seconds to wait for journals to move away."),
+    ] = 60.0,
     log_level: Annotated[str, typer.Option(envvar="TIDINGS_LOG_LEVEL")] = "info",
 ) -> None:
     """Run one broker in the foreground. Prints `READY HOST:PORT` once it serves; SIGTERM hands
-    its journals to other brokers, then exits."""
+    its journals to other brokers (at most --exit-timeout seconds), then exits. It exits with 1 if
+    its etcd lease is lost (etcd unreachable for longer than --lease-ttl)."""
     from tidings._tasks import dump_tasks_on_sigusr1
     from tidings.broker._malloc import tune_malloc
     from tidings.broker.service import Broker, BrokerConfig
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("tidings.cli")
     tune_malloc()
     cfg = BrokerConfig(
         etcd=etcd,
@@ -101,21 +109,62 @@ def broker(
         min_append_rate=min_append_rate,
         pulse_interval=pulse_interval,
         lease_ttl=lease_ttl,
+        exit_timeout=exit_timeout,
     )
 
-    async def run() -> None:
+    async def run() -> int:
         dump_tasks_on_sigusr1()  # `kill -USR1 PID` logs where every task waits
-        b = await Broker(cfg).start()
-        print(f"READY {b.endpoint}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        signalled = asyncio.ensure_future(stop.wait())
+        # A signal during start (which may wait for a previous process's member key to expire)
+        # cancels it; start then undoes what it began.
+        starting = asyncio.ensure_future(Broker(cfg).start())
+        await asyncio.wait([starting, signalled], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            await asyncio.wait([starting])
+            log.info("broker %s/%s: stopped by a signal before it was ready", zone, id)
+            return 0
+        try:
+            b = starting.result()
+        except OSError as exc:
+            raise TidingsError(f"broker {zone}/{id} could not start: {exc}") from None
+        print(f"READY {b.endpoint}", flush=True)
         lost = asyncio.ensure_future(b.announcement.lost.wait())
-        await asyncio.wait([asyncio.ensure_future(stop.wait()), lost], return_when=asyncio.FIRST_COMPLETED)
-        await b.stop(graceful=not lost.done())
+        await asyncio.wait([signalled, lost], return_when=asyncio.FIRST_COMPLETED)
+        graceful = not lost.done()
+        # Every step of stop() is bounded; this is the backstop should one of them still hang.
+        watchdog = _exit_unless_stopped_within(exit_timeout + 60, f"broker {zone}/{id}")
+        try:
+            await b.stop(graceful=graceful)
+        finally:
+            watchdog.cancel()
+        return 0 if graceful else 1
 
-    _run(run())
+    code = _run(run())
+    if code:
+        raise typer.Exit(code)
+
+
+def _exit_unless_stopped_within(seconds: float, who: str):  # -> threading.Timer
+    """Start a timer that ends the process (exit code 2) if a stop has not finished by then.
+
+    A thread, so it fires even if the event loop is stuck.
+    """
+    import threading
+
+    def fire() -> None:
+        logging.getLogger("tidings.cli").error("%s: stop did not finish within %.0fs; exiting now", who, seconds)
+        logging.shutdown()
+        os._exit(2)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 @cluster.command("up")
@@ -125,7 +174,10 @@ def cluster_up(
     data_dir: Annotated[Path, typer.Option(envvar="TIDINGS_DATA_DIR")] = Path("data"),
     port: Annotated[int, typer.Option(help="First broker's port; the others follow.")] = 8080,
 ) -> None:
-    """Private etcd + N brokers on loopback, in the foreground; Ctrl-C stops everything."""
+    """Private etcd + N brokers on loopback, in the foreground; Ctrl-C stops everything.
+
+    Restarting on the same --data-dir keeps journals and their data. If this process dies (even
+    by SIGKILL), its brokers and etcd get SIGTERM and exit."""
     from tidings.cluster import LocalCluster
 
     lc = LocalCluster(brokers=brokers, zones=zones, data_dir=data_dir, port=port)
@@ -139,6 +191,8 @@ def cluster_up(
     signal.signal(signal.SIGINT, on_signal)
     try:
         lc.start()
+        if lc.cleared:
+            out.print(f"cleared {lc.cleared} member keys left by an earlier run", highlight=False)
         out.print(f"etcd     {lc.etcd_endpoint}")
         for b in lc.brokers:
             out.print(f"broker   {b.endpoint}  zone={b.zone} id={b.suffix}")
@@ -146,6 +200,15 @@ def cluster_up(
         out.print("ready; Ctrl-C stops the cluster", style="bold")
         while not stop and all(b.alive() for b in lc.brokers):
             _pause(lambda: stop)
+        for b in lc.brokers:
+            if not b.alive():
+                assert b.proc is not None
+                err.print(
+                    f"[red]error:[/red] broker {b.suffix} exited with {b.proc.returncode}; stopping the cluster "
+                    f"(see {b.data_dir / 'broker.log'})",
+                    highlight=False,
+                    soft_wrap=True,
+                )
     finally:
         lc.stop()
         out.print("cluster stopped")

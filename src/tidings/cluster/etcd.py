@@ -1,4 +1,9 @@
-"""A private etcd child process on loopback, for `tidings cluster up`, the demo and tests."""
+"""A private etcd child process on loopback, for `tidings cluster up`, the demo and tests.
+
+Restarted on the same data dir, etcd keeps its keys *and its leases*, each with its TTL restored:
+keys leased by processes of an earlier run live on for one more TTL. `LocalCluster` clears its
+own brokers' stale member keys for that reason.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,22 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tidings.protocol.status import UsageError
+from tidings.protocol.status import TidingsError, UsageError
+
+
+class ClusterError(TidingsError, RuntimeError):
+    """A child process of a local cluster did not start; the message names it and its log."""
+
+
+def last_line(path: Path) -> str:
+    """The last non-empty line of a log file ('' if none): what a child said before it exited."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
 
 
 def free_port() -> int:
@@ -25,15 +45,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def die_with_parent() -> Callable[[], None] | None:
-    """A `preexec_fn` making the child receive SIGTERM if its parent dies (Linux `PR_SET_PDEATHSIG`).
+def die_with_parent(argv: list[str]) -> tuple[list[str], Callable[[], None] | None]:
+    """``(argv, preexec_fn)`` for a child that gets SIGTERM if its parent dies (Linux ``PR_SET_PDEATHSIG``).
 
     Children run in their own session so Ctrl-C reaches them only through our orderly stop; this
     makes sure a parent killed outright (SIGKILL, CI timeout) still leaves nothing running. The
     signal fires when the *thread* that forked exits, so it is armed only from the main thread.
+    util-linux's ``setpriv --pdeathsig`` arms it when present: no Python runs between fork and
+    exec then, which a ``preexec_fn`` does, and that is unsafe in a process with other threads
+    (a gRPC client's, say: an etcd child forked so was seen dying of SIGSEGV before its exec).
     """
     if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
-        return None
+        return argv, None
+    setpriv = shutil.which("setpriv")
+    if setpriv is not None:
+        return [setpriv, "--pdeathsig", "TERM", "--", *argv], None
     libc = ctypes.CDLL(None, use_errno=True)
     parent = os.getpid()
 
@@ -42,7 +68,7 @@ def die_with_parent() -> Callable[[], None] | None:
         if os.getppid() != parent:  # the parent died before the prctl took effect
             os._exit(1)
 
-    return arm
+    return argv, arm
 
 
 def find_etcd() -> str:
@@ -78,7 +104,7 @@ class EtcdProcess:
         log = open(self.data_dir / "etcd.log", "ab")
         client = f"http://127.0.0.1:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
-        self.proc = subprocess.Popen(
+        argv, preexec = die_with_parent(
             [
                 find_etcd(),
                 "--name=tidings",
@@ -91,24 +117,32 @@ class EtcdProcess:
                 "--heartbeat-interval=10",
                 "--election-timeout=100",
                 "--log-level=warn",
-            ],
+            ]
+        )
+        self.proc = subprocess.Popen(
+            argv,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=die_with_parent(),
+            preexec_fn=preexec,
         )
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                tail = (self.data_dir / "etcd.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"etcd exited with {self.proc.returncode}:\n{tail}")
+                said = last_line(self.data_dir / "etcd.log")
+                raise ClusterError(
+                    f"etcd exited with {self.proc.returncode} at start ({said or 'no output'}); "
+                    f"see {self.data_dir / 'etcd.log'}"
+                )
             if self._healthy():
                 return self
             time.sleep(0.02)
         self.stop()
-        raise TimeoutError(f"etcd did not become ready on {self.endpoint} within {timeout}s")
+        raise ClusterError(
+            f"etcd did not become ready on {self.endpoint} within {timeout:g}s; see {self.data_dir / 'etcd.log'}"
+        )
 
     def _healthy(self) -> bool:
         import urllib.request

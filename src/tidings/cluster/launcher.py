@@ -4,10 +4,19 @@
 only after it serves gRPC and its member key is in etcd). `stop()` sends SIGTERM to each broker
 (graceful hand-off), then SIGKILL after a timeout, then stops etcd: children are always stopped
 by PID, and `kill(i)` sends SIGKILL to one broker for fault tests.
+
+A LocalCluster that starts its own etcd owns it: before starting brokers it clears the member keys
+left under its root by an earlier run (killed before its brokers could revoke their leases, which
+etcd restored on restart), so brokers of the same ids start at once instead of waiting those
+leases out. A cluster on someone else's etcd (`etcd=`) touches nothing there. A child that fails
+to start raises ClusterError with one line: what the child last said, and where its log is.
+Brokers get SIGTERM if the launching thread dies, even by SIGKILL (`die_with_parent`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 import select
 import signal
@@ -16,13 +25,19 @@ import sys
 import time
 from pathlib import Path
 
-from tidings.cluster.etcd import EtcdProcess, die_with_parent, free_port
+from tidings.allocator.keys import members_prefix
+from tidings.cluster.etcd import ClusterError, EtcdProcess, die_with_parent, free_port, last_line
+from tidings.keyspace.etcd import Etcd
+
+DEFAULT_ROOT = "/tidings/cluster"
 
 
 class BrokerProcess:
     """One `tidings broker` child process."""
 
-    def __init__(self, etcd: str, zone: str, suffix: str, port: int, data_dir: Path, extra: list[str]) -> None:
+    def __init__(
+        self, etcd: str, zone: str, suffix: str, port: int, data_dir: Path, extra: list[str], root: str = DEFAULT_ROOT
+    ) -> None:
         self.zone, self.suffix, self.port = zone, suffix, port
         self.endpoint = f"127.0.0.1:{port}"
         self.data_dir = data_dir
@@ -41,6 +56,8 @@ class BrokerProcess:
             self.endpoint,
             "--data-dir",
             str(data_dir),
+            "--root",
+            root,
             *extra,
         ]
         self.proc: subprocess.Popen[bytes] | None = None
@@ -48,13 +65,14 @@ class BrokerProcess:
     def start(self, timeout: float = 30.0) -> BrokerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.data_dir / "broker.log", "ab")
+        argv, preexec = die_with_parent(self.args)
         self.proc = subprocess.Popen(
-            self.args,
+            argv,
             stdout=subprocess.PIPE,
             stderr=log,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=die_with_parent(),
+            preexec_fn=preexec,
         )
         log.close()
         assert self.proc.stdout is not None
@@ -62,14 +80,18 @@ class BrokerProcess:
         buf = b""
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"broker {self.suffix} exited with {self.proc.returncode}; see {self.data_dir}")
+                said = last_line(self.data_dir / "broker.log")
+                raise ClusterError(
+                    f"broker {self.suffix} exited with {self.proc.returncode} at start ({said or 'no output'}); "
+                    f"see {self.data_dir / 'broker.log'}"
+                )
             ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
             if ready:
                 buf += os.read(self.proc.stdout.fileno(), 4096)
                 if b"READY" in buf:
                     return self
         self.kill()
-        raise TimeoutError(f"broker {self.suffix} not ready within {timeout}s; see {self.data_dir}/broker.log")
+        raise ClusterError(f"broker {self.suffix} not ready within {timeout:g}s; see {self.data_dir / 'broker.log'}")
 
     @property
     def pid(self) -> int | None:
@@ -99,14 +121,22 @@ class LocalCluster:
     """etcd + N brokers over Z zones; broker i listens on `port + i` (0: free ports)."""
 
     def __init__(
-        self, brokers: int = 3, zones: int = 1, data_dir: str | Path = "data", port: int = 0, etcd: str | None = None
+        self,
+        brokers: int = 3,
+        zones: int = 1,
+        data_dir: str | Path = "data",
+        port: int = 0,
+        etcd: str | None = None,
+        root: str = DEFAULT_ROOT,
     ) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.n, self.zones, self.port = brokers, zones, port
+        self.root = root
         self.etcd_proc: EtcdProcess | None = None
         self.etcd_endpoint = etcd
         self.brokers: list[BrokerProcess] = []
         self.extra: list[str] = []
+        self.cleared = 0  # stale member keys of an earlier run removed at start
 
     @property
     def store_url(self) -> str:
@@ -116,13 +146,16 @@ class LocalCluster:
         port = self.port + i if self.port else free_port()
         zone = f"zone-{chr(ord('a') + i % self.zones)}"
         assert self.etcd_endpoint is not None
-        return BrokerProcess(self.etcd_endpoint, zone, f"broker-{i}", port, self.data_dir / f"broker-{i}", self.extra)
+        return BrokerProcess(
+            self.etcd_endpoint, zone, f"broker-{i}", port, self.data_dir / f"broker-{i}", self.extra, self.root
+        )
 
     def start(self) -> LocalCluster:
         try:
             if self.etcd_endpoint is None:
                 self.etcd_proc = EtcdProcess(self.data_dir / "etcd").start()
                 self.etcd_endpoint = self.etcd_proc.endpoint
+                self.cleared = _run_async(_clear_members(self.etcd_endpoint, self.root))
             (self.data_dir / "fragments").mkdir(parents=True, exist_ok=True)
             for i in range(self.n):
                 self.brokers.append(self.broker(i).start())
@@ -161,3 +194,27 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+async def _clear_members(endpoint: str, root: str) -> int:
+    """Revoke the leases of every member key under ``root`` and delete the keys; their number.
+
+    Only for an etcd this cluster owns and before its brokers start: any member there is stale.
+    """
+    prefix = members_prefix(root)
+    etcd = await Etcd.connect(endpoint)
+    try:
+        kvs, _ = await etcd.get_prefix(prefix)
+        for lease in {kv.lease for kv in kvs if kv.lease}:
+            await etcd.revoke_lease(lease)
+        if kvs:
+            await etcd.delete_prefix(prefix)
+        return len(kvs)
+    finally:
+        await etcd.aclose()
+
+
+def _run_async(coro):  # type: ignore[no-untyped-def]
+    """Run a coroutine to completion from sync code, even when this thread already runs a loop."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()

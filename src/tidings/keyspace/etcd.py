@@ -11,6 +11,14 @@ revision raises :class:`CompactedError`; a lease that etcd no longer knows raise
 
 Cancellation: a cancelled unary call may or may not have been applied by etcd (as with any RPC);
 callers that care guard their writes with compares (``mod_revision_is`` ...) and re-read.
+
+etcd outages. The channel retries its connection at most every second (``RECONNECT_BACKOFF``,
+instead of gRPC's default of up to two minutes), so a client notices an etcd that came back within
+about a second. Unary calls fail fast with UNAVAILABLE while etcd is down; callers retry.
+``keep_alive`` rides out an outage shorter than the lease: it keeps retrying until the lease's TTL
+has elapsed since the last refresh etcd answered, as etcd's own expiry would, and only then reports
+the lease lost (etcd's Go client does the same). Every unary call takes a ``timeout`` so that a
+caller with a deadline of its own (a broker stopping) is never held up by an unreachable etcd.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal
@@ -52,6 +60,14 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT = 5.0  # seconds to wait for an unreachable endpoint before failing
 RPC_TIMEOUT = 10.0  # deadline of each unary call
 PAGE_SIZE = 1000  # keys per Range page in get_prefix
+RECONNECT_BACKOFF = (100, 1000)  # ms: first and largest wait between connection attempts to etcd
+KEEPALIVE_MAX_INTERVAL = 1.0  # seconds between lease refreshes at most (else TTL/3)
+KEEPALIVE_RETRY = 0.2  # seconds between attempts to reopen a failed keep-alive stream
+
+_ETCD_HINTS = {
+    grpc.StatusCode.UNAVAILABLE: "is etcd running there?",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "etcd did not answer in time",
+}
 
 
 class CompactedError(TidingsError):
@@ -218,7 +234,12 @@ class Etcd:
     async def connect(cls, endpoint: str, timeout: float = CONNECT_TIMEOUT) -> Etcd:
         """Connect and wait until the channel is ready; TransportError after ``timeout`` seconds."""
         host, port = _parse_endpoint(endpoint)
-        options = {"grpc.max_receive_message_length": 64 * 1024 * 1024, "grpc.keepalive_time_ms": 30_000}
+        options = {
+            "grpc.max_receive_message_length": 64 * 1024 * 1024,
+            "grpc.keepalive_time_ms": 30_000,
+            "grpc.initial_reconnect_backoff_ms": RECONNECT_BACKOFF[0],
+            "grpc.max_reconnect_backoff_ms": RECONNECT_BACKOFF[1],
+        }
         client = aetcd.Client(host=host, port=port, options=options)
         try:
             await client.connect()
@@ -238,28 +259,34 @@ class Etcd:
         await self._client.close()
 
     def _error(self, err: grpc.RpcError) -> TransportError:
-        return map_grpc_error(err, f"etcd {self.endpoint}")
+        """``map_grpc_error`` (code, retriable), with hints about etcd rather than about brokers."""
+        mapped = map_grpc_error(err, f"etcd {self.endpoint}")
+        name = mapped.code.name if mapped.code is not None else "UNKNOWN"
+        details = err.details() if hasattr(err, "details") else str(err)
+        hint = _ETCD_HINTS.get(mapped.code) if mapped.code is not None else None
+        message = f"{name} from etcd {self.endpoint}: {details}" + (f"; {hint}" if hint else "")
+        return TransportError(message, mapped.code, retriable=mapped.retriable)
 
     # --- KV ---
 
-    async def _range(self, req: rpc.RangeRequest) -> rpc.RangeResponse:
+    async def _range(self, req: rpc.RangeRequest, timeout: float = RPC_TIMEOUT) -> rpc.RangeResponse:
         try:
-            return await self._kv.Range(req, timeout=RPC_TIMEOUT, metadata=self._metadata)
+            return await self._kv.Range(req, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise self._error(err) from err
 
-    async def get(self, key: str) -> tuple[KV | None, int]:
+    async def get(self, key: str, timeout: float = RPC_TIMEOUT) -> tuple[KV | None, int]:
         """The key (or None) and the header revision the read was served at."""
-        resp = await self._range(rpc.RangeRequest(key=key.encode()))
+        resp = await self._range(rpc.RangeRequest(key=key.encode()), timeout)
         return (_kv(resp.kvs[0]) if resp.kvs else None), resp.header.revision
 
-    async def get_prefix(self, prefix: str) -> tuple[list[KV], int]:
+    async def get_prefix(self, prefix: str, timeout: float = RPC_TIMEOUT) -> tuple[list[KV], int]:
         """Every key under ``prefix`` sorted by key, read page by page at one revision."""
         start, end = prefix.encode(), prefix_end(prefix)
         out: list[KV] = []
         rev = 0
         while True:
-            resp = await self._range(rpc.RangeRequest(key=start, range_end=end, limit=PAGE_SIZE, revision=rev))
+            resp = await self._range(rpc.RangeRequest(key=start, range_end=end, limit=PAGE_SIZE, revision=rev), timeout)
             if rev == 0:
                 rev = resp.header.revision
             out.extend(_kv(kv) for kv in resp.kvs)
@@ -305,9 +332,9 @@ class Etcd:
         except grpc.RpcError as err:
             raise self._error(err) from err
 
-    async def _delete(self, req: rpc.DeleteRangeRequest) -> int:
+    async def _delete(self, req: rpc.DeleteRangeRequest, timeout: float = RPC_TIMEOUT) -> int:
         try:
-            resp = await self._kv.DeleteRange(req, timeout=RPC_TIMEOUT, metadata=self._metadata)
+            resp = await self._kv.DeleteRange(req, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise self._error(err) from err
         return resp.header.revision
@@ -315,19 +342,20 @@ class Etcd:
     async def delete(self, key: str) -> int:
         return await self._delete(rpc.DeleteRangeRequest(key=key.encode()))
 
-    async def delete_prefix(self, prefix: str) -> int:
-        return await self._delete(rpc.DeleteRangeRequest(key=prefix.encode(), range_end=prefix_end(prefix)))
+    async def delete_prefix(self, prefix: str, timeout: float = RPC_TIMEOUT) -> int:
+        return await self._delete(rpc.DeleteRangeRequest(key=prefix.encode(), range_end=prefix_end(prefix)), timeout)
 
     async def txn(
         self,
         compares: Iterable[Compare],
         success: Iterable[RequestOp],
         failure: Iterable[RequestOp] = (),
+        timeout: float = RPC_TIMEOUT,
     ) -> tuple[bool, int]:
         """(succeeded, header revision). On success the revision is the one the ops wrote at."""
         req = rpc.TxnRequest(compare=list(compares), success=list(success), failure=list(failure))
         try:
-            resp = await self._kv.Txn(req, timeout=RPC_TIMEOUT, metadata=self._metadata)
+            resp = await self._kv.Txn(req, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise self._error(err) from err
         return resp.succeeded, resp.header.revision
@@ -344,10 +372,10 @@ class Etcd:
 
     # --- Leases ---
 
-    async def grant_lease(self, ttl: int) -> int:
+    async def grant_lease(self, ttl: int, timeout: float = RPC_TIMEOUT) -> int:
         try:
             resp = await self._lease.LeaseGrant(
-                rpc.LeaseGrantRequest(TTL=ttl), timeout=RPC_TIMEOUT, metadata=self._metadata
+                rpc.LeaseGrantRequest(TTL=ttl), timeout=timeout, metadata=self._metadata
             )
         except grpc.RpcError as err:
             raise self._error(err) from err
@@ -355,45 +383,122 @@ class Etcd:
             raise TransportError(f"etcd {self.endpoint} refused a lease of {ttl}s: {resp.error}")
         return resp.ID
 
-    async def revoke_lease(self, lease_id: int) -> None:
+    async def revoke_lease(self, lease_id: int, timeout: float = RPC_TIMEOUT) -> None:
         """Revoke the lease, deleting its keys; a lease that is already gone is not an error."""
         try:
-            await self._lease.LeaseRevoke(
-                rpc.LeaseRevokeRequest(ID=lease_id), timeout=RPC_TIMEOUT, metadata=self._metadata
-            )
+            await self._lease.LeaseRevoke(rpc.LeaseRevokeRequest(ID=lease_id), timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.NOT_FOUND:
                 return
             raise self._error(err) from err
 
-    async def keep_alive(self, lease_id: int, ttl: int) -> None:
-        """Refresh the lease every ``ttl/3`` seconds over one persistent stream, until cancelled.
+    async def lease_time_to_live(self, lease_id: int, timeout: float = RPC_TIMEOUT) -> tuple[int, int]:
+        """(seconds left, seconds granted) of the lease; (-1, 0) if etcd no longer holds it."""
+        try:
+            resp = await self._lease.LeaseTimeToLive(
+                rpc.LeaseTimeToLiveRequest(ID=lease_id), timeout=timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                return -1, 0
+            raise self._error(err) from err
+        return (resp.TTL, resp.grantedTTL) if resp.TTL > 0 else (-1, 0)
 
-        A broken stream is reopened; raises LeaseLostError when etcd reports the lease gone
-        (TTL <= 0) or no refresh succeeded for ``ttl`` seconds (the lease has surely expired).
+    async def keep_alive(
+        self,
+        lease_id: int,
+        ttl: int,
+        *,
+        since: float | None = None,
+        on_refresh: Callable[[float], None] | None = None,
+    ) -> None:
+        """Keep the lease alive over one persistent stream, until cancelled.
+
+        The lease counts as alive until a deadline: ``since`` (a ``time.monotonic()`` at which it
+        was known alive, e.g. just before it was granted; default now) plus ``ttl``, then, after
+        each refresh etcd answers, the time that refresh was *sent* plus the TTL etcd reports
+        (never later than etcd's own expiry). Refreshes go every TTL/3 (at most every
+        ``KEEPALIVE_MAX_INTERVAL``). A failed or closed stream is reopened every
+        ``KEEPALIVE_RETRY`` seconds, and a refresh etcd does not answer (a hung etcd) is waited
+        for, until the deadline passes: an etcd outage shorter than the lease costs nothing.
+        ``on_refresh(deadline)`` is called after each answered refresh.
+
+        Raises LeaseLostError when etcd reports the lease gone (expired or revoked), or when the
+        deadline passed without an answered refresh (etcd has expired it, or will as soon as it
+        can). One warning is logged when refreshes start failing, one info line when they recover.
         """
-        interval = max(ttl / 3.0, 0.05)
-        last_ok = time.monotonic()
+        deadline = (time.monotonic() if since is None else since) + ttl
+        failing_since: float | None = None
+
+        def failing(reason: object) -> None:
+            nonlocal failing_since
+            if failing_since is None:
+                failing_since = time.monotonic()
+                log.warning(
+                    "lease %x: keep-alive to etcd %s failed (%s); retrying until the lease would expire in %.1fs",
+                    lease_id,
+                    self.endpoint,
+                    reason,
+                    deadline - failing_since,
+                )
+
         while True:
             call = self._lease.LeaseKeepAlive(metadata=self._metadata)
             try:
                 while True:
-                    await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
-                    resp = await asyncio.wait_for(call.read(), timeout=ttl)
+                    sent = time.monotonic()
+                    await _write(call, rpc.LeaseKeepAliveRequest(ID=lease_id))
+                    # Wait for the answer without cancelling the read (that would end the call):
+                    # briefly, then, if etcd is silent, say so and wait on until the deadline.
+                    reading = asyncio.ensure_future(call.read())
+                    done, _ = await asyncio.wait([reading], timeout=min(KEEPALIVE_MAX_INTERVAL, deadline - sent))
+                    if not done:
+                        failing("etcd does not answer")
+                        done, _ = await asyncio.wait([reading], timeout=max(deadline - time.monotonic(), 0))
+                    if not done:
+                        reading.cancel()
+                        raise TimeoutError("etcd does not answer")
+                    resp = reading.result()
                     if resp is grpc.aio.EOF:
                         raise TransportError(f"etcd {self.endpoint} closed the lease keep-alive stream")
                     if resp.TTL <= 0:
                         raise LeaseLostError(lease_id, "etcd reports it expired or revoked")
-                    last_ok = time.monotonic()
-                    await asyncio.sleep(interval)
-            except (grpc.RpcError, TransportError, TimeoutError) as err:
-                lapsed = time.monotonic() - last_ok
-                if lapsed >= ttl:
-                    raise LeaseLostError(lease_id, f"no refresh for {lapsed:.1f}s ({err})") from err
-                log.warning("lease %x keep-alive to etcd %s failed, retrying: %s", lease_id, self.endpoint, err)
-                await asyncio.sleep(min(interval, 0.5))
+                    deadline = sent + resp.TTL
+                    if failing_since is not None:
+                        log.info(
+                            "lease %x: keep-alive to etcd %s works again after %.1fs",
+                            lease_id,
+                            self.endpoint,
+                            time.monotonic() - failing_since,
+                        )
+                        failing_since = None
+                    if on_refresh is not None:
+                        on_refresh(deadline)
+                    await asyncio.sleep(min(resp.TTL / 3.0, KEEPALIVE_MAX_INTERVAL))
+            except (grpc.RpcError, TransportError, TimeoutError) as exc:
+                err = self._error(exc) if isinstance(exc, grpc.RpcError) else exc
+                now = time.monotonic()
+                if now >= deadline:
+                    raise LeaseLostError(
+                        lease_id, f"no refresh answered by etcd {self.endpoint} within its {ttl}s TTL ({err})"
+                    ) from exc
+                failing(err)
+                await asyncio.sleep(min(KEEPALIVE_RETRY, deadline - now))
             finally:
                 call.cancel()
+
+
+async def _write(call: grpc.aio.StreamStreamCall, message: object) -> None:
+    """``call.write(message)``, raising the call's own status if it already ended.
+
+    grpc.aio raises ``asyncio.InvalidStateError`` for a write to a finished call (e.g. etcd went
+    away between two writes); the call's status says why, and ``read()`` raises it.
+    """
+    try:
+        await call.write(message)
+    except asyncio.InvalidStateError:
+        await call.read()  # raises the call's RpcError
+        raise TransportError("the etcd stream ended") from None
 
 
 class Watch:
@@ -419,7 +524,7 @@ class Watch:
             progress_notify=True,
         )
         try:
-            await call.write(rpc.WatchRequest(create_request=create))
+            await _write(call, rpc.WatchRequest(create_request=create))
         except grpc.RpcError as err:
             raise self._etcd._error(err) from err
         return call

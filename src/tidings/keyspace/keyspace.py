@@ -23,8 +23,11 @@ Guarantees
   would raise the largest mod revision; any net deletion would lower the count), so the mirror
   equals etcd's state at that Range's revision and may claim it. (etcd 3.4's on-request progress
   notifications can overtake pending events, so they are not used for this.)
-- The watch resumes from ``revision + 1`` after a transport failure (with backoff) and reloads the
-  whole prefix if etcd compacted that revision away.
+- The watch resumes from ``revision + 1`` after a transport failure (with backoff up to
+  ``_BACKOFF_MAX``: an etcd that restarts on its data dir is picked up within about a second),
+  and reloads the whole prefix if etcd compacted that revision away. Meanwhile the mirror stays
+  readable at its last revision. An outage logs one warning when it starts and one line when the
+  watch resumes.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +50,7 @@ log = logging.getLogger(__name__)
 Decoder = Callable[[str, bytes], Any]
 
 _BACKOFF_MIN = 0.05
-_BACKOFF_MAX = 5.0
+_BACKOFF_MAX = 1.0
 _PROBE_DELAY_MIN = 0.02  # how long wait_for_revision lets the watch catch up before probing
 _PROBE_DELAY_MAX = 1.0
 
@@ -161,10 +165,19 @@ class KeySpace:
 
     async def _watch_loop(self, etcd: Etcd) -> None:
         backoff = _BACKOFF_MIN
+        failing_since: float | None = None  # when the current run of failures began
         while True:
             try:
                 async with etcd.watch(self.prefix, self.revision + 1) as watch:
                     async for batch in watch:
+                        if failing_since is not None:
+                            log.info(
+                                "keyspace %s: watch resumed after %.1fs, at revision %d",
+                                self.root,
+                                time.monotonic() - failing_since,
+                                batch.revision,
+                            )
+                            failing_since = None
                         self._apply(batch)
                         backoff = _BACKOFF_MIN
             except CompactedError as err:
@@ -176,7 +189,16 @@ class KeySpace:
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, _BACKOFF_MAX)
             except TransportError as err:
-                log.warning("keyspace %s: watch failed, resuming in %.2fs: %s", self.root, backoff, err)
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    log.warning(
+                        "keyspace %s: watch failed (%s); resuming from revision %d once etcd answers",
+                        self.root,
+                        err,
+                        self.revision + 1,
+                    )
+                else:
+                    log.debug("keyspace %s: watch still failing, retrying in %.2fs: %s", self.root, backoff, err)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, _BACKOFF_MAX)
 
