@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.support.moto_s3 import MotoS3
 from tidings.cluster.etcd import EtcdProcess
 
 
@@ -19,6 +20,13 @@ def etcd() -> Iterator[EtcdProcess]:
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="session")
+def moto_s3() -> Iterator[MotoS3]:
+    """A real S3 endpoint (moto's server) on a free loopback port, stopped by PID at the end of the session."""
+    with MotoS3() as server:
+        yield server
 
 
 @pytest.fixture

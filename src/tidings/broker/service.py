@@ -44,7 +44,7 @@ from tidings.broker.transport import FailedStream, GrpcPeerStream, GrpcReplicaSt
 from tidings.fragment.fragment import Fragment
 from tidings.fragment.persister import Persister
 from tidings.fragment.spool import Recovered, SpoolFile, recover
-from tidings.fragment.store import store_for
+from tidings.fragment.store import check_store_url, store_for
 from tidings.keyspace import KeySpace
 from tidings.keyspace.decode import decoder
 from tidings.keyspace.etcd import Etcd, delete_op, mod_revision_is, put_op
@@ -396,6 +396,8 @@ class Broker:
         for i, change in enumerate(req.changes):
             if change.HasField("upsert"):
                 validate.journal_spec(change.upsert, f"changes[{i}].upsert")
+                for j, url in enumerate(change.upsert.fragment.stores):  # a first import of a backend may be slow
+                    await asyncio.to_thread(check_store_url, url, f"changes[{i}].upsert.fragment.stores[{j}]")
                 key = keys.item_key(root, change.upsert.name)
                 ops.append(put_op(key, change.upsert.SerializeToString()))
             elif change.delete:

@@ -18,6 +18,7 @@ from typing import Annotated
 import typer
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tidings.protocol import labels
@@ -42,7 +43,8 @@ def main() -> None:
     try:
         app()
     except TidingsError as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)  # one line, however long
+        # escape: "[s3]" in "pip install 'tidings[s3]'" is text, not markup; soft_wrap: one line, however long
+        err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise SystemExit(1) from None
 
 
@@ -236,6 +238,7 @@ def journals_apply(file: Path, broker: BrokerOpt = DEFAULT_BROKER) -> None:
         raise typer.Exit(1) from None
     docs = documents(loaded)
     specs = [(d, spec_from_dict(d, f"{file.name}[{i}]")) for i, d in enumerate(docs)]
+    _check_stores(file, specs)
 
     async def go() -> None:
         async with _client(broker) as c:
@@ -252,6 +255,20 @@ def journals_apply(file: Path, broker: BrokerOpt = DEFAULT_BROKER) -> None:
                 out.print(f"applied {spec.name}")
 
     _run(go())
+
+
+def _check_stores(file: Path, specs: list[tuple[dict, pb.JournalSpec]]) -> None:
+    """Refuse, before sending anything, a store this machine cannot load (its fsspec backend is missing).
+
+    The brokers check again on Apply; checking here too means `journals read`, which reads persisted
+    fragments straight from the store, will work from this machine as well.
+    """
+    from tidings.fragment.store import check_store_url
+
+    for i, (d, spec) in enumerate(specs):
+        if not d.get("delete"):
+            for j, url in enumerate(spec.fragment.stores):
+                check_store_url(url, f"{file.name}[{i}].fragment.stores[{j}]")
 
 
 @journals.command("list")

@@ -7,6 +7,7 @@ what to do. Handlers validate once at the edge and never check shapes again.
 from __future__ import annotations
 
 import re
+from urllib.parse import urlsplit
 
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import ValidationError
@@ -21,7 +22,9 @@ MAX_FRAGMENT_LENGTH = 1 << 34
 _NAME_CHARS = re.compile(r"^[A-Za-z0-9_\-+.=%/]+$")
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-+.=%]+$")
 _LABEL_NAME = re.compile(r"^[a-z0-9][a-z0-9_\-./]*$")
-_STORE_SCHEMES = ("file://", "s3://", "gs://", "az://", "gcs://", "memory://")
+_STORE_SCHEME = re.compile(r"^[a-z][a-z0-9+.\-]*://")
+# Object stores whose URL host is the bucket (container): it must be there.
+BUCKET_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
 _VALID_FLAGS = {pb.JournalSpec.NOT_SPECIFIED, pb.JournalSpec.O_RDONLY, pb.JournalSpec.O_WRONLY, pb.JournalSpec.O_RDWR}
 
 
@@ -68,6 +71,27 @@ def selector(sel: pb.LabelSelector, ctx: str = "selector") -> None:
     label_set(sel.exclude, f"{ctx}.exclude")
 
 
+def store_url(url: str, ctx: str = "store") -> None:
+    """A fragment store URL's shape (Gazette's FragmentStore.Validate): scheme://, a bucket for object
+    stores, an absolute path for file://, a path ending in '/'; a query may follow (the store's options).
+
+    Whether this process can load the scheme's fsspec backend is checked a layer up
+    (`tidings.fragment.store.check_store_url`).
+    """
+    what = f"fragment store {url!r}"
+    if not _STORE_SCHEME.match(url):
+        raise ValidationError(ctx, f"{what}: not a URL; write one like file:///abs/path/ or s3://bucket/prefix/")
+    parts = urlsplit(url)
+    if parts.scheme == "file" and parts.netloc:
+        raise ValidationError(
+            ctx, f"{what}: not an absolute path; write file:///absolute/path/ (three slashes, no host)"
+        )
+    if parts.scheme in BUCKET_SCHEMES and not parts.netloc:
+        raise ValidationError(ctx, f"{what}: names no bucket; write {parts.scheme}://bucket/prefix/")
+    if not (parts.netloc + parts.path).endswith("/") or parts.fragment:
+        raise ValidationError(ctx, f"{what}: the path must end in '/' (a folder), e.g. {parts.scheme}://bucket/prefix/")
+
+
 def fragment_spec(fs: pb.JournalSpec.FragmentSpec, ctx: str = "spec.fragment") -> None:
     if not MIN_FRAGMENT_LENGTH <= fs.length <= MAX_FRAGMENT_LENGTH:
         raise ValidationError(
@@ -76,10 +100,7 @@ def fragment_spec(fs: pb.JournalSpec.FragmentSpec, ctx: str = "spec.fragment") -
     if fs.compression_codec == pb.INVALID or fs.compression_codec not in pb.CompressionCodec.values():
         raise ValidationError(f"{ctx}.compression_codec", "must be one of none, gzip, zstd")
     for i, store in enumerate(fs.stores):
-        if not store.startswith(_STORE_SCHEMES) or not store.endswith("/"):
-            raise ValidationError(
-                f"{ctx}.stores[{i}]", f"{store!r} must be a URL like file:///path/ or s3://bucket/prefix/ ending in '/'"
-            )
+        store_url(store, f"{ctx}.stores[{i}]")
     if fs.refresh_interval_ms < 1000 or fs.refresh_interval_ms > 24 * 3600 * 1000:
         raise ValidationError(f"{ctx}.refresh_interval", "must be between 1s and 24h")
     if fs.flush_interval_ms < 0:
