@@ -275,7 +275,7 @@ async def _journal_with_a_skipped_span(cluster, name: str) -> None:
     await cluster.create_journal(name, 3)
     async with cluster.client(0) as c:
         await c.append(name, b"abc")
-        write_foreign_fragment(cluster, name, 100, b"0123456789")
+        write_foreign_fragment(cluster, name, 100, b"0123456789", age=7 * 3600)  # old: readers skip to it
 
         async def refused() -> bool:
             try:

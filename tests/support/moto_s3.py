@@ -87,12 +87,13 @@ class MotoS3:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        argv, preexec = die_with_parent([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            argv,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=die_with_parent(),
+            preexec_fn=preexec,
         )
         try:
             wait_until_sync(self._answers, timeout, interval=0.05)
