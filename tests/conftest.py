@@ -61,8 +61,8 @@ def local_cluster(etcd: EtcdProcess, etcd_root: str, tmp_path):
     from tests.support.cluster import FAST_BROKER_FLAGS
     from tidings.cluster import LocalCluster
 
-    lc = LocalCluster(brokers=4, zones=3, data_dir=tmp_path, etcd=etcd.endpoint)
-    lc.extra = [*FAST_BROKER_FLAGS, "--root", etcd_root]
+    lc = LocalCluster(brokers=4, zones=3, data_dir=tmp_path, etcd=etcd.endpoint, root=etcd_root)
+    lc.extra = list(FAST_BROKER_FLAGS)
     try:
         lc.start()
         yield lc

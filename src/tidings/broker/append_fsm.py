@@ -454,10 +454,13 @@ class AppendFSM:
         first known write it is rolled at this append, so that fragment is persisted promptly and
         a recovering broker sees a dirty index instead of mistaking the journal for a new one.
 
+        A spool behind the journal's recorded resume offset (`spec.suspend.offset`, written by the
+        journal's last brokers when they stopped with everything persisted) rolls forward to it.
+
         -> RESOLVE if the route changes while awaiting the first store listing; ERROR on a failed
         check (FRAGMENT_STORE_UNHEALTHY, REGISTER_MISMATCH, WRONG_APPEND_OFFSET,
-        INDEX_HAS_GREATER_OFFSET); SEND_PIPELINE_SYNC to re-sync at a reset-head offset; else
-        STREAM_CONTENT.
+        INDEX_HAS_GREATER_OFFSET); SEND_PIPELINE_SYNC to re-sync at a resume or reset-head offset;
+        else STREAM_CONTENT.
         """
         assert self.resolved is not None and self.resolved.spec is not None
         replica = self.replica
@@ -480,6 +483,9 @@ class AppendFSM:
         if req.check_registers.include.labels or req.check_registers.exclude.labels:
             if not labels.registers_match(req.check_registers, self.registers):
                 return self._fail(pb.REGISTER_MISMATCH)
+        if spool.end < self.resolved.spec.suspend.offset:
+            self.roll_to_offset = self.resolved.spec.suspend.offset  # where the last holders left the journal
+            return S.SEND_PIPELINE_SYNC
         index_min, index_max = replica.index.begin_offset, replica.index.end_offset
         max_offset = max(spool.end, index_max)
         writable = self.resolved.spec.flags != pb.JournalSpec.O_RDONLY

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -75,6 +76,7 @@ class Pipeline:
         self._expected: collections.deque[tuple[asyncio.Future[Acknowledgements], bool]] = collections.deque()
         self._wake = asyncio.Event()
         self._closing = False
+        self._sending: asyncio.Future[None] | None = None  # the latest scatter's sends
         self._receiver = asyncio.get_running_loop().create_task(
             self._receive_loop(), name=f"pipeline-acks:{spool.journal}"
         )
@@ -102,10 +104,16 @@ class Pipeline:
         anything is sent, so answers are matched to requests in send order whatever happens to
         the caller. With `require_ok` a peer answering other than OK is failed (its spool no
         longer matches ours). A send failure is kept for that peer (the receive side says more).
-        Cancelled mid-way, the pipeline is marked broken: which peers got the request is unknown.
+
+        The sends run in a task of the pipeline's own: a caller cancelled meanwhile stops waiting,
+        but the request still reaches every peer (never a commit on a subset of them because a
+        client went away), and grpc.aio never sees a cancelled write, which would cancel the whole
+        stream. The next scatter, or the teardown, waits for it first.
         """
         if self._closing:
             raise PipelineError("the pipeline was shut down")
+        if self._sending is not None and not self._sending.done():
+            await asyncio.shield(self._sending)  # a send whose caller was cancelled: keep the order
         resp = self.spool.apply(req, primary=True)
         if resp.status != pb.OK:  # proposals are derived from this very spool: a bug if it happens
             self.broken = f"the primary's own spool refused a proposal: {pb.Status.Name(resp.status)}"
@@ -115,18 +123,18 @@ class Pipeline:
             fut = asyncio.get_running_loop().create_future()
             self._expected.append((fut, require_ok))
             self._wake.set()
-        try:
-            for i, stream in enumerate(self.streams):
-                if self._send_errs[i] is None:
-                    try:
-                        await stream.send(req)
-                    except StreamError as exc:
-                        self._send_errs[i] = str(exc)
-                        self.broken = self.broken or f"send failed: {exc}"
-        except BaseException:
-            self.broken = self.broken or "an append was cancelled while sending to peers"
-            raise
+        self._sending = sending = asyncio.ensure_future(self._send_all(req))
+        await asyncio.shield(sending)
         return fut
+
+    async def _send_all(self, req: pb.ReplicateRequest) -> None:
+        for i, stream in enumerate(self.streams):
+            if self._send_errs[i] is None:
+                try:
+                    await stream.send(req)
+                except StreamError as exc:
+                    self._send_errs[i] = str(exc)
+                    self.broken = self.broken or f"send failed: {exc}"
 
     def shutdown(self) -> None:
         """Give the spool back (rolled back) now, and drain and close the streams in a teardown task.
@@ -191,6 +199,9 @@ class Pipeline:
 
     async def _teardown(self) -> None:
         try:
+            if self._sending is not None:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self._sending), TEARDOWN_TIMEOUT)
             for i, stream in enumerate(self.streams):
                 if self._send_errs[i] is None:
                     try:

@@ -84,6 +84,7 @@ class Replica:
         self.store_error: str | None = None  # why the latest store listing failed, if it did
         self._refreshed = asyncio.Event()  # set after every listing attempt, successful or not
         self._recovered = recovered
+        self.end_at_close: int | None = None  # the spool's committed end when the replica closed
         self._tasks: set[asyncio.Task[None]] = set()
         self._refresh_lock = asyncio.Lock()
 
@@ -259,6 +260,7 @@ class Replica:
         spool = await self.spool_slot.get()
         try:
             spool.close()
+            self.end_at_close = spool.end
         finally:
             self.spool_slot.put_nowait(spool)
         tasks = list(self._tasks)  # the pipeline's teardown

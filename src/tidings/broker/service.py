@@ -51,7 +51,7 @@ from tidings.keyspace.etcd import Etcd, delete_op, mod_revision_is, put_op
 from tidings.protocol import labels, validate
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
-from tidings.protocol.status import TidingsError, UsageError, ValidationError
+from tidings.protocol.status import TidingsError, TransportError, UsageError, ValidationError
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +170,7 @@ class Broker:
             task.cancel()
         with contextlib.suppress(Exception):
             await self.allocator.aclose()
+        held = list(self.resolver.replicas.values())  # journals we could not hand off
         # Stop serving first: cancelled Replicate streams give their spools back.
         await self.server.stop(grace=1.0 if graceful else 0)
         try:
@@ -178,8 +179,11 @@ class Broker:
         except TimeoutError:
             log.warning("%s: its replicas did not close within %.0fs; stopping anyway", who, CLOSE_TIMEOUT)
         if graceful:
+            drained = False
             with contextlib.suppress(Exception):
-                await self.persister.drain(timeout=30)
+                drained = await self.persister.drain(timeout=30)
+            if drained and not self.announcement.lost.is_set():
+                await self._record_resume_offsets(held)
         await self.persister.aclose()
         await self.announcement.aclose(timeout=ETCD_STOP_TIMEOUT)
         await self.keyspace.aclose()
@@ -191,6 +195,35 @@ class Broker:
             self._metrics_server.server_close()
         self.stopped.set()
         log.info("%s stopped", who)
+
+    async def _record_resume_offsets(self, held: list[Replica]) -> None:
+        """For each journal we still held, with every byte persisted: record its end in its spec
+        (Gazette's suspend offset), so its next primary, on whichever broker, resumes there instead
+        of refusing with INDEX_HAS_GREATER_OFFSET. Only ever raised; guarded by the spec's revision."""
+        for replica in held:
+            end = replica.end_at_close
+            if not end or not replica.stores:
+                continue
+            key = keys.item_key(self.config.root, replica.journal)
+            for _attempt in range(3):
+                item = self.keyspace.get(key)  # the resolver stopped following the KeySpace
+                if item is None or item.decoded.suspend.offset >= end:
+                    break
+                spec = pb.JournalSpec()
+                spec.CopyFrom(item.decoded)
+                spec.suspend.offset = end
+                try:
+                    ok, revision = await self.etcd.txn(
+                        [mod_revision_is(key, item.mod_revision)], [put_op(key, spec.SerializeToString())],
+                        timeout=ETCD_STOP_TIMEOUT,
+                    )
+                    await self.keyspace.wait_for_revision(revision, timeout=ETCD_STOP_TIMEOUT)
+                except (TidingsError, TimeoutError) as err:
+                    log.warning("journal %s: could not record its resume offset %d: %s", replica.journal, end, err)
+                    break
+                if ok:
+                    log.info("journal %s: appends resume at offset %d on its next primary", replica.journal, end)
+                    break
 
     async def _hand_off(self, timeout: float) -> None:
         """Mark the member exiting, then wait (at most ``timeout`` seconds) for its journals to move away."""
@@ -399,7 +432,13 @@ class Broker:
                 for j, url in enumerate(change.upsert.fragment.stores):  # a first import of a backend may be slow
                     await asyncio.to_thread(check_store_url, url, f"changes[{i}].upsert.fragment.stores[{j}]")
                 key = keys.item_key(root, change.upsert.name)
-                ops.append(put_op(key, change.upsert.SerializeToString()))
+                spec = change.upsert
+                current = self.resolver.state.items.get(spec.name)
+                if not spec.HasField("suspend") and current is not None and current.spec.HasField("suspend"):
+                    spec = pb.JournalSpec()  # the brokers' resume offset survives a spec that omits it
+                    spec.CopyFrom(change.upsert)
+                    spec.suspend.CopyFrom(current.spec.suspend)
+                ops.append(put_op(key, spec.SerializeToString()))
             elif change.delete:
                 validate.journal_name(change.delete, f"changes[{i}].delete")
                 key = keys.item_key(root, change.delete)
@@ -488,6 +527,8 @@ class _Servicer(pb_grpc.JournalServicer):
             resp = await self.broker.apply(request)
         except ValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TransportError as exc:  # etcd is unreachable: the client may retry
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"apply: {exc}")
         metrics.RPC_STATUS.labels("apply", pb.Status.Name(resp.status)).inc()
         return resp
 

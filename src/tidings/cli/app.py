@@ -86,6 +86,20 @@ def broker(
         float,
         typer.Option(envvar="TIDINGS_EXIT_TIMEOUT", help="On SIGTERM, seconds to wait for journals to move away."),
     ] = 60.0,
+    default_store: Annotated[
+        str,
+        typer.Option(
+            envvar="TIDINGS_DEFAULT_STORE",
+            help="Fragment store (fsspec URL) of journals whose spec names none; '' keeps them on local disks.",
+        ),
+    ] = "",
+    persist_delay: Annotated[
+        float,
+        typer.Option(
+            envvar="TIDINGS_PERSIST_DELAY",
+            help="Seconds a replica waits before persisting a fragment its primary has not (the primary does at once).",
+        ),
+    ] = 60.0,
     log_level: Annotated[str, typer.Option(envvar="TIDINGS_LOG_LEVEL")] = "info",
 ) -> None:
     """Run one broker in the foreground. Prints `READY HOST:PORT` once it serves; SIGTERM hands
@@ -112,6 +126,8 @@ def broker(
         pulse_interval=pulse_interval,
         lease_ttl=lease_ttl,
         exit_timeout=exit_timeout,
+        default_store=default_store,
+        persist_delay=persist_delay,
     )
 
     async def run() -> int:
@@ -198,7 +214,7 @@ def cluster_up(
         out.print(f"etcd     {lc.etcd_endpoint}")
         for b in lc.brokers:
             out.print(f"broker   {b.endpoint}  zone={b.zone} id={b.suffix}")
-        out.print(f"store    {lc.store_url}")
+        out.print(f"store    {lc.store_url}  (journals whose spec names no store keep their fragments here)")
         out.print("ready; Ctrl-C stops the cluster", style="bold")
         while not stop and all(b.alive() for b in lc.brokers):
             _pause(lambda: stop)

@@ -206,7 +206,9 @@ class AsyncClient:
             self.routes.update(journal, resp.header)
         if resp.status != pb.OK:
             raise for_status(resp.status)(journal, header=resp.header)
-        return AppendResult(journal, resp.commit.begin, resp.commit.end, registers_dict(resp.registers))
+        return AppendResult(
+            journal, resp.commit.begin, resp.commit.end, registers_dict(resp.registers), resp.commit.sum.hex()
+        )
 
     def appender(
         self,

@@ -29,12 +29,14 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_m
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AppendResult:
-    """The committed span [begin, end) of an append, and the journal's registers after it."""
+    """The committed span [begin, end) of an append, the journal's registers after it, and the SHA1
+    (hex) of the appended content as the primary committed it."""
 
     journal: str
     begin: int
     end: int
     registers: dict[str, list[str]]
+    sum: str = ""
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

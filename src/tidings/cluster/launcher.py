@@ -146,8 +146,9 @@ class LocalCluster:
         port = self.port + i if self.port else free_port()
         zone = f"zone-{chr(ord('a') + i % self.zones)}"
         assert self.etcd_endpoint is not None
+        extra = ["--default-store", self.store_url, *self.extra]  # journals without stores persist here
         return BrokerProcess(
-            self.etcd_endpoint, zone, f"broker-{i}", port, self.data_dir / f"broker-{i}", self.extra, self.root
+            self.etcd_endpoint, zone, f"broker-{i}", port, self.data_dir / f"broker-{i}", extra, self.root
         )
 
     def start(self) -> LocalCluster:

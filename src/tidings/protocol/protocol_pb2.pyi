@@ -94,7 +94,7 @@ class BrokerSpec(_message.Message):
     def __init__(self, id: _Optional[_Union[ProcessId, _Mapping]] = ..., endpoint: _Optional[str] = ..., journal_limit: _Optional[int] = ..., exiting: _Optional[bool] = ...) -> None: ...
 
 class JournalSpec(_message.Message):
-    __slots__ = ("name", "replication", "labels", "fragment", "flags", "max_append_rate")
+    __slots__ = ("name", "replication", "labels", "fragment", "flags", "max_append_rate", "suspend")
     class Flag(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         NOT_SPECIFIED: _ClassVar[JournalSpec.Flag]
@@ -120,19 +120,36 @@ class JournalSpec(_message.Message):
         retention_ms: int
         flush_interval_ms: int
         def __init__(self, length: _Optional[int] = ..., compression_codec: _Optional[_Union[CompressionCodec, str]] = ..., stores: _Optional[_Iterable[str]] = ..., refresh_interval_ms: _Optional[int] = ..., retention_ms: _Optional[int] = ..., flush_interval_ms: _Optional[int] = ...) -> None: ...
+    class Suspend(_message.Message):
+        __slots__ = ("level", "offset")
+        class Level(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+            __slots__ = ()
+            NONE: _ClassVar[JournalSpec.Suspend.Level]
+            PARTIAL: _ClassVar[JournalSpec.Suspend.Level]
+            FULL: _ClassVar[JournalSpec.Suspend.Level]
+        NONE: JournalSpec.Suspend.Level
+        PARTIAL: JournalSpec.Suspend.Level
+        FULL: JournalSpec.Suspend.Level
+        LEVEL_FIELD_NUMBER: _ClassVar[int]
+        OFFSET_FIELD_NUMBER: _ClassVar[int]
+        level: JournalSpec.Suspend.Level
+        offset: int
+        def __init__(self, level: _Optional[_Union[JournalSpec.Suspend.Level, str]] = ..., offset: _Optional[int] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     REPLICATION_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     FLAGS_FIELD_NUMBER: _ClassVar[int]
     MAX_APPEND_RATE_FIELD_NUMBER: _ClassVar[int]
+    SUSPEND_FIELD_NUMBER: _ClassVar[int]
     name: str
     replication: int
     labels: LabelSet
     fragment: JournalSpec.FragmentSpec
     flags: int
     max_append_rate: int
-    def __init__(self, name: _Optional[str] = ..., replication: _Optional[int] = ..., labels: _Optional[_Union[LabelSet, _Mapping]] = ..., fragment: _Optional[_Union[JournalSpec.FragmentSpec, _Mapping]] = ..., flags: _Optional[int] = ..., max_append_rate: _Optional[int] = ...) -> None: ...
+    suspend: JournalSpec.Suspend
+    def __init__(self, name: _Optional[str] = ..., replication: _Optional[int] = ..., labels: _Optional[_Union[LabelSet, _Mapping]] = ..., fragment: _Optional[_Union[JournalSpec.FragmentSpec, _Mapping]] = ..., flags: _Optional[int] = ..., max_append_rate: _Optional[int] = ..., suspend: _Optional[_Union[JournalSpec.Suspend, _Mapping]] = ...) -> None: ...
 
 class Route(_message.Message):
     __slots__ = ("members", "primary", "endpoints")

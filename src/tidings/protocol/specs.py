@@ -14,6 +14,7 @@ A file holds one journal mapping, a list of them, or ``{journals: [...]}``. Fiel
       refresh_interval: 30s
       flush_interval: 0s           # 0 = roll on size only
       retention: 0s                # 0 = keep forever
+    suspend: {offset: 4096}        # set by brokers: where appends resume (see JournalSpec.Suspend)
     revision: 1234                 # optional: expected mod revision (0 = must not exist)
     delete: true                   # optional: delete the journal
 
@@ -70,7 +71,7 @@ def spec_from_dict(d: dict[str, Any], ctx: str = "journal") -> pb.JournalSpec:
     """Build and validate a JournalSpec from a YAML mapping; errors name the field."""
     if not isinstance(d, dict):
         raise ValidationError(ctx, "expected a mapping with at least `name`")
-    known = {"name", "replication", "labels", "flags", "max_append_rate", "fragment", "revision", "delete"}
+    known = {"name", "replication", "labels", "flags", "max_append_rate", "fragment", "suspend", "revision", "delete"}
     unknown = set(d) - known
     if unknown:
         raise ValidationError(ctx, f"unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -99,6 +100,18 @@ def spec_from_dict(d: dict[str, Any], ctx: str = "journal") -> pb.JournalSpec:
             retention_ms=parse_duration_ms(frag.get("retention", 0), f"{ctx}.fragment.retention"),
         ),
     )
+    suspend = d.get("suspend") or {}
+    if not isinstance(suspend, dict) or set(suspend) - {"offset", "level"}:
+        raise ValidationError(f"{ctx}.suspend", "expected {offset: N} (brokers set it; leave it as listed)")
+    level = str(suspend.get("level", "none")).upper()
+    if level not in pb.JournalSpec.Suspend.Level.keys():
+        raise ValidationError(f"{ctx}.suspend.level", f"{level.lower()!r}: use none, partial or full")
+    offset = suspend.get("offset", 0)
+    if not isinstance(offset, int) or offset < 0:
+        raise ValidationError(f"{ctx}.suspend.offset", f"{offset!r} must be a non-negative offset")
+    if suspend:
+        spec.suspend.level = pb.JournalSpec.Suspend.Level.Value(level)
+        spec.suspend.offset = offset
     validate.journal_spec(spec, ctx)
     return spec
 
@@ -119,7 +132,14 @@ def spec_to_dict(spec: pb.JournalSpec) -> dict[str, Any]:
             "flush_interval": f"{f.flush_interval_ms / 1000:g}s",
             "retention": f"{f.retention_ms / 1000:g}s",
         },
-    }
+    } | _suspend_dict(spec)
+
+
+def _suspend_dict(spec: pb.JournalSpec) -> dict[str, Any]:
+    if not spec.HasField("suspend"):
+        return {}
+    level = pb.JournalSpec.Suspend.Level.Name(spec.suspend.level).lower()
+    return {"suspend": {"level": level, "offset": spec.suspend.offset}}
 
 
 def documents(loaded: Any) -> list[dict[str, Any]]:
