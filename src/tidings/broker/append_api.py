@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# A proxied call that ended so says the primary (or the connection to it) went away mid-append:
+# the outcome is unknown and the client should retry, which UNAVAILABLE tells it.
+_PRIMARY_GONE = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED})
+
+
 class ClientStalled(Exception):
     """The client streamed slower than the minimum flow rate; its append is rolled back."""
 
@@ -151,7 +156,10 @@ async def _proxy(broker: Broker, fsm: AppendFSM, first: pb.AppendRequest, next_m
             pass  # the primary answered early (a refusal, or it failed): its status follows
         resp = await call
     except grpc.RpcError as exc:
-        await context.abort(exc.code(), f"proxied to the primary {endpoint}: {exc.details()}")
+        code = exc.code()
+        if code in _PRIMARY_GONE:  # e.g. grpc's "Internal error from Core" when the primary dies mid-call
+            code = grpc.StatusCode.UNAVAILABLE
+        await context.abort(code, f"proxied to the primary {endpoint}: {exc.code().name}: {exc.details()}")
         raise AssertionError("unreachable") from None
     except (ClientStalled, ValidationError) as exc:
         call.cancel()  # the primary rolls the append back

@@ -354,7 +354,15 @@ class AppendFSM:
         """
         assert self.pipeline is not None and self._acks is not None
         pln = self.pipeline
-        acks = await self._acks
+        closed = asyncio.ensure_future(self.replica.closed.wait())
+        try:  # a peer that never answers must not hold up the replica's close (Gazette: the replica's context)
+            await asyncio.wait([self._acks, closed], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closed.cancel()
+        if not self._acks.done():
+            self._shut_down_pipeline()
+            return self._fail(pb.OK, "the journal's replica closed while synchronizing")
+        acks = self._acks.result()
         end = pln.spool.end
         roll_to, roll_registers, read_through = 0, None, 0
         problems: list[str] = []
