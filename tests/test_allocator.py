@@ -271,6 +271,7 @@ async def test_dead_member_assignments_are_reassigned(cluster: Cluster) -> None:
     assert state.assignments_of(*victim.id)
 
     await victim.aclose()  # revokes its lease: the member key goes at once
+    await wait_until(lambda: victim.id not in cluster.state().members, 10)  # settle() must see it gone
     state = await cluster.settle()
     assert victim.id not in state.members
     assert state.assignments_of(*victim.id) == []

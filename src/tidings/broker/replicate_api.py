@@ -5,8 +5,11 @@ primary can mutate it meanwhile. It checks the first proposal's Route against it
 WRONG_ROUTE with its own Header when it knows a different Route), validates every chunk and
 proposal through the Spool (answering PROPOSAL_MISMATCH with its own Fragment and registers when
 the proposal asked for an acknowledgement), and rolls back uncommitted content when the stream
-ends, however it ends. A proposal that asked for no acknowledgement but does not apply ends the
-stream with an error: answering it would pair the answer with the primary's next proposal.
+ends, however it ends. A fragment this replica completes while a new pipeline synchronizes (before
+any content) is persisted at once rather than after the replicas' delay: when a primary died
+between its peers, it may hold bytes the other replicas rolled past, and their readers wait for it.
+A proposal that asked for no acknowledgement but does not apply ends the stream with an error:
+answering it would pair the answer with the primary's next proposal.
 
 The stream is served through `transport.PeerStream`, so the same code serves any transport.
 """
@@ -62,10 +65,14 @@ async def serve_replicate(broker: Broker, stream: PeerStream) -> None:
         # The route changed while we waited for the spool: resolve again.
     assert isinstance(spool, Spool)
     header: pb.Header | None = res.header
+    streamed = False  # the stream has carried content: it is past its synchronization
     try:
         req = first
         while True:
-            resp = spool.apply(req)
+            streamed = streamed or bool(req.content)
+            # A fragment completed while a new pipeline synchronizes may be the only copy of its last
+            # bytes outside a failed primary (the others roll forward past them): persist it at once.
+            resp = spool.apply(req, primary=not streamed)
             if resp.status != pb.OK:
                 metrics.RPC_STATUS.labels("replicate", pb.Status.Name(resp.status)).inc()
             if req.acknowledge:

@@ -126,7 +126,8 @@ class SpoolObserver(Protocol):
     def spool_commit(self, fragment: Fragment, file: SpoolFile) -> None: ...
 
     def spool_complete(self, fragment: Fragment, file: SpoolFile, primary: bool) -> None:
-        """`primary`: the journal's primary completed it (it persists at once; replicas wait)."""
+        """`primary`: persist it at once (the journal's primary completed it, or a replica while a new
+        pipeline synchronizes); otherwise replicas wait, in case the primary does."""
 
     def spool_gap(self, begin: int, end: int) -> None:
         """The spool rolled past [begin, end), which another replica committed and this one never got."""
