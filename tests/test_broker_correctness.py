@@ -471,3 +471,45 @@ async def test_an_unusable_store_answers_fragment_store_unhealthy(cluster, tmp_p
         with pytest.raises(FragmentStoreUnhealthyError):
             await asyncio.wait_for(c.append(j, b"x"), 30)
 
+
+
+# -- the review's scenarios ------------------------------------------------------------------
+
+
+async def test_a_recreated_journal_starts_fresh(cluster) -> None:
+    """A journal deleted and created again under its name inherits neither offsets nor registers from
+    the brokers' spools (its old fragments stay in the old store, as in Gazette; this one uses another)."""
+    j = "it/recreated"
+    await cluster.create_journal(j, 3)
+    async with AsyncClient(cluster.brokers[0].endpoint) as c:
+        for i in range(3):
+            await c.append(j, f"old-{i}\n".encode() * 10, union_registers=labels.label_set({"owner": "old"}))
+        item = next(x for x in (await c.list()).journals if x.spec.name == j)
+        resp = await c.apply([pb.ApplyRequest.Change(delete=j, expect_mod_revision=item.mod_revision)])
+        assert resp.status == pb.OK
+        await wait_until(lambda: all(j not in b.resolver.replicas for b in cluster.brokers), 30)
+        await cluster.create_journal(j, 3, fragment={"stores": [f"file://{cluster.data_dir / 'other-store'}/"]})
+        r = await c.append(j, b"new journal, first record\n")
+    assert (r.begin, r.registers) == (0, {})
+
+
+async def test_a_replica_closed_right_after_an_abort_gets_its_pipeline_token_back(cluster) -> None:
+    """A roll-back task cancelled before its first step (the replica closes in the same loop turn)
+    still returns the pipeline token: the close does not hang."""
+    from tidings.broker.append_fsm import _roll_back_abandoned
+
+    j = "it/abort-then-close"
+    await cluster.create_journal(j, 3)
+    replica = primary_of(cluster, j).resolver.replicas[j]
+    pipeline = await replica.pipeline_slot.get()
+    if pipeline is None:
+        await asyncio.wait_for(_synchronize(cluster, j), 30)
+        pipeline = await replica.pipeline_slot.get()
+    assert pipeline is not None
+    _roll_back_abandoned(replica, pipeline)  # what abort() does for an append cancelled mid-stream
+    await asyncio.wait_for(replica.aclose(), 30)
+
+
+async def _synchronize(cluster, journal: str) -> None:
+    async with cluster.client(0) as c:
+        await c.append(journal, b"")

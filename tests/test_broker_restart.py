@@ -8,6 +8,8 @@ next append lands after them: no committed byte lost, no offset handed out twice
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tests.support.cluster import FAST_BROKER_FLAGS
@@ -35,6 +37,24 @@ async def _wait_primary(endpoint: str) -> None:
             return any(j.spec.name == J and j.route.primary >= 0 for j in resp.journals)
 
         await wait_until(ready, 30)
+
+
+def _append_to(path, content: bytes) -> None:
+    with open(path, "ab") as f:
+        f.write(content)
+
+
+async def _spec_in_etcd(etcd, root: str) -> pb.JournalSpec:
+    from tidings.allocator.keys import item_key
+    from tidings.keyspace.etcd import Etcd
+
+    client = await Etcd.connect(etcd.endpoint)
+    try:
+        kv, _ = await client.get(item_key(root, J))
+    finally:
+        await client.aclose()
+    assert kv is not None
+    return pb.JournalSpec.FromString(kv.value)
 
 
 async def _append_some(endpoint: str, n: int, tag: str) -> list[tuple[int, int, bytes]]:
@@ -72,14 +92,13 @@ async def test_a_restarted_cluster_keeps_every_ok_append_and_never_reuses_an_off
             for b in lc.brokers:
                 b.kill()
         lc.stop()
+    if how == "sigterm":  # its last holders recorded where it ends, for any next primary
+        assert (await _spec_in_etcd(etcd, etcd_root)).suspend.offset == spans[-1][1]
     lc = _cluster(etcd, etcd_root, tmp_path, brokers)
     try:
         lc.start()
         await _wait_primary(lc.endpoints[0])
         async with AsyncClient(lc.endpoints[0]) as c:
-            if how == "sigterm":  # its last holders recorded where it ends, for any next primary
-                spec = next(j.spec for j in (await c.list()).journals if j.spec.name == J)
-                assert spec.suspend.offset == spans[-1][1]
             data = await c.read_all(J)
             for begin, end, content in spans:
                 assert data[begin:end] == content, f"[{begin}, {end}) did not survive the restart"
@@ -130,5 +149,50 @@ async def test_a_journal_killed_with_every_replica_and_back_elsewhere_needs_rese
             data = await c.read_all(J)
             assert all(data[b:e] == content for b, e, content in spans), f"lost data (holder was {holder})"
             assert after.begin == end
+    finally:
+        lc.stop()
+
+
+async def test_a_commit_no_peer_acknowledged_does_not_come_back_over_a_later_append(
+    etcd, etcd_root, tmp_path
+) -> None:
+    """The review's resurrected commit: the primary applies an append's commit to its own spool, and is
+    killed before any peer has it. The journal goes on without it, acknowledging another append at the
+    same offsets. When the killed broker returns on its data dir it must not bring its commit back."""
+    from tidings.broker.replica import spool_directory
+
+    lc = _cluster(etcd, etcd_root, tmp_path, 3)
+    try:
+        lc.start()
+        spec = spec_from_dict({"name": J, "replication": 2, "fragment": {"length": "1MiB", "refresh_interval": "1s"}})
+        async with AsyncClient(lc.endpoints[0]) as c:
+            await c.apply([pb.ApplyRequest.Change(upsert=spec)])
+        await _wait_primary(lc.endpoints[0])
+        spans = await _append_some(lc.endpoints[0], 3, "acked-before")
+        async with AsyncClient(lc.endpoints[0]) as c:
+            route = next(j.route for j in (await c.list()).journals if j.spec.name == J)
+        p = next(b for b in lc.brokers if b.suffix == route.members[route.primary].suffix)
+        p.kill()
+        # What the primary's disk holds had it died right after applying a commit no peer got: its
+        # content, past the acknowledged end of its current spool file (a commit writes no HEAD).
+        directory = spool_directory(p.data_dir, J)
+        current = next(f for f in directory.iterdir() if f.name.startswith("spool-"))
+        await asyncio.to_thread(_append_to, current, b"X" * 200)
+        others = [b.endpoint for b in lc.brokers if b is not p]
+        async with AsyncClient(others[0]) as c:
+            y = await asyncio.wait_for(c.append(J, b"acked-after-failover\n"), 60)
+            assert y.begin == spans[-1][1]
+            await asyncio.to_thread(p.start)
+
+            async def p_serves() -> bool:
+                resp = await c.list()
+                return any(j.spec.name == J and j.route.primary >= 0 for j in resp.journals)
+
+            await wait_until(p_serves, 30)
+            for b in lc.brokers:  # every broker, P included, serves Y at its offsets
+                async with AsyncClient(b.endpoint) as cb:
+                    data = await cb.read_all(J)
+                assert data[y.begin : y.end] == b"acked-after-failover\n"
+                assert b"XXXX" not in data
     finally:
         lc.stop()

@@ -202,16 +202,20 @@ def test_completed_file_keeps_its_name_until_persisted_and_readers_keep_reading(
     assert live.pread(11, 0) == b"hello world", "the open descriptor still reads"
 
 
-def test_recover_finds_committed_content_and_where_the_spool_stood(tmp_path: Path) -> None:
-    """Item 12: a restarted broker recovers completed and committed content, drops uncommitted tails,
-    and resumes at the committed end with the registers."""
-    regs = labels.label_set({"writer": "w1"})
+def test_recover_keeps_what_was_acknowledged_and_nothing_past_it(tmp_path: Path) -> None:
+    """Item 12: a restarted broker recovers completed and current content up to the offset every
+    replica acknowledged, drops the rest (it may have been written again elsewhere: the review's
+    "resurrected commit"), and resumes there with the registers of that point."""
+    r1, r2 = labels.label_set({"writer": "w1"}), labels.label_set({"writer": "w2"})
     sp = Spool("a/j", tmp_path, Recorder())
     sp.apply_content(b"first", 0)
-    sp.apply_proposal(frag(0, 5, b"first"), regs)
-    sp.apply_proposal(frag(5, 5), regs)  # completed, not persisted
+    sp.apply_proposal(frag(0, 5, b"first"), r1)
+    sp.apply_proposal(frag(5, 5), r1)  # completed, not persisted
     sp.apply_content(b"second", 0)
-    sp.apply_proposal(frag(5, 11, b"second"), regs)
+    sp.apply_proposal(frag(5, 11, b"second"), r1)
+    sp.acknowledge(11)  # every replica has [0, 11)
+    sp.apply_content(b"third", 0)
+    sp.apply_proposal(frag(5, 16, b"secondthird"), r2)  # committed here, never acknowledged
     sp.apply_content(b"uncommitted tail", 0)
     del sp  # a kill -9: nothing is closed
 
@@ -220,12 +224,30 @@ def test_recover_finds_committed_content_and_where_the_spool_stood(tmp_path: Pat
         (frag(0, 5, b"first"), b"first"),
         (frag(5, 11, b"second"), b"second"),
     ]
-    assert got.head is not None and got.head.end == 11 and got.registers == regs
+    assert got.acked_end == 11 and got.registers == r1
     fresh = Spool("a/j", tmp_path, Recorder())
-    fresh.resume(got.head, got.registers)
-    assert fresh.end == 11 and fresh.fragment.content_length == 0 and fresh.registers == regs
+    fresh.resume(got.acked_end, got.registers, got.codec)
+    assert fresh.end == 11 and fresh.fragment.content_length == 0 and fresh.registers == r1
     again = recover("a/j", tmp_path)
-    assert again.head == frag(11, 11) and len(again.fragments) == 2, "recovery is repeatable"
+    assert again.acked_end == 11 and len(again.fragments) == 2, "recovery is repeatable"
+
+
+def test_peers_learn_the_acknowledged_offset_from_the_primary(tmp_path: Path) -> None:
+    sp = Spool("a/j", tmp_path, Recorder())
+    req = pb.ReplicateRequest(content=b"abc", content_delta=0, proposal=frag(0, 3, b"abc").to_proto())
+    assert sp.apply(req).status == pb.OK and sp.acked_end == 0
+    assert sp.apply(pb.ReplicateRequest(acknowledged_end=3)).status == pb.OK  # a request may carry only that
+    assert sp.acked_end == 3 and recover("a/j", tmp_path).acked_end == 3
+
+
+def test_recover_forgets_an_earlier_journal_of_the_same_name(tmp_path: Path) -> None:
+    sp = Spool("a/j", tmp_path, Recorder())
+    sp.journal_revision = 7
+    sp.apply_content(b"old", 0)
+    sp.apply_proposal(frag(0, 3, b"old"), labels.label_set({"owner": "old"}))
+    sp.acknowledge(3)
+    got = recover("a/j", tmp_path, journal_revision=9)  # deleted and created again since
+    assert got.acked_end == 0 and got.fragments == [] and list(tmp_path.iterdir()) == []
 
 
 def test_recover_drops_damaged_files_and_head(tmp_path: Path) -> None:
@@ -233,9 +255,25 @@ def test_recover_drops_damaged_files_and_head(tmp_path: Path) -> None:
     sp.apply_content(b"abc", 0)
     sp.apply_proposal(frag(0, 3, b"abc"), pb.LabelSet())
     sp.apply_proposal(frag(3, 3), pb.LabelSet())
+    sp.acknowledge(3)
     completed = next(p for p in tmp_path.iterdir() if p.name.endswith(".spool"))
     completed.write_bytes(b"abX")  # corrupted
+    assert recover("a/j", tmp_path).fragments == []
     (tmp_path / HEAD).write_bytes(b"\x00garbage")
     got = recover("a/j", tmp_path)
-    assert got.fragments == [] and got.head is None
+    assert got.fragments == [] and got.acked_end == 0
     assert not completed.exists()
+
+
+def test_a_live_spool_keeps_its_bytes_whatever_recover_does_elsewhere(tmp_path: Path) -> None:
+    """The review's live-directory case, at the spool level: the replica never runs `recover()` on a
+    directory whose spool is live (a new replica waits for the old one's close); were it to, the
+    live spool's committed bytes must still read back (it reads through its own descriptor)."""
+    sp = Spool("a/j", tmp_path)
+    sp.apply(pb.ReplicateRequest(content=b"0123456789", content_delta=0))
+    sp.apply_proposal(sp.next_fragment(), pb.LabelSet())
+    sp.acknowledge(10)
+    sp.apply(pb.ReplicateRequest(content=b"abcde", content_delta=0))
+    sp.apply(pb.ReplicateRequest(content=b"fgh", content_delta=5))
+    assert sp.apply_proposal(sp.next_fragment(), pb.LabelSet()).status == pb.OK
+    assert sp.file is not None and sp.file.pread(18, 0) == b"0123456789abcdefgh"

@@ -15,6 +15,7 @@ or INTERNAL with a message naming the journal.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -44,33 +45,60 @@ class ClientStalled(Exception):
     """The client streamed slower than the minimum flow rate; its append is rolled back."""
 
 
-def _reader(broker: Broker, context: grpc.aio.ServicerContext):
-    """Return next_message(): the client's next validated message, None at end-of-stream.
+DRAIN_SECONDS = 2.0  # how long an early answer waits for the client to finish sending
+DRAIN_BYTES = 64 << 20  # and how much of its content it reads (and drops) meanwhile
+
+
+class _ClientStream:
+    """The client's messages after the first: validated, policed for flow rate, drained at the end.
 
     Enforces the minimum flow rate: each message must arrive within `stall_timeout`, and after
     that long the stream must average at least `min_append_rate` bytes per second.
     """
-    started = time.monotonic()
-    received = 0
-    cfg = broker.config
 
-    async def next_message() -> pb.AppendRequest | None:
-        nonlocal received
+    def __init__(self, broker: Broker, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+        self._cfg = broker.config
+        self._started = time.monotonic()
+        self._received = 0
+        self.ended = False  # the client half-closed its stream
+
+    async def next_message(self) -> pb.AppendRequest | None:
+        """The client's next validated message, None at end-of-stream."""
+        cfg = self._cfg
         try:
             async with asyncio.timeout(cfg.stall_timeout):
-                msg = await context.read()
+                msg = await self._context.read()
         except TimeoutError:
             raise ClientStalled(f"no content for {cfg.stall_timeout}s") from None
         if msg is grpc.aio.EOF:
+            self.ended = True
             return None
         validate.append_content(msg)
-        received += len(msg.content)
-        elapsed = time.monotonic() - started
-        if elapsed > cfg.stall_timeout and received / elapsed < cfg.min_append_rate:
-            raise ClientStalled(f"{received / elapsed:.0f} B/s is below the minimum {cfg.min_append_rate} B/s")
+        self._received += len(msg.content)
+        elapsed = time.monotonic() - self._started
+        if elapsed > cfg.stall_timeout and self._received / elapsed < cfg.min_append_rate:
+            raise ClientStalled(f"{self._received / elapsed:.0f} B/s is below the minimum {cfg.min_append_rate} B/s")
         return msg
 
-    return next_message
+    async def drain(self) -> None:
+        """Read (and drop) what the client still sends, briefly, before an early answer.
+
+        A client still writing when the answer arrives gets, from grpc.aio, the status of its own
+        failed write ("INTERNAL: Internal error from Core") instead of ours; letting it finish
+        first delivers the real answer. Bounded in time and bytes.
+        """
+        if self.ended:
+            return
+        dropped = 0
+        with contextlib.suppress(TimeoutError, grpc.RpcError, asyncio.InvalidStateError):
+            async with asyncio.timeout(DRAIN_SECONDS):
+                while dropped < DRAIN_BYTES:
+                    msg = await self._context.read()
+                    if msg is grpc.aio.EOF:
+                        self.ended = True
+                        return
+                    dropped += len(msg.content)
 
 
 async def serve_append(broker: Broker, context: grpc.aio.ServicerContext) -> pb.AppendResponse:
@@ -103,23 +131,26 @@ async def _serve_append(broker: Broker, context: grpc.aio.ServicerContext, journ
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     journal.append(first.journal)
     fsm = AppendFSM(broker, first)
-    next_message = _reader(broker, context)
+    client = _ClientStream(broker, context)
+    next_message = client.next_message
     try:
         end = await fsm.run(next_message)
     except ValidationError as exc:
+        await client.drain()
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     assert fsm.resolved is not None or end is AppendState.ERROR
     header = fsm.resolved.header if fsm.resolved is not None else pb.Header()
     if end is AppendState.PROXY:
         if first.do_not_proxy:
             return _respond("append", pb.AppendResponse(status=pb.NOT_JOURNAL_PRIMARY_BROKER, header=header))
-        return await _proxy(broker, fsm, first, next_message, context)
+        return await _proxy(broker, fsm, first, client, context)
     if end is AppendState.FINISHED:
         assert fsm.commit is not None
         return _respond(
             "append",
             pb.AppendResponse(status=pb.OK, header=header, commit=fsm.commit, registers=fsm.registers),
         )
+    await client.drain()  # an early answer: let the client finish writing first
     if fsm.status != pb.OK:
         return _respond("append", pb.AppendResponse(status=fsm.status, header=header, registers=fsm.registers))
     code = fsm.error_code
@@ -137,7 +168,9 @@ def _respond(rpc: str, resp: pb.AppendResponse) -> pb.AppendResponse:
     return resp
 
 
-async def _proxy(broker: Broker, fsm: AppendFSM, first: pb.AppendRequest, next_message, context) -> pb.AppendResponse:
+async def _proxy(
+    broker: Broker, fsm: AppendFSM, first: pb.AppendRequest, client: _ClientStream, context
+) -> pb.AppendResponse:
     """Forward the whole stream to the primary, with our Header so it reads through our revision."""
     assert fsm.resolved is not None
     endpoint = fsm.resolved.primary_endpoint()
@@ -149,13 +182,14 @@ async def _proxy(broker: Broker, fsm: AppendFSM, first: pb.AppendRequest, next_m
     try:
         try:
             await call.write(req)
-            while (msg := await next_message()) is not None:
+            while (msg := await client.next_message()) is not None:
                 await call.write(msg)
             await call.done_writing()
         except (grpc.RpcError, asyncio.InvalidStateError):
             pass  # the primary answered early (a refusal, or it failed): its status follows
         resp = await call
     except grpc.RpcError as exc:
+        await client.drain()
         code = exc.code()
         if code in _PRIMARY_GONE:  # e.g. grpc's "Internal error from Core" when the primary dies mid-call
             code = grpc.StatusCode.UNAVAILABLE
@@ -163,6 +197,7 @@ async def _proxy(broker: Broker, fsm: AppendFSM, first: pb.AppendRequest, next_m
         raise AssertionError("unreachable") from None
     except (ClientStalled, ValidationError) as exc:
         call.cancel()  # the primary rolls the append back
+        await client.drain()
         code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, ValidationError) else grpc.StatusCode.ABORTED
         await context.abort(code, f"append to {first.journal!r} rolled back: {exc}")
         raise AssertionError("unreachable") from None
@@ -175,4 +210,6 @@ async def _proxy(broker: Broker, fsm: AppendFSM, first: pb.AppendRequest, next_m
     except BaseException:
         call.cancel()
         raise
+    if resp.status != pb.OK:
+        await client.drain()
     return _respond("append", resp)

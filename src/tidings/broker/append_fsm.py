@@ -31,15 +31,17 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from tidings.allocator import keys
 from tidings.allocator.converge import advertise_consistency
 from tidings.allocator.state import routes_equivalent
 from tidings.broker import _metrics as metrics
 from tidings.broker.pipeline import Acknowledgements, Pipeline
-from tidings.broker.replica import Replica, acquire, cancel_and_wait
+from tidings.broker.replica import Replica, acquire
 from tidings.broker.resolver import Resolution
 from tidings.broker.transport import cancelled_under_us
 from tidings.fragment.fragment import EMPTY_SUM, Fragment
 from tidings.fragment.spool import Spool, apply_registers
+from tidings.keyspace import mod_revision_is, put_op
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import TidingsError, ValidationError
@@ -59,6 +61,7 @@ class AppendState(enum.Enum):
     UPDATE_ASSIGNMENTS = "update_assignments"
     AWAIT_DESIRED_REPLICAS = "await_desired_replicas"
     VALIDATE_PRECONDITIONS = "validate_preconditions"
+    UPDATE_SUSPEND = "update_suspend"
     STREAM_CONTENT = "stream_content"  # semi-terminal
     READ_ACKNOWLEDGEMENTS = "read_acknowledgements"
     ERROR = "error"  # terminal
@@ -95,19 +98,33 @@ def maybe_roll(spool: Spool, roll_to_offset: int, spec: pb.JournalSpec.Fragment)
     return Fragment(journal=cur.journal, begin=end, end=end, sum=EMPTY_SUM, codec=spec.compression_codec)
 
 
-async def _roll_back_abandoned(replica: Replica, pipeline: Pipeline) -> None:
-    """An append was cancelled after streaming content: roll it back on every replica, then hand
-    the pipeline on (its acknowledgements are read by the pipeline, in order)."""
-    try:
-        spool = pipeline.spool
-        req = pb.ReplicateRequest(proposal=spool.fragment.to_proto(), registers=spool.registers, acknowledge=True)
-        await pipeline.scatter(req, require_ok=True)
-    except BaseException:
-        pipeline.shutdown()
-        replica.pipeline_slot.put_nowait(None)
-        raise
-    replica.pipeline_slot.put_nowait(pipeline)
-    metrics.ROLLBACKS.inc()
+def _roll_back_abandoned(replica: Replica, pipeline: Pipeline) -> None:
+    """An append was cancelled after streaming content: roll it back on every replica from a task of
+    the replica's, then hand the pipeline on (its acknowledgements are read by the pipeline, in
+    order). The token goes back on every path, even if that task is cancelled before it starts."""
+    returned = False
+
+    def give_back(token: Pipeline | None) -> None:
+        nonlocal returned
+        if not returned:
+            returned = True
+            if token is None:
+                pipeline.shutdown()
+            replica.pipeline_slot.put_nowait(token)
+
+    async def roll_back() -> None:
+        try:
+            spool = pipeline.spool
+            req = pb.ReplicateRequest(proposal=spool.fragment.to_proto(), registers=spool.registers, acknowledge=True)
+            await pipeline.scatter(req, require_ok=True)
+        except BaseException:
+            give_back(None)
+            raise
+        give_back(pipeline)
+        metrics.ROLLBACKS.inc()
+
+    task = replica.spawn(roll_back(), f"rollback:{pipeline.spool.journal}")
+    task.add_done_callback(lambda _: give_back(None))
 
 
 class AppendFSM:
@@ -126,6 +143,7 @@ class AppendFSM:
         self.read_through_rev = req.header.etcd.revision if req.HasField("header") else 0
         self.pipeline: Pipeline | None = None
         self.owns_pipeline = False
+        self._owner: Replica | None = None  # the replica whose pipeline slot we hold
         self.roll_to_offset = 0
         self.registers = pb.LabelSet()  # the journal's effective registers
         self.commit: pb.Fragment | None = None  # this append's span, with the SHA1 of its content
@@ -149,6 +167,7 @@ class AppendFSM:
             S.UPDATE_ASSIGNMENTS: self._on_update_assignments,
             S.AWAIT_DESIRED_REPLICAS: self._on_await_desired_replicas,
             S.VALIDATE_PRECONDITIONS: self._on_validate_preconditions,
+            S.UPDATE_SUSPEND: self._on_update_suspend,
             S.READ_ACKNOWLEDGEMENTS: self._on_read_acknowledgements,
         }
 
@@ -209,13 +228,14 @@ class AppendFSM:
         """Interrupted while owning the pipeline: give it back in a state the next owner can use."""
         if not self.owns_pipeline:
             return
-        pln, replica = self.pipeline, self.replica
+        pln, replica = self.pipeline, self._owner
+        assert replica is not None
         self.owns_pipeline, self.pipeline = False, None
         if pln is None:
             replica.pipeline_slot.put_nowait(None)
         elif self.state is S.STREAM_CONTENT and pln.usable:
             if self._sent:  # peers hold partial content: roll it back, keeping the pipeline
-                replica.spawn(_roll_back_abandoned(replica, pln), f"rollback:{self.journal}")
+                _roll_back_abandoned(replica, pln)
             else:
                 replica.pipeline_slot.put_nowait(pln)
         elif pln.usable and self.state not in (S.STREAM_CONTENT, S.SEND_PIPELINE_SYNC, S.RECV_PIPELINE_SYNC):
@@ -226,8 +246,9 @@ class AppendFSM:
 
     def _release_pipeline(self) -> None:
         if self.owns_pipeline:
+            assert self._owner is not None
             self.owns_pipeline = False
-            self.replica.pipeline_slot.put_nowait(self.pipeline)
+            self._owner.pipeline_slot.put_nowait(self.pipeline)
 
     def _shut_down_pipeline(self) -> None:
         """Shut our pipeline down (its spool goes back at once); we keep the slot, holding nothing."""
@@ -262,8 +283,8 @@ class AppendFSM:
         """
         rev, self.read_through_rev = self.read_through_rev, 0
         res = await self.broker.resolver.resolve(self.journal, rev)
-        if not res.is_primary or res.replica is None:
-            if self.owns_pipeline:  # no longer primary: give back what we hold
+        if not res.is_primary or res.replica is not self._owner:
+            if self.owns_pipeline:  # no longer primary (or another incarnation of the replica): give it back
                 self._shut_down_pipeline()
                 self._release_pipeline()
         self.resolved = res
@@ -287,6 +308,7 @@ class AppendFSM:
             return S.RESOLVE
         self.pipeline = token
         self.owns_pipeline = True
+        self._owner = replica
         return S.START_PIPELINE
 
     async def _on_start_pipeline(self) -> AppendState:
@@ -477,11 +499,11 @@ class AppendFSM:
             ready = asyncio.ensure_future(replica.wait_ready())
             inval = asyncio.ensure_future(self._invalidated.wait())
             try:
-                await asyncio.wait([ready, inval], return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait([ready, inval], return_when=asyncio.FIRST_COMPLETED)
             finally:
-                await cancel_and_wait(inval)
-            if not ready.done():
-                await cancel_and_wait(ready)
+                inval.cancel()
+                ready.cancel()  # no-op once done
+            if ready not in done:
                 return S.RESOLVE
             store_error = ready.result()
         if store_error is not None:
@@ -491,9 +513,12 @@ class AppendFSM:
         if req.check_registers.include.labels or req.check_registers.exclude.labels:
             if not labels.registers_match(req.check_registers, self.registers):
                 return self._fail(pb.REGISTER_MISMATCH)
-        if spool.end < self.resolved.spec.suspend.offset:
-            self.roll_to_offset = self.resolved.spec.suspend.offset  # where the last holders left the journal
+        resume = self.resolved.spec.suspend.offset
+        if spool.end < resume:
+            self.roll_to_offset = resume  # where the last holders left the journal
             return S.SEND_PIPELINE_SYNC
+        if resume:
+            return S.UPDATE_SUSPEND  # resumed: the offset has served, and a stale one must not linger
         index_min, index_max = replica.index.begin_offset, replica.index.end_offset
         max_offset = max(spool.end, index_max)
         writable = self.resolved.spec.flags != pb.JournalSpec.O_RDONLY
@@ -510,6 +535,30 @@ class AppendFSM:
         if spool.fragment.begin == index_min and spool.end:
             self.roll_to_offset = spool.end
         return S.STREAM_CONTENT
+
+    async def _on_update_suspend(self) -> AppendState:
+        """Clear the journal's resume offset once its spool has reached it (Gazette's
+        stateUpdateSuspend, resuming): left in place, it would roll a later primary forward to a stale
+        offset after every replica of the journal was lost. Guarded by the spec's revision.
+
+        -> RESOLVE at the revision of the write (or the next one, if it lost a race).
+        """
+        assert self.resolved is not None and self.resolved.spec is not None
+        item = self.broker.resolver.state.items.get(self.journal)
+        if item is None:
+            return S.RESOLVE
+        spec = pb.JournalSpec()
+        spec.CopyFrom(item.spec)
+        spec.ClearField("suspend")
+        key = keys.item_key(self.broker.config.root, self.journal)
+        try:
+            ok, revision = await self.broker.etcd.txn(
+                [mod_revision_is(key, item.mod_revision)], [put_op(key, spec.SerializeToString())]
+            )
+        except TidingsError as exc:
+            return self._fail(pb.OK, f"clearing the journal's resume offset in etcd failed: {exc}")
+        self.read_through_rev = revision if ok else self.broker.keyspace.revision + 1
+        return S.RESOLVE
 
     async def on_stream_content(self, msg: pb.AppendRequest | BaseException | None) -> None:
         """Handle one client message: forward content; on end-of-stream commit, else roll back.

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -61,7 +60,7 @@ class Pipeline:
         spool: Spool,
         streams: list[ReplicaStream],
         return_spool: Callable[[Spool], None],
-        spawn: Callable[[Coroutine[Any, Any, None], str], None],
+        spawn: Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]],
     ) -> None:
         self.header = header
         self.route = header.route
@@ -73,7 +72,9 @@ class Pipeline:
         self._spawn = spawn
         self._send_errs: list[str | None] = [None] * len(streams)
         self._recv_errs: list[str | None] = [None] * len(streams)
-        self._expected: collections.deque[tuple[asyncio.Future[Acknowledgements], bool]] = collections.deque()
+        # (answers' future, every answer must be OK, the end its proposal commits or -1)
+        self._expected: collections.deque[tuple[asyncio.Future[Acknowledgements], bool, int]] = collections.deque()
+        self._told_acked = 0  # the acknowledged offset last sent to the peers
         self._wake = asyncio.Event()
         self._closing = False
         self._sending: asyncio.Future[None] | None = None  # the latest scatter's sends
@@ -114,6 +115,8 @@ class Pipeline:
             raise PipelineError("the pipeline was shut down")
         if self._sending is not None and not self._sending.done():
             await asyncio.shield(self._sending)  # a send whose caller was cancelled: keep the order
+        if req.HasField("proposal"):
+            req.acknowledged_end = self._told_acked = self.spool.acked_end  # peers record it (SpoolHead)
         resp = self.spool.apply(req, primary=True)
         if resp.status != pb.OK:  # proposals are derived from this very spool: a bug if it happens
             self.broken = f"the primary's own spool refused a proposal: {pb.Status.Name(resp.status)}"
@@ -121,7 +124,7 @@ class Pipeline:
         fut: asyncio.Future[Acknowledgements] | None = None
         if req.acknowledge:
             fut = asyncio.get_running_loop().create_future()
-            self._expected.append((fut, require_ok))
+            self._expected.append((fut, require_ok, req.proposal.end if req.HasField("proposal") else -1))
             self._wake.set()
         self._sending = sending = asyncio.ensure_future(self._send_all(req))
         await asyncio.shield(sending)
@@ -149,7 +152,8 @@ class Pipeline:
         self.spool.rollback()
         self._return_spool(self.spool)
         self._wake.set()
-        self._spawn(self._teardown(), f"pipeline-teardown:{self.spool.journal}")
+        task = self._spawn(self._teardown(), f"pipeline-teardown:{self.spool.journal}")
+        task.add_done_callback(lambda _: self._finish())  # even if cancelled before its first step
 
     # -- receive side (owned by the pipeline) --------------------------------------------------
 
@@ -160,7 +164,7 @@ class Pipeline:
                     return
                 self._wake.clear()
                 await self._wake.wait()
-            fut, must_be_ok = self._expected[0]
+            fut, must_be_ok, proposed_end = self._expected[0]
             responses: list[pb.ReplicateResponse | None] = []
             for i, stream in enumerate(self.streams):
                 if self._recv_errs[i] is not None:
@@ -183,6 +187,8 @@ class Pipeline:
             error = next((e for e in self._recv_errs if e is not None), None) or self.send_error()
             if error is not None and (self.broken is None or self.broken == "shut down"):
                 self.broken = error
+            if error is None and proposed_end >= 0 and all(r is not None and r.status == pb.OK for r in responses):
+                self.spool.acknowledge(proposed_end)  # every replica holds it: recorded before anyone hears OK
             if not fut.done():
                 fut.set_result(Acknowledgements(responses, error))
 
@@ -193,25 +199,26 @@ class Pipeline:
         log.error("journal %s: pipeline receive loop failed", self.spool.journal, exc_info=task.exception())
         self.broken = self.broken or f"receive loop failed: {task.exception()!r}"
         while self._expected:
-            fut, _ = self._expected.popleft()
+            fut, _, _ = self._expected.popleft()
             if not fut.done():
                 fut.set_result(Acknowledgements([], self.broken))
 
     async def _teardown(self) -> None:
         try:
-            if self._sending is not None:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(self._sending), TEARDOWN_TIMEOUT)
-            for i, stream in enumerate(self.streams):
-                if self._send_errs[i] is None:
-                    try:
-                        await stream.close_send()
-                    except StreamError as exc:
-                        self._send_errs[i] = str(exc)
             async with asyncio.timeout(TEARDOWN_TIMEOUT):
-                await asyncio.shield(self._receiver)
+                if self._sending is not None:
+                    await asyncio.shield(self._sending)
+                await asyncio.shield(self._receiver)  # every expected acknowledgement is read (or failed)
+                if self.spool.acked_end > self._told_acked:  # so the peers' HEADs hold the last acknowledgements
+                    await self._send_all(pb.ReplicateRequest(acknowledged_end=self.spool.acked_end))
+                for i, stream in enumerate(self.streams):
+                    if self._send_errs[i] is None:
+                        try:
+                            await stream.close_send()
+                        except StreamError as exc:
+                            self._send_errs[i] = str(exc)
                 for i, stream in enumerate(self.streams):  # each peer now ends its stream (Gazette's gatherEOF)
-                    if self._recv_errs[i] is None:
+                    if self._recv_errs[i] is None and self._send_errs[i] is None:
                         try:
                             if await stream.recv() is not None:
                                 log.warning("journal %s: peer %s answered after end of stream", self.spool.journal,
@@ -222,10 +229,14 @@ class Pipeline:
             log.warning("journal %s: peers did not end their streams within %.0fs; cancelling them",
                         self.spool.journal, TEARDOWN_TIMEOUT)
         finally:
-            self._receiver.cancel()
-            for stream in self.streams:
-                stream.abort()
-            while self._expected:
-                fut, _ = self._expected.popleft()
-                if not fut.done():
-                    fut.set_result(Acknowledgements([], self.broken or "pipeline shut down"))
+            self._finish()
+
+    def _finish(self) -> None:
+        """Abort the streams and fail what still waits (idempotent)."""
+        self._receiver.cancel()
+        for stream in self.streams:
+            stream.abort()
+        while self._expected:
+            fut, _, _ = self._expected.popleft()
+            if not fut.done():
+                fut.set_result(Acknowledgements([], self.broken or "pipeline shut down"))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,6 +56,8 @@ class Replica:
     * `persist_delay` - seconds a replica waits before persisting a fragment the primary did not
       (Gazette's replica persister queues).
     * `recovered` - what this broker's previous process left for the journal, if already read.
+    * `journal_revision` - the create revision of the journal's spec (a journal deleted and
+      created again does not inherit the old one's spool).
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class Replica:
         default_store: str = "",
         persist_delay: float = 60.0,
         recovered: Recovered | None = None,
+        journal_revision: int = 0,
     ) -> None:
         self.journal = journal
         self.spec = spec
@@ -75,8 +79,11 @@ class Replica:
         self.persist_delay = persist_delay
         self.index = FragmentIndex(journal)
         self.directory = spool_directory(data_dir, journal)
+        self.journal_revision = journal_revision  # the spec's create revision: which journal of this name
+        spool = Spool(journal, self.directory, observer=self)
+        spool.journal_revision = journal_revision
         self.spool_slot: asyncio.Queue[Spool] = asyncio.Queue(maxsize=1)
-        self.spool_slot.put_nowait(Spool(journal, self.directory, observer=self))
+        self.spool_slot.put_nowait(spool)
         self.pipeline_slot: asyncio.Queue[Pipeline | None] = asyncio.Queue(maxsize=1)
         self.pipeline_slot.put_nowait(None)
         self.closed = asyncio.Event()
@@ -85,6 +92,7 @@ class Replica:
         self._refreshed = asyncio.Event()  # set after every listing attempt, successful or not
         self._recovered = recovered
         self.end_at_close: int | None = None  # the spool's committed end when the replica closed
+        self._deleted = False  # the journal is gone: nothing of it is persisted any more
         self._tasks: set[asyncio.Task[None]] = set()
         self._refresh_lock = asyncio.Lock()
 
@@ -106,7 +114,7 @@ class Replica:
     def spool_complete(self, fragment: Fragment, file: SpoolFile, primary: bool) -> None:
         self.index.add_local(fragment, file)
         stores = self.stores
-        if stores:
+        if stores and not self._deleted:
             self.persister.submit(fragment, file, stores[0], delay=0.0 if primary else self.persist_delay)
 
     def spool_gap(self, begin: int, end: int) -> None:
@@ -132,11 +140,13 @@ class Replica:
         if not self.closed.is_set():
             self.spawn(self.refresh_now(), f"refresh-now:{self.journal}")
 
-    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        """Run `coro` as one of the replica's tasks (cancelled and awaited by aclose)."""
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """Run `coro` as one of the replica's tasks (cancelled and awaited by aclose). A task may be
+        cancelled before its first step: what it must release goes in a done-callback."""
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -162,10 +172,14 @@ class Replica:
         self.route_changed.set()
         self.route_changed = asyncio.Event()
 
-    def start(self, pulse: Callable[[Replica], Awaitable[None]]) -> None:
-        self.spawn(self._start(pulse), f"start:{self.journal}")
+    def start(self, pulse: Callable[[Replica], Awaitable[None]], after: asyncio.Future | None = None) -> None:
+        """Recover, then run the daemons; first wait for `after` (the close of this journal's previous
+        replica on this broker, which uses the same spool directory)."""
+        self.spawn(self._start(pulse, after), f"start:{self.journal}")
 
-    async def _start(self, pulse: Callable[[Replica], Awaitable[None]]) -> None:
+    async def _start(self, pulse: Callable[[Replica], Awaitable[None]], after: asyncio.Future | None) -> None:
+        if after is not None:
+            await asyncio.wait([after])
         await self._recover()
         self.spawn(self._refresh_loop(), f"refresh:{self.journal}")
         self.spawn(pulse(self), f"pulse:{self.journal}")
@@ -177,7 +191,7 @@ class Replica:
             rec = self._recovered
             self._recovered = None
             if rec is None:
-                rec = await asyncio.to_thread(recover, self.journal, self.directory)
+                rec = await asyncio.to_thread(recover, self.journal, self.directory, self.journal_revision)
             stores = self.stores
             for frag, file in rec.fragments:
                 if file.unlinked:
@@ -185,10 +199,10 @@ class Replica:
                 self.index.add_local(frag, file)
                 if stores:
                     self.persister.submit(frag, file, stores[0], delay=0.01)
-            if rec.head is not None and spool.end == 0 and spool.delta == 0:
-                spool.resume(rec.head, rec.registers)
+            if rec.acked_end and spool.end == 0 and spool.delta == 0:
+                spool.resume(rec.acked_end, rec.registers, rec.codec)
                 log.info("journal %s: recovered the spool at offset %d (%d local fragments)",
-                         self.journal, rec.head.end, len(rec.fragments))
+                         self.journal, rec.acked_end, len(rec.fragments))
         finally:
             self.spool_slot.put_nowait(spool)
 
@@ -246,8 +260,12 @@ class Replica:
             await self._refreshed.wait()
         return None
 
-    async def aclose(self) -> None:
-        """Stop daemons, shut the pipeline down, complete the spool (its fragment is persisted)."""
+    async def aclose(self, deleted: bool = False) -> None:
+        """Stop daemons, shut the pipeline down, complete the spool (its fragment is persisted).
+
+        `deleted`: the journal is gone, and so go its spool files.
+        """
+        self._deleted = deleted
         self.closed.set()
         self.route_changed.set()
         await cancel_and_wait(*self._tasks)
@@ -267,6 +285,8 @@ class Replica:
         if tasks:
             await asyncio.wait(tasks, timeout=15)
             await cancel_and_wait(*self._tasks)
+        if deleted:
+            await asyncio.to_thread(shutil.rmtree, self.directory, True)
 
 
 def _list(url: str, journal: str) -> list[Fragment]:

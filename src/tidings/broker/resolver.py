@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -59,7 +60,7 @@ class Resolver:
         self,
         keyspace: KeySpace,
         process_id: pb.ProcessId,
-        new_replica: Callable[[str, pb.JournalSpec], Replica],
+        new_replica: Callable[[str, pb.JournalSpec, int], Replica],
         pulse: Callable[[Replica], Awaitable[None]],
     ) -> None:
         self.keyspace = keyspace
@@ -68,7 +69,7 @@ class Resolver:
         self.pulse = pulse
         self.replicas: dict[str, Replica] = {}
         self.state = State.from_keyspace(keyspace)
-        self._closing: set[asyncio.Task[None]] = set()
+        self._closing: dict[str, asyncio.Task[None]] = {}  # replicas closing, by journal
         self._closed = False
         keyspace.add_observer(self._on_keyspace_update)
         self._on_keyspace_update()
@@ -86,19 +87,24 @@ class Resolver:
                 continue
             replica = self.replicas.get(journal)
             if replica is None:
-                replica = self.new_replica(journal, item.spec)
+                replica = self.new_replica(journal, item.spec, item.create_revision)
                 self.replicas[journal] = replica
-                replica.start(self.pulse)
+                replica.start(self.pulse, after=self._closing.get(journal))  # never two on one spool dir
                 log.info("journal %s: replica created", journal)
             elif item.spec != replica.spec or not routes_equivalent(old.route(journal), state.route(journal)):
                 replica.update(item.spec)
         for journal in list(self.replicas):
             if journal not in mine or journal not in state.items:
                 replica = self.replicas.pop(journal)
-                task = asyncio.get_running_loop().create_task(replica.aclose(), name=f"close:{journal}")
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
+                deleted = journal not in state.items
+                task = asyncio.get_running_loop().create_task(replica.aclose(deleted), name=f"close:{journal}")
+                self._closing[journal] = task
+                task.add_done_callback(functools.partial(self._replica_closed, journal))
                 log.info("journal %s: replica removed", journal)
+
+    def _replica_closed(self, journal: str, task: asyncio.Task[None]) -> None:
+        if self._closing.get(journal) is task:
+            del self._closing[journal]
 
     def header(self, route: pb.Route) -> pb.Header:
         return pb.Header(
@@ -123,4 +129,4 @@ class Resolver:
         """Close every replica (their spools complete and go to the persister); ignore later updates."""
         self._closed = True
         replicas, self.replicas = self.replicas, {}
-        await asyncio.gather(*(r.aclose() for r in replicas.values()), *self._closing, return_exceptions=True)
+        await asyncio.gather(*(r.aclose() for r in replicas.values()), *self._closing.values(), return_exceptions=True)

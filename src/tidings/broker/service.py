@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -33,6 +34,7 @@ import grpc
 from tidings.allocator import keys
 from tidings.allocator.announce import Announcement, announce
 from tidings.allocator.converge import Allocator
+from tidings.allocator.state import State
 from tidings.broker import _metrics as metrics
 from tidings.broker.append_api import serve_append
 from tidings.broker.append_fsm import AppendFSM
@@ -126,7 +128,8 @@ class Broker:
             self.persister = Persister(self._on_persisted)
             await self.persister.start()
             undo.push_async_callback(self.persister.aclose)
-            self._recovered = await asyncio.to_thread(_recover_all, Path(cfg.data_dir))
+            revisions = {j: it.create_revision for j, it in State.from_keyspace(self.keyspace).items.items()}
+            self._recovered = await asyncio.to_thread(_recover_all, Path(cfg.data_dir), revisions)
             self._persist_recovered()
             self.resolver = Resolver(self.keyspace, self.process_id, self._new_replica, self._pulse)
             undo.push_async_callback(self.resolver.aclose)
@@ -334,7 +337,7 @@ class Broker:
                 streams.append(GrpcReplicaStream(self.channel(endpoint), endpoint))
         return streams
 
-    def _new_replica(self, journal: str, spec: pb.JournalSpec) -> Replica:
+    def _new_replica(self, journal: str, spec: pb.JournalSpec, revision: int) -> Replica:
         cfg = self.config
         return Replica(
             journal,
@@ -344,6 +347,7 @@ class Broker:
             default_store=cfg.default_store,
             persist_delay=cfg.persist_delay,
             recovered=self._recovered.pop(journal, None),
+            journal_revision=revision,
         )
 
     def _persist_recovered(self) -> None:
@@ -480,17 +484,26 @@ async def _tear_down_pipeline(replica: Replica) -> None:
         replica.pipeline_slot.put_nowait(None)
 
 
-def _recover_all(data_dir: Path) -> dict[str, Recovered]:
-    """Every journal's spool directory under `data_dir`, recovered (blocking: run in a thread)."""
+def _recover_all(data_dir: Path, revisions: dict[str, int]) -> dict[str, Recovered]:
+    """Every journal's spool directory under `data_dir`, recovered (blocking: run in a thread).
+
+    `revisions` holds the create revision of every journal etcd knows; the folders of journals it
+    does not (deleted meanwhile) are removed.
+    """
     out: dict[str, Recovered] = {}
     root = data_dir / "spools"
     if not root.is_dir():
         return out
     for folder in sorted(root.iterdir()):
-        if folder.is_dir():
-            journal = folder.name.replace("%2F", "/")
-            assert spool_directory(data_dir, journal) == folder
-            out[journal] = recover(journal, folder)
+        if not folder.is_dir():
+            continue
+        journal = folder.name.replace("%2F", "/")
+        assert spool_directory(data_dir, journal) == folder
+        if journal not in revisions:
+            log.info("journal %s no longer exists; removing its spool files", journal)
+            shutil.rmtree(folder, ignore_errors=True)
+            continue
+        out[journal] = recover(journal, folder, revisions[journal])
     return out
 
 

@@ -13,6 +13,8 @@ whole call when a task waiting in its `read()`/`write()` is cancelled, and other
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from typing import Protocol
 
 import grpc
@@ -69,41 +71,32 @@ class GrpcReplicaStream:
         self.endpoint = endpoint
         self._call = JournalStub(channel).Replicate()
 
-    def _error(self, exc: BaseException) -> StreamError:
-        if isinstance(exc, grpc.RpcError):
-            return StreamError(f"peer {self.endpoint}: {exc.code().name}: {exc.details()}")
-        return StreamError(f"peer {self.endpoint}: the stream broke ({type(exc).__name__})")
+    @contextlib.contextmanager
+    def _failures(self) -> Iterator[None]:
+        """Map every way the call can fail under us to StreamError (see the module docstring)."""
+        try:
+            yield
+        except grpc.RpcError as exc:
+            raise StreamError(f"peer {self.endpoint}: {exc.code().name}: {exc.details()}") from exc
+        except asyncio.InvalidStateError as exc:
+            raise StreamError(f"peer {self.endpoint}: the stream broke ({exc})") from exc
+        except asyncio.CancelledError as exc:
+            if not cancelled_under_us():
+                raise
+            raise StreamError(f"peer {self.endpoint}: the stream was cancelled under us") from exc
 
     async def send(self, req: pb.ReplicateRequest) -> None:
-        try:
+        with self._failures():
             await self._call.write(req)
-        except (grpc.RpcError, asyncio.InvalidStateError) as exc:
-            raise self._error(exc) from exc
-        except asyncio.CancelledError as exc:
-            if not cancelled_under_us():
-                raise
-            raise self._error(exc) from exc
 
     async def recv(self) -> pb.ReplicateResponse | None:
-        try:
+        with self._failures():
             resp = await self._call.read()
-        except (grpc.RpcError, asyncio.InvalidStateError) as exc:
-            raise self._error(exc) from exc
-        except asyncio.CancelledError as exc:
-            if not cancelled_under_us():
-                raise
-            raise self._error(exc) from exc
         return None if resp is grpc.aio.EOF else resp
 
     async def close_send(self) -> None:
-        try:
+        with self._failures():
             await self._call.done_writing()
-        except (grpc.RpcError, asyncio.InvalidStateError) as exc:
-            raise self._error(exc) from exc
-        except asyncio.CancelledError as exc:
-            if not cancelled_under_us():
-                raise
-            raise self._error(exc) from exc
 
     def abort(self) -> None:
         self._call.cancel()

@@ -26,12 +26,18 @@ Files and recovery. Each Fragment's content lives in ``spool-{begin:016x}`` unde
 directory, read by everyone (readers, the persister) through the `SpoolFile`'s open descriptor,
 so removing the name never breaks a reader (Gazette's spool files are anonymous for that
 reason). A completed fragment's file is renamed ``{content name}.spool`` and keeps its name until
-a store listing covers it (then it is unlinked). After every commit and roll the spool rewrites
-``HEAD``: its current Fragment and registers behind a CRC. A broker restarted on its data dir
-(`recover()`) thus finds every committed byte it held (uncommitted tails are cut off) and
-resumes the spool where it stood, so it never hands out an offset twice. Spool files are not
-fsynced: durability comes from replication to R brokers (as in Gazette) and from persisting
-completed fragments; a kill -9 leaves the page cache intact, a power loss may not.
+a store listing covers it (then it is unlinked).
+
+A commit is not yet a promise: the primary applies it before its peers have it, and a peer may
+hold a commit the others never got. What every replica acknowledged is: the primary learns it
+from its peers' acknowledgements and tells them with its next request (`acknowledged_end`). Each
+spool keeps that offset and the registers there in ``HEAD`` (a `SpoolHead` behind a CRC), and a
+broker restarted on its data dir (`recover()`) trusts its files up to it and nothing past it.
+Bytes past it may have been rolled past by the journal's surviving replicas and written again
+there; resurrecting them would hide an acknowledged append. So a restarted broker neither loses
+what the journal acknowledged nor hands an offset out twice. Spool files are not fsynced:
+durability comes from replication to R brokers (as in Gazette) and from persisting completed
+fragments; a kill -9 leaves the page cache intact, a power loss may not.
 
 Ownership: exactly one Append or Replicate RPC owns a Spool at a time (a token in the
 replica's `spool_slot`); nothing here is safe to call without holding it.
@@ -39,6 +45,7 @@ replica's `spool_slot`); nothing here is safe to call without holding it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import hashlib
@@ -160,8 +167,12 @@ class Spool:
         self.delta = 0
         self.file: SpoolFile | None = None
         self.first_append_time = 0.0  # unix time of the current Fragment's first commit (flush intervals)
+        self.acked_end = 0  # through here every replica acknowledged the commits (see the module docstring)
+        self.acked_registers = pb.LabelSet()
+        self.journal_revision = 0  # the journal spec's create revision, recorded in HEAD
         self._sum = hashlib.sha1()  # SHA1 of committed content of the current Fragment
         self._pending: hashlib._Hash | None = None  # SHA1 including the uncommitted delta
+        self._unacked: collections.deque[tuple[int, pb.LabelSet]] = collections.deque()  # (end, registers)
         self._head_fd: int | None = None
 
     def __repr__(self) -> str:
@@ -202,9 +213,12 @@ class Spool:
         PROPOSAL_MISMATCH response instead. `primary`: applied by the journal's primary."""
         if req.content:
             self.apply_content(req.content, req.content_delta)
+        resp = pb.ReplicateResponse(status=pb.OK)
         if req.HasField("proposal"):
-            return self.apply_proposal(Fragment.from_proto(req.proposal), req.registers, primary)
-        return pb.ReplicateResponse(status=pb.OK)
+            resp = self.apply_proposal(Fragment.from_proto(req.proposal), req.registers, primary)
+        if req.acknowledged_end > self.acked_end:
+            self.acknowledge(req.acknowledged_end)
+        return resp
 
     def apply_content(self, content: bytes | memoryview, content_delta: int) -> None:
         """Write a chunk after the committed end plus `delta`, folding it into the running SHA1."""
@@ -270,7 +284,7 @@ class Spool:
         self.registers = registers
         if not self.first_append_time:
             self.first_append_time = time.time()
-        self._write_head()
+        self._unacked.append((proposal.end, registers))
         if self.observer is not None:
             self.observer.spool_commit(proposal, self.file)
 
@@ -281,12 +295,12 @@ class Spool:
         self._complete(primary)
         if proposal.end > old.end:
             self.registers = registers
+            self._unacked.append((proposal.end, registers))
         self.fragment = Fragment(
             journal=self.journal, begin=proposal.end, end=proposal.end, sum=EMPTY_SUM, codec=proposal.codec
         )
         self._sum = hashlib.sha1()
         self.first_append_time = 0.0
-        self._write_head()
         if proposal.end > old.end and old.end > 0 and self.observer is not None:
             # Offsets [old.end, proposal.end) were committed by others while we did not hold them.
             self.observer.spool_gap(old.end, proposal.end)
@@ -326,21 +340,37 @@ class Spool:
 
     # -- HEAD ------------------------------------------------------------------------------
 
+    def acknowledge(self, end: int) -> None:
+        """Every replica acknowledged the commits through `end`: record it (and the registers there) in HEAD."""
+        end = min(end, self.fragment.end)
+        if end <= self.acked_end:
+            return
+        while self._unacked and self._unacked[0][0] <= end:
+            _, self.acked_registers = self._unacked.popleft()
+        self.acked_end = end
+        self._write_head()
+
     def _write_head(self) -> None:
-        payload = pb.ReplicateResponse(fragment=self.fragment.to_proto(), registers=self.registers).SerializeToString()
+        payload = pb.SpoolHead(
+            acknowledged_end=self.acked_end,
+            registers=self.acked_registers,
+            compression_codec=self.fragment.codec,
+            journal_revision=self.journal_revision,
+        ).SerializeToString()
         if self._head_fd is None:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._head_fd = os.open(self.directory / HEAD, os.O_WRONLY | os.O_CREAT, 0o644)
         os.pwrite(self._head_fd, _HEAD_PREFIX.pack(zlib.crc32(payload), len(payload)) + payload, 0)
 
-    def resume(self, fragment: Fragment, registers: pb.LabelSet) -> None:
-        """Start at an empty Fragment at `fragment.end` with `registers` (after `recover()`)."""
+    def resume(self, end: int, registers: pb.LabelSet, codec: int) -> None:
+        """Start at an empty Fragment at `end` with `registers`: where `recover()` found the journal
+        acknowledged, which every replica holds."""
         assert self.file is None and self.delta == 0
-        self.fragment = Fragment(
-            journal=self.journal, begin=fragment.end, end=fragment.end, sum=EMPTY_SUM, codec=fragment.codec
-        )
+        self.fragment = Fragment(journal=self.journal, begin=end, end=end, sum=EMPTY_SUM, codec=codec)
         self.registers = registers
+        self.acked_end, self.acked_registers = end, registers
         self._sum = hashlib.sha1()
+        self._unacked.clear()
         self._write_head()
 
 
@@ -354,14 +384,15 @@ def apply_registers(current: pb.LabelSet, union: pb.LabelSet, subtract: pb.Label
 
 @dataclass
 class Recovered:
-    """What a spool directory held: committed fragments with their files, and where the spool stood."""
+    """What a spool directory held: acknowledged fragments with their files, and where the spool stood."""
 
     fragments: list[tuple[Fragment, SpoolFile]] = field(default_factory=list)
-    head: Fragment | None = None  # the spool's last Fragment (its end is where appends resume)
+    acked_end: int = 0  # where the spool resumes (0: nothing recorded)
     registers: pb.LabelSet = field(default_factory=pb.LabelSet)
+    codec: int = pb.NONE
 
 
-def _read_head(path: Path, journal: str) -> tuple[Fragment, pb.LabelSet] | None:
+def _read_head(path: Path, journal: str) -> pb.SpoolHead | None:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -373,68 +404,93 @@ def _read_head(path: Path, journal: str) -> tuple[Fragment, pb.LabelSet] | None:
     if len(payload) != n or zlib.crc32(payload) != crc:
         log.warning("journal %s: %s is damaged; ignoring it", journal, path)
         return None
-    msg = pb.ReplicateResponse.FromString(payload)
     try:
-        frag = Fragment.from_proto(msg.fragment)
-    except ValidationError as exc:
-        log.warning("journal %s: %s holds an invalid fragment: %s", journal, path, exc)
+        return pb.SpoolHead.FromString(payload)
+    except Exception as exc:  # a damaged record must not stop the broker
+        log.warning("journal %s: %s does not parse (%s); ignoring it", journal, path, exc)
         return None
-    if frag.journal != journal:
-        return None
-    return frag, msg.registers
 
 
-def _verified(path: Path, frag: Fragment) -> bool:
-    """The file holds at least the fragment's content length and its first bytes hash to the sum."""
+def _sha1_of(path: Path, length: int) -> bytes | None:
+    """The SHA1 of the first `length` bytes of `path`, or None if it is shorter."""
     try:
         with open(path, "rb") as f:
             h = hashlib.sha1()
-            left = frag.content_length
+            left = length
             while left:
                 chunk = f.read(min(left, 1 << 20))
                 if not chunk:
-                    return False
+                    return None
                 h.update(chunk)
                 left -= len(chunk)
     except OSError:
-        return False
-    return h.digest() == frag.sum
+        return None
+    return h.digest()
 
 
-def recover(journal: str, directory: Path) -> Recovered:
-    """Find the committed content a previous process left in `directory` (blocking: call in a thread).
+def recover(journal: str, directory: Path, journal_revision: int = 0) -> Recovered:
+    """Find what a previous process left in `directory` that the journal acknowledged (blocking:
+    call in a thread).
 
-    Completed files (``{content name}.spool``) and the committed part of the current spool file
-    (per HEAD) are verified against their SHA1 and returned as completed fragments (renamed and
-    cut to their committed length); anything else there (uncommitted tails, temporaries, damaged
-    files) is removed. HEAD gives the end and registers the spool resumes at.
+    Completed files (``{content name}.spool``) and the current spool file are kept up to HEAD's
+    acknowledged offset, verified (a completed file against the SHA1 in its name), cut there, and
+    returned as completed fragments named after their content. Anything else (content past that
+    offset, temporaries, damaged files, everything when HEAD is missing or names another
+    incarnation of the journal than `journal_revision`) is removed.
     """
     out = Recovered()
     if not directory.is_dir():
         return out
     head = _read_head(directory / HEAD, journal)
+    if head is not None and journal_revision and head.journal_revision not in (0, journal_revision):
+        log.info("journal %s: %s belongs to an earlier journal of that name; removing it", journal, directory)
+        head = None
+    acked = head.acknowledged_end if head is not None else 0
     for path in sorted(directory.iterdir()):
         name = path.name
         if name == HEAD:
+            if head is None:
+                path.unlink(missing_ok=True)
             continue
-        frag: Fragment | None = None
+        begin, named = -1, None
         if name.endswith(COMPLETED_SUFFIX):
             with contextlib.suppress(ValidationError):
-                frag = parse_content_name(journal, name[: -len(COMPLETED_SUFFIX)])
-        elif name.startswith("spool-") and head is not None:
-            hf = head[0]
-            if name == f"spool-{hf.begin:016x}" and hf.content_length:
-                frag = hf
-        if frag is not None and _verified(path, frag):
-            file = SpoolFile(path)
-            file.complete(frag)
-            out.fragments.append((frag, file))
+                named = parse_content_name(journal, name[: -len(COMPLETED_SUFFIX)])
+                begin = named.begin
+        elif name.startswith("spool-"):
+            with contextlib.suppress(ValueError):
+                begin = int(name[len("spool-") :], 16)
+        codec = head.compression_codec if head is not None else pb.NONE
+        frag = _acknowledged_part(journal, path, begin, named, acked, codec)
+        if frag is None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
             continue
-        if frag is not None:
-            log.warning("journal %s: %s does not match its fragment; removing it", journal, path)
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+        file = SpoolFile(path)
+        file.complete(frag)
+        out.fragments.append((frag, file))
     if head is not None:
-        out.head, out.registers = head
+        out.acked_end, out.registers, out.codec = acked, head.registers, head.compression_codec or pb.NONE
     out.fragments.sort(key=lambda e: (e[0].begin, e[0].end))
     return out
+
+
+def _acknowledged_part(
+    journal: str, path: Path, begin: int, named: Fragment | None, acked: int, current_codec: int
+) -> Fragment | None:
+    """The acknowledged part of a spool file as a Fragment (None: nothing there to keep)."""
+    if begin < 0 or begin >= acked:
+        return None
+    size = path.stat().st_size
+    end = min(acked, named.end if named is not None else begin + size)
+    if end <= begin:
+        return None
+    digest = _sha1_of(path, end - begin)
+    if digest is None:
+        log.warning("journal %s: %s is shorter than its acknowledged content; removing it", journal, path)
+        return None
+    if named is not None and end == named.end and digest != named.sum:
+        log.warning("journal %s: %s does not match its name; removing it", journal, path)
+        return None
+    codec = named.codec if named is not None else (current_codec or pb.NONE)
+    return Fragment(journal=journal, begin=begin, end=end, sum=digest, codec=codec)

@@ -275,20 +275,34 @@ class AppendResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[Status, str]] = ..., header: _Optional[_Union[Header, _Mapping]] = ..., commit: _Optional[_Union[Fragment, _Mapping]] = ..., registers: _Optional[_Union[LabelSet, _Mapping]] = ..., total_chunks: _Optional[int] = ..., delayed_chunks: _Optional[int] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
-    __slots__ = ("header", "proposal", "registers", "content", "content_delta", "acknowledge")
+    __slots__ = ("header", "proposal", "registers", "content", "content_delta", "acknowledge", "acknowledged_end")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     REGISTERS_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     CONTENT_DELTA_FIELD_NUMBER: _ClassVar[int]
     ACKNOWLEDGE_FIELD_NUMBER: _ClassVar[int]
+    ACKNOWLEDGED_END_FIELD_NUMBER: _ClassVar[int]
     header: Header
     proposal: Fragment
     registers: LabelSet
     content: bytes
     content_delta: int
     acknowledge: bool
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., proposal: _Optional[_Union[Fragment, _Mapping]] = ..., registers: _Optional[_Union[LabelSet, _Mapping]] = ..., content: _Optional[bytes] = ..., content_delta: _Optional[int] = ..., acknowledge: _Optional[bool] = ...) -> None: ...
+    acknowledged_end: int
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., proposal: _Optional[_Union[Fragment, _Mapping]] = ..., registers: _Optional[_Union[LabelSet, _Mapping]] = ..., content: _Optional[bytes] = ..., content_delta: _Optional[int] = ..., acknowledge: _Optional[bool] = ..., acknowledged_end: _Optional[int] = ...) -> None: ...
+
+class SpoolHead(_message.Message):
+    __slots__ = ("acknowledged_end", "registers", "compression_codec", "journal_revision")
+    ACKNOWLEDGED_END_FIELD_NUMBER: _ClassVar[int]
+    REGISTERS_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_CODEC_FIELD_NUMBER: _ClassVar[int]
+    JOURNAL_REVISION_FIELD_NUMBER: _ClassVar[int]
+    acknowledged_end: int
+    registers: LabelSet
+    compression_codec: CompressionCodec
+    journal_revision: int
+    def __init__(self, acknowledged_end: _Optional[int] = ..., registers: _Optional[_Union[LabelSet, _Mapping]] = ..., compression_codec: _Optional[_Union[CompressionCodec, str]] = ..., journal_revision: _Optional[int] = ...) -> None: ...
 
 class ReplicateResponse(_message.Message):
     __slots__ = ("status", "header", "fragment", "registers")
