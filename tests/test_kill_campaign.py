@@ -44,7 +44,9 @@ from tidings.protocol.status import IndexHasGreaterOffsetError, StatusError, Tra
 
 SECONDS = float(os.environ.get("TIDINGS_CAMPAIGN_SECONDS", "30"))
 SEED = int(os.environ.get("TIDINGS_CAMPAIGN_SEED", str(random.randrange(1 << 30))))
-JOURNALS = [f"campaign/j{i}" for i in range(3)]
+BUSY = [f"campaign/j{i}" for i in range(3)]
+IDLE = "campaign/idle"  # an append now and then: it changes hands while idle
+JOURNALS = [*BUSY, IDLE]
 APPEND_DEADLINE = 60.0  # no append may take this long, retries included: that would be a lost answer
 
 
@@ -77,12 +79,15 @@ def _free(port: int) -> bool:
     return True
 
 
-async def _writer(lc: LocalCluster, i: int, ledger: Ledger, stop: asyncio.Event) -> None:
+async def _writer(lc: LocalCluster, i: int, ledger: Ledger, stop: asyncio.Event, idle: bool = False) -> None:
     rng = random.Random(SEED + i)
     async with AsyncClient(lc.brokers[i % len(lc.brokers)].endpoint) as c:
         k = 0
         while not stop.is_set():
-            journal = JOURNALS[rng.randrange(len(JOURNALS))]
+            if idle:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), rng.uniform(1.0, 4.0))
+            journal = IDLE if idle else BUSY[rng.randrange(len(BUSY))]
             body = f"<w{i} #{k} ".encode() + os.urandom(rng.randrange(1, 600)).hex().encode() + b">"
             k += 1
             try:
@@ -206,12 +211,14 @@ async def test_kill_9_campaign(etcd, etcd_root, tmp_path) -> None:
             await wait_until(primaries, 30)
         tails = {j: bytearray() for j in JOURNALS}
         tasks = [asyncio.ensure_future(_writer(lc, i, ledger, stop)) for i in range(6)]
+        tasks.append(asyncio.ensure_future(_writer(lc, 6, ledger, stop, idle=True)))
+        writers = len(tasks)
         tasks += [asyncio.ensure_future(_tail(lc, j, ledger, stop, tails[j])) for j in JOURNALS]
         await _chaos(lc, ledger, stop)
-        await asyncio.wait_for(asyncio.gather(*tasks[:6]), APPEND_DEADLINE + 30)
-        for t in tasks[6:]:
+        await asyncio.wait_for(asyncio.gather(*tasks[:writers]), APPEND_DEADLINE + 30)
+        for t in tasks[writers:]:
             t.cancel()
-        await asyncio.gather(*tasks[6:], return_exceptions=True)
+        await asyncio.gather(*tasks[writers:], return_exceptions=True)
         oks = sum(len(v) for v in ledger.ok.values())
         summary = f"seed {SEED}: {oks} OK, {ledger.unknown} unknown; chaos: {ledger.events}"
         assert not ledger.hung, f"appends that never got an answer: {ledger.hung[:5]} ({summary})"
