@@ -513,3 +513,24 @@ async def test_a_replica_closed_right_after_an_abort_gets_its_pipeline_token_bac
 async def _synchronize(cluster, journal: str) -> None:
     async with cluster.client(0) as c:
         await c.append(journal, b"")
+
+
+async def test_nobody_takes_the_spool_before_the_replica_recovered_it(tmp_path) -> None:
+    """An append that reached a brand-new replica before its start task ran once took the spool first;
+    recovery then waited for it forever and so did the append (its first store listing never came)."""
+    from tidings.broker.replica import Replica
+    from tidings.fragment.persister import Persister
+
+    persister = Persister(lambda f, x: None)
+    replica = Replica("it/fresh", pb.JournalSpec(name="it/fresh"), tmp_path, persister)
+    assert replica.spool_slot.empty(), "the spool enters its slot only once recovered"
+    idle = asyncio.Event()
+
+    async def pulse(r) -> None:
+        await idle.wait()
+
+    replica.start(pulse)
+    await wait_until(lambda: replica.spool_slot.full() and replica.index.first_refresh, 10)
+    await replica.aclose()
+    closed_early = Replica("it/fresh", pb.JournalSpec(name="it/fresh"), tmp_path, persister)
+    await asyncio.wait_for(closed_early.aclose(), 10)  # closed before it ever started: no hang

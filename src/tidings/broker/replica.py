@@ -80,10 +80,11 @@ class Replica:
         self.index = FragmentIndex(journal)
         self.directory = spool_directory(data_dir, journal)
         self.journal_revision = journal_revision  # the spec's create revision: which journal of this name
-        spool = Spool(journal, self.directory, observer=self)
-        spool.journal_revision = journal_revision
+        self._spool = Spool(journal, self.directory, observer=self)
+        self._spool.journal_revision = journal_revision
+        # The spool enters its slot only once recovered (`_recover`): nobody may take it before.
         self.spool_slot: asyncio.Queue[Spool] = asyncio.Queue(maxsize=1)
-        self.spool_slot.put_nowait(spool)
+        self._spool_released = False
         self.pipeline_slot: asyncio.Queue[Pipeline | None] = asyncio.Queue(maxsize=1)
         self.pipeline_slot.put_nowait(None)
         self.closed = asyncio.Event()
@@ -184,9 +185,16 @@ class Replica:
         self.spawn(self._refresh_loop(), f"refresh:{self.journal}")
         self.spawn(pulse(self), f"pulse:{self.journal}")
 
+    def _release_spool(self) -> None:
+        """Put the spool in its slot for the first time (once recovered, or when closing before that)."""
+        if not self._spool_released:
+            self._spool_released = True
+            self.spool_slot.put_nowait(self._spool)
+
     async def _recover(self) -> None:
-        """Adopt what this broker's previous process left for the journal (see the module docstring)."""
-        spool = await self.spool_slot.get()
+        """Adopt what this broker's previous process left for the journal (see the module docstring).
+        The spool is in nobody's hands meanwhile: it enters its slot only afterwards."""
+        spool = self._spool
         try:
             rec = self._recovered
             self._recovered = None
@@ -204,7 +212,7 @@ class Replica:
                 log.info("journal %s: recovered the spool at offset %d (%d local fragments)",
                          self.journal, rec.acked_end, len(rec.fragments))
         finally:
-            self.spool_slot.put_nowait(spool)
+            self._release_spool()
 
     async def _refresh_loop(self) -> None:
         """List the fragment stores every refresh interval (the index's remote half); after a failed
@@ -269,6 +277,7 @@ class Replica:
         self.closed.set()
         self.route_changed.set()
         await cancel_and_wait(*self._tasks)
+        self._release_spool()  # closed before it was recovered
         pipeline = await self.pipeline_slot.get()
         try:
             if pipeline is not None:
