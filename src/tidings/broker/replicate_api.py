@@ -88,6 +88,7 @@ async def serve_replicate(broker: Broker, stream: PeerStream) -> None:
                     f"acknowledgement but answers {pb.Status.Name(resp.status)}",
                 )
                 return
+            spool.flush_head()  # the acknowledged offset the primary told us, off the answer's path
             nxt = await stream.recv()
             if nxt is None:
                 return

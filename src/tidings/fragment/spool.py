@@ -174,6 +174,7 @@ class Spool:
         self._pending: hashlib._Hash | None = None  # SHA1 including the uncommitted delta
         self._unacked: collections.deque[tuple[int, pb.LabelSet]] = collections.deque()  # (end, registers)
         self._head_fd: int | None = None
+        self._head_dirty = False
 
     def __repr__(self) -> str:
         f = self.fragment
@@ -217,7 +218,7 @@ class Spool:
         if req.HasField("proposal"):
             resp = self.apply_proposal(Fragment.from_proto(req.proposal), req.registers, primary)
         if req.acknowledged_end > self.acked_end:
-            self.acknowledge(req.acknowledged_end)
+            self.acknowledge(req.acknowledged_end, write=primary)  # a peer writes it after answering
         return resp
 
     def apply_content(self, content: bytes | memoryview, content_delta: int) -> None:
@@ -340,17 +341,26 @@ class Spool:
 
     # -- HEAD ------------------------------------------------------------------------------
 
-    def acknowledge(self, end: int) -> None:
-        """Every replica acknowledged the commits through `end`: record it (and the registers there) in HEAD."""
+    def acknowledge(self, end: int, write: bool = True) -> None:
+        """Every replica acknowledged the commits through `end`: record it (and the registers there) in
+        HEAD, now or (`write=False`) at the next `flush_head()`."""
         end = min(end, self.fragment.end)
         if end <= self.acked_end:
             return
         while self._unacked and self._unacked[0][0] <= end:
             _, self.acked_registers = self._unacked.popleft()
         self.acked_end = end
-        self._write_head()
+        self._head_dirty = True
+        if write:
+            self.flush_head()
+
+    def flush_head(self) -> None:
+        """Write HEAD if an acknowledgement is not yet recorded there."""
+        if self._head_dirty:
+            self._write_head()
 
     def _write_head(self) -> None:
+        self._head_dirty = False
         payload = pb.SpoolHead(
             acknowledged_end=self.acked_end,
             registers=self.acked_registers,
