@@ -214,7 +214,7 @@ def cluster_up(
         out.print(f"etcd     {lc.etcd_endpoint}")
         for b in lc.brokers:
             out.print(f"broker   {b.endpoint}  zone={b.zone} id={b.suffix}")
-        out.print(f"store    {lc.store_url}  (journals whose spec names no store keep their fragments here)")
+        out.print(f"store    {lc.store_url}  (for journals without stores)")
         out.print("ready; Ctrl-C stops the cluster", style="bold")
         while not stop and all(b.alive() for b in lc.brokers):
             _pause(lambda: stop)
