@@ -184,15 +184,16 @@ async def test_a_commit_no_peer_acknowledged_does_not_come_back_over_a_later_app
             assert y.begin == spans[-1][1]
             await asyncio.to_thread(p.start)
 
-            async def p_serves() -> bool:
-                resp = await c.list()
-                return any(j.spec.name == J and j.route.primary >= 0 for j in resp.journals)
-
-            await wait_until(p_serves, 30)
-            for b in lc.brokers:  # every broker, P included, serves Y at its offsets
+            # Every broker, P included, comes to serve Y at its offsets: a replica serves reads up to
+            # its own write head, and P's reaches Y once the primary's pulse has synced it. Had P
+            # brought its commit back, its X's would sit at Y's offsets and this would never hold.
+            for b in lc.brokers:
                 async with AsyncClient(b.endpoint) as cb:
-                    data = await cb.read_all(J)
-                assert data[y.begin : y.end] == b"acked-after-failover\n"
-                assert b"XXXX" not in data
+
+                    async def serves_y() -> bool:
+                        return (await cb.read_all(J))[y.begin : y.end] == b"acked-after-failover\n"
+
+                    await wait_until(serves_y, 30, interval=0.1)
+                    assert b"XXXX" not in await cb.read_all(J)
     finally:
         lc.stop()
