@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
+import uvloop
 
 from tests.support.moto_s3 import MotoS3
 from tidings.cluster.etcd import EtcdProcess
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], object]]:
+    """Tests run on uvloop, as every tidings process does (its transports and timing differ from asyncio's)."""
+    return {"uvloop": uvloop.new_event_loop}
 
 
 @pytest.fixture(scope="session")

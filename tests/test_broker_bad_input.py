@@ -7,6 +7,8 @@ import asyncio
 import grpc
 import pytest
 
+from tests.support.replicate import replicate_to
+from tidings.broker.transport import StreamError
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import validate
 from tidings.protocol.protocol_pb2_grpc import JournalStub
@@ -106,17 +108,17 @@ async def test_apply_invalid_spec_is_invalid_argument(ready) -> None:
 
 
 async def test_replicate_garbage_is_refused(ready) -> None:
-    async with grpc.aio.insecure_channel(ready.brokers[0].endpoint) as ch:
-        call = JournalStub(ch).Replicate()
+    async with replicate_to(ready.brokers[0]) as call:
         await call.write(pb.ReplicateRequest(content=b"junk", content_delta=-1))
-        with pytest.raises(grpc.aio.AioRpcError) as exc:
+        with pytest.raises(StreamError, match="INVALID_ARGUMENT"):
             await call.read()
-    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     await _still_serving(ready)
 
 
-async def test_garbage_bytes_on_the_port(ready) -> None:
-    host, port = ready.brokers[0].endpoint.rsplit(":", 1)
+@pytest.mark.parametrize("port_of", ["grpc", "replication"])
+async def test_garbage_bytes_on_the_port(ready, port_of: str) -> None:
+    b = ready.brokers[0]
+    host, port = (b.endpoint if port_of == "grpc" else b.replication.endpoint).rsplit(":", 1)
     junks = [b"GET / HTTP/1.1\r\n\r\n", b"\x00\xff" * 4096, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\xde" * 100]
     for junk in junks:
         reader, writer = await asyncio.open_connection(host, int(port))

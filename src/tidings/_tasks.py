@@ -1,4 +1,4 @@
-"""Where every asyncio task of a process waits: a debugging aid behind SIGUSR1 (`kill -USR1 PID`)."""
+"""Tasks: where each asyncio task waits (on SIGUSR1), and whose cancellation a CancelledError is."""
 
 from __future__ import annotations
 
@@ -50,6 +50,16 @@ def coroutine_stacks(prefix: str = "tidings") -> list[str]:
         for c in coros
         if (frame := _frame(c)) is not None and id(c) not in awaited and f"/{prefix}/" in frame.f_code.co_filename
     ]
+
+
+def cancelled_under_us() -> bool:
+    """Whether a CancelledError being handled came from something we awaited, not from our task's cancel().
+
+    grpc.aio cancels a whole call when a task waiting in its `read()`/`write()` is cancelled, and other
+    tasks then get CancelledError from it: that is a failure of the call, not a cancellation of theirs.
+    """
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() == 0
 
 
 def log_task_stacks() -> None:

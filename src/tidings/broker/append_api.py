@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from tidings._tasks import cancelled_under_us
 from tidings.broker import _metrics as metrics
 from tidings.broker.append_fsm import AppendFSM, AppendState
-from tidings.broker.transport import cancelled_under_us
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import validate
 from tidings.protocol.protocol_pb2_grpc import JournalStub

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from tidings._tasks import cancelled_under_us
 from tidings.allocator import keys
 from tidings.allocator.converge import advertise_consistency
 from tidings.allocator.state import routes_equivalent
@@ -38,7 +39,6 @@ from tidings.broker import _metrics as metrics
 from tidings.broker.pipeline import Acknowledgements, Pipeline
 from tidings.broker.replica import Replica, acquire
 from tidings.broker.resolver import Resolution
-from tidings.broker.transport import cancelled_under_us
 from tidings.fragment.fragment import EMPTY_SUM, Fragment
 from tidings.fragment.spool import Spool, apply_registers
 from tidings.keyspace import mod_revision_is, put_op

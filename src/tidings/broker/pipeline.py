@@ -77,7 +77,6 @@ class Pipeline:
         self._told_acked = 0  # the acknowledged offset last sent to the peers
         self._wake = asyncio.Event()
         self._closing = False
-        self._sending: asyncio.Future[None] | None = None  # the latest scatter's sends
         self._receiver = asyncio.get_running_loop().create_task(
             self._receive_loop(), name=f"pipeline-acks:{spool.journal}"
         )
@@ -106,15 +105,12 @@ class Pipeline:
         the caller. With `require_ok` a peer answering other than OK is failed (its spool no
         longer matches ours). A send failure is kept for that peer (the receive side says more).
 
-        The sends run in a task of the pipeline's own: a caller cancelled meanwhile stops waiting,
-        but the request still reaches every peer (never a commit on a subset of them because a
-        client went away), and grpc.aio never sees a cancelled write, which would cancel the whole
-        stream. The next scatter, or the teardown, waits for it first.
+        The request is written to every peer's stream at once, without awaiting (never a commit on
+        a subset of peers because a client went away); only then does the caller wait for the
+        streams' buffers to drain, and a cancellation there just stops it waiting.
         """
         if self._closing:
             raise PipelineError("the pipeline was shut down")
-        if self._sending is not None and not self._sending.done():
-            await asyncio.shield(self._sending)  # a send whose caller was cancelled: keep the order
         if req.HasField("proposal"):
             req.acknowledged_end = self._told_acked = self.spool.acked_end  # peers record it (SpoolHead)
         resp = self.spool.apply(req, primary=True)
@@ -126,18 +122,30 @@ class Pipeline:
             fut = asyncio.get_running_loop().create_future()
             self._expected.append((fut, require_ok, req.proposal.end if req.HasField("proposal") else -1))
             self._wake.set()
-        self._sending = sending = asyncio.ensure_future(self._send_all(req))
-        await asyncio.shield(sending)
+        self._send_all(req)
+        await self._drain()
         return fut
 
-    async def _send_all(self, req: pb.ReplicateRequest) -> None:
+    def _send_all(self, req: pb.ReplicateRequest) -> None:
+        message = req.SerializeToString()
         for i, stream in enumerate(self.streams):
             if self._send_errs[i] is None:
                 try:
-                    await stream.send(req)
+                    stream.send(message)
                 except StreamError as exc:
-                    self._send_errs[i] = str(exc)
-                    self.broken = self.broken or f"send failed: {exc}"
+                    self._fail_send(i, exc)
+
+    async def _drain(self) -> None:
+        for i, stream in enumerate(self.streams):
+            if self._send_errs[i] is None:
+                try:
+                    await stream.drain()
+                except StreamError as exc:
+                    self._fail_send(i, exc)
+
+    def _fail_send(self, i: int, exc: StreamError) -> None:
+        self._send_errs[i] = str(exc)
+        self.broken = self.broken or f"send failed: {exc}"
 
     def shutdown(self) -> None:
         """Give the spool back (rolled back) now, and drain and close the streams in a teardown task.
@@ -206,17 +214,13 @@ class Pipeline:
     async def _teardown(self) -> None:
         try:
             async with asyncio.timeout(TEARDOWN_TIMEOUT):
-                if self._sending is not None:
-                    await asyncio.shield(self._sending)
                 await asyncio.shield(self._receiver)  # every expected acknowledgement is read (or failed)
                 if self.spool.acked_end > self._told_acked:  # so the peers' HEADs hold the last acknowledgements
-                    await self._send_all(pb.ReplicateRequest(acknowledged_end=self.spool.acked_end))
+                    self._send_all(pb.ReplicateRequest(acknowledged_end=self.spool.acked_end))
                 for i, stream in enumerate(self.streams):
                     if self._send_errs[i] is None:
-                        try:
-                            await stream.close_send()
-                        except StreamError as exc:
-                            self._send_errs[i] = str(exc)
+                        stream.close_send()
+                await self._drain()
                 for i, stream in enumerate(self.streams):  # each peer now ends its stream (Gazette's gatherEOF)
                     if self._recv_errs[i] is None and self._send_errs[i] is None:
                         try:

@@ -42,7 +42,7 @@ from tidings.broker.read_api import serve_read
 from tidings.broker.replica import Replica, spool_directory
 from tidings.broker.replicate_api import serve_replicate
 from tidings.broker.resolver import Resolver
-from tidings.broker.transport import FailedStream, GrpcPeerStream, GrpcReplicaStream, ReplicaStream
+from tidings.broker.transport import Dialer, FailedStream, PeerStream, ReplicaStream, ReplicationServer
 from tidings.fragment.fragment import Fragment
 from tidings.fragment.persister import Persister
 from tidings.fragment.spool import Recovered, SpoolFile, recover
@@ -100,6 +100,7 @@ class BrokerConfig:
     exit_timeout: float = 60.0
     default_store: str = ""  # the fragment store of journals whose spec names none ("": local only)
     persist_delay: float = 60.0  # seconds a replica waits before persisting what the primary did not
+    replication_listen: str = ""  # HOST:PORT for peers' replication streams ("": --listen's host, any port)
 
 
 class Broker:
@@ -144,7 +145,23 @@ class Broker:
             self.endpoint = f"{host}:{port}"
             await self.server.start()
             undo.push_async_callback(self.server.stop, 0)
-            spec = pb.BrokerSpec(id=self.process_id, endpoint=self.endpoint, journal_limit=cfg.journal_limit)
+            self.dialer = Dialer()
+            undo.push_async_callback(self.dialer.aclose)
+            self.replication = ReplicationServer(self._serve_replicate)
+            listen = cfg.replication_listen or f"{host}:0"
+            try:
+                await self.replication.start(listen)
+            except (OSError, ValueError) as err:
+                raise UsageError(
+                    f"broker cannot listen for replication on {listen} ({err}); pass another --replication-listen"
+                ) from None
+            undo.push_async_callback(self.replication.aclose)
+            self.spec = spec = pb.BrokerSpec(
+                id=self.process_id,
+                endpoint=self.endpoint,
+                journal_limit=cfg.journal_limit,
+                replication_endpoint=self.replication.endpoint,
+            )
             self.announcement: Announcement = await announce(self.etcd, cfg.root, spec, ttl=cfg.lease_ttl)
             undo.push_async_callback(self.announcement.aclose, ETCD_STOP_TIMEOUT)
             if cfg.metrics_listen:
@@ -174,8 +191,9 @@ class Broker:
         with contextlib.suppress(Exception):
             await self.allocator.aclose()
         held = list(self.resolver.replicas.values())  # journals we could not hand off
-        # Stop serving first: cancelled Replicate streams give their spools back.
+        # Stop serving first: cancelled replication streams give their spools back.
         await self.server.stop(grace=1.0 if graceful else 0)
+        await self.replication.aclose()
         try:
             async with asyncio.timeout(CLOSE_TIMEOUT):
                 await self.resolver.aclose()
@@ -192,6 +210,7 @@ class Broker:
         await self.keyspace.aclose()
         for ch in self._channels.values():
             await ch.close()
+        await self.dialer.aclose()
         await self.etcd.aclose()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
@@ -231,7 +250,9 @@ class Broker:
     async def _hand_off(self, timeout: float) -> None:
         """Mark the member exiting, then wait (at most ``timeout`` seconds) for its journals to move away."""
         cfg = self.config
-        spec = pb.BrokerSpec(id=self.process_id, endpoint=self.endpoint, journal_limit=0, exiting=True)
+        spec = pb.BrokerSpec()
+        spec.CopyFrom(self.spec)  # still replicating while its journals move: keep every endpoint
+        spec.journal_limit, spec.exiting = 0, True
         try:
             await self.announcement.update(spec, timeout=ETCD_STOP_TIMEOUT)
         except TidingsError as err:
@@ -325,17 +346,23 @@ class Broker:
         return ch
 
     def open_streams(self, route: pb.Route) -> list[ReplicaStream]:
-        """A replication stream to every peer of `route` (every member but the primary: us)."""
+        """A replication stream to every peer of `route` (every member but the primary: us), at the
+        replication endpoint its member spec announces."""
         streams: list[ReplicaStream] = []
         for i, member in enumerate(route.members):
             if i == route.primary:
                 continue
-            endpoint = route.endpoints[i]
+            kv = self.keyspace.get(keys.member_key(self.config.root, member.zone, member.suffix))
+            endpoint = kv.decoded.replication_endpoint if kv is not None else ""
             if not endpoint:
-                streams.append(FailedStream(f"{member.zone}/{member.suffix}", "the peer has no endpoint"))
+                why = "the peer announces no replication endpoint"
+                streams.append(FailedStream(f"{member.zone}/{member.suffix}", why))
             else:
-                streams.append(GrpcReplicaStream(self.channel(endpoint), endpoint))
+                streams.append(self.dialer.open(endpoint))
         return streams
+
+    async def _serve_replicate(self, stream: PeerStream) -> None:
+        await serve_replicate(self, stream)
 
     def _new_replica(self, journal: str, spec: pb.JournalSpec, revision: int) -> Replica:
         cfg = self.config
@@ -515,9 +542,6 @@ class _Servicer(pb_grpc.JournalServicer):
 
     async def Append(self, request_iterator, context):
         return await serve_append(self.broker, context)
-
-    async def Replicate(self, request_iterator, context):
-        await serve_replicate(self.broker, GrpcPeerStream(context))
 
     async def Read(self, request, context):
         await serve_read(self.broker, request, context)

@@ -71,7 +71,17 @@ def broker(
     etcd: Annotated[str, typer.Option(envvar="TIDINGS_ETCD", help="etcd endpoint HOST:PORT.")],
     zone: Annotated[str, typer.Option(envvar="TIDINGS_ZONE")] = "local",
     id: Annotated[str, typer.Option("--id", envvar="TIDINGS_ID", help="Broker suffix, unique in its zone.")] = "b0",
-    listen: Annotated[str, typer.Option(envvar="TIDINGS_LISTEN")] = "127.0.0.1:8080",
+    listen: Annotated[str, typer.Option(envvar="TIDINGS_LISTEN", help="HOST:PORT of the gRPC service.")] = (
+        "127.0.0.1:8080"
+    ),
+    replication_listen: Annotated[
+        str,
+        typer.Option(
+            envvar="TIDINGS_REPLICATION_LISTEN",
+            help="HOST:PORT for other brokers' replication streams; '' takes --listen's host and any free port "
+            "(announced in etcd).",
+        ),
+    ] = "",
     data_dir: Annotated[Path, typer.Option(envvar="TIDINGS_DATA_DIR")] = Path("data/broker"),
     root: Annotated[str, typer.Option(envvar="TIDINGS_ROOT", help="etcd key prefix.")] = "/tidings/cluster",
     journal_limit: Annotated[int, typer.Option(envvar="TIDINGS_JOURNAL_LIMIT")] = 1024,
@@ -117,6 +127,7 @@ def broker(
         zone=zone,
         suffix=id,
         listen=listen,
+        replication_listen=replication_listen,
         data_dir=data_dir,
         root=root,
         journal_limit=journal_limit,

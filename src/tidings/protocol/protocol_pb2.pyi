@@ -82,16 +82,18 @@ class ProcessId(_message.Message):
     def __init__(self, zone: _Optional[str] = ..., suffix: _Optional[str] = ...) -> None: ...
 
 class BrokerSpec(_message.Message):
-    __slots__ = ("id", "endpoint", "journal_limit", "exiting")
+    __slots__ = ("id", "endpoint", "journal_limit", "exiting", "replication_endpoint")
     ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     JOURNAL_LIMIT_FIELD_NUMBER: _ClassVar[int]
     EXITING_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     id: ProcessId
     endpoint: str
     journal_limit: int
     exiting: bool
-    def __init__(self, id: _Optional[_Union[ProcessId, _Mapping]] = ..., endpoint: _Optional[str] = ..., journal_limit: _Optional[int] = ..., exiting: _Optional[bool] = ...) -> None: ...
+    replication_endpoint: str
+    def __init__(self, id: _Optional[_Union[ProcessId, _Mapping]] = ..., endpoint: _Optional[str] = ..., journal_limit: _Optional[int] = ..., exiting: _Optional[bool] = ..., replication_endpoint: _Optional[str] = ...) -> None: ...
 
 class JournalSpec(_message.Message):
     __slots__ = ("name", "replication", "labels", "fragment", "flags", "max_append_rate", "suspend")

@@ -54,11 +54,6 @@ class JournalStub:
                 request_serializer=tidings_dot_protocol_dot_protocol__pb2.AppendRequest.SerializeToString,
                 response_deserializer=tidings_dot_protocol_dot_protocol__pb2.AppendResponse.FromString,
                 _registered_method=True)
-        self.Replicate = channel.stream_stream(
-                '/tidings.protocol.Journal/Replicate',
-                request_serializer=tidings_dot_protocol_dot_protocol__pb2.ReplicateRequest.SerializeToString,
-                response_deserializer=tidings_dot_protocol_dot_protocol__pb2.ReplicateResponse.FromString,
-                _registered_method=True)
         self.ListFragments = channel.unary_unary(
                 '/tidings.protocol.Journal/ListFragments',
                 request_serializer=tidings_dot_protocol_dot_protocol__pb2.FragmentsRequest.SerializeToString,
@@ -93,12 +88,6 @@ class JournalServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Replicate(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def ListFragments(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -127,11 +116,6 @@ def add_JournalServicer_to_server(servicer, server):
                     servicer.Append,
                     request_deserializer=tidings_dot_protocol_dot_protocol__pb2.AppendRequest.FromString,
                     response_serializer=tidings_dot_protocol_dot_protocol__pb2.AppendResponse.SerializeToString,
-            ),
-            'Replicate': grpc.stream_stream_rpc_method_handler(
-                    servicer.Replicate,
-                    request_deserializer=tidings_dot_protocol_dot_protocol__pb2.ReplicateRequest.FromString,
-                    response_serializer=tidings_dot_protocol_dot_protocol__pb2.ReplicateResponse.SerializeToString,
             ),
             'ListFragments': grpc.unary_unary_rpc_method_handler(
                     servicer.ListFragments,
@@ -247,33 +231,6 @@ class Journal:
             '/tidings.protocol.Journal/Append',
             tidings_dot_protocol_dot_protocol__pb2.AppendRequest.SerializeToString,
             tidings_dot_protocol_dot_protocol__pb2.AppendResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Replicate(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/tidings.protocol.Journal/Replicate',
-            tidings_dot_protocol_dot_protocol__pb2.ReplicateRequest.SerializeToString,
-            tidings_dot_protocol_dot_protocol__pb2.ReplicateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,245 @@
+"""The replication transport on its own: framing, multiplexing, and every way a stream can fail.
+
+A real ReplicationServer and Dialer on loopback; the handler stands in for the broker's
+`serve_replicate` (echoing, refusing, or not reading), so each failure is driven exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+import pytest
+
+from tests.support.waiting import wait_until
+from tidings.broker import transport
+from tidings.broker.transport import (
+    HEADER,
+    HELLO,
+    HELLO_PAYLOAD,
+    REQUEST,
+    Dialer,
+    PeerStream,
+    ReplicationServer,
+    StreamError,
+)
+from tidings.protocol import protocol_pb2 as pb
+
+
+async def echo(stream: PeerStream) -> None:
+    """Answer every request with its content's length (as a fragment end), until end of stream."""
+    while (req := await stream.recv()) is not None:
+        await stream.send(pb.ReplicateResponse(status=pb.OK, fragment=pb.Fragment(end=len(req.content))))
+
+
+@contextlib.asynccontextmanager
+async def serving(handler: Callable[[PeerStream], Awaitable[None]] = echo) -> AsyncIterator[ReplicationServer]:
+    server = await ReplicationServer(handler).start("127.0.0.1:0")
+    try:
+        yield server
+    finally:
+        await server.aclose()
+
+
+@contextlib.asynccontextmanager
+async def dialing() -> AsyncIterator[Dialer]:
+    dialer = Dialer()
+    try:
+        yield dialer
+    finally:
+        await dialer.aclose()
+
+
+def req(content: bytes = b"", ack: bool = True) -> bytes:
+    return pb.ReplicateRequest(content=content, acknowledge=ack).SerializeToString()
+
+
+async def test_requests_are_answered_in_order_and_end_of_stream_is_clean() -> None:
+    async with serving() as server, dialing() as dialer:
+        stream = dialer.open(server.endpoint)
+        for n in (1, 10, 100_000, 3 * 1024 * 1024):  # small, and large enough to take many reads
+            stream.send(req(b"x" * n))
+        await stream.drain()
+        assert [(await stream.recv()).fragment.end for _ in range(4)] == [1, 10, 100_000, 3 * 1024 * 1024]
+        stream.close_send()
+        assert await stream.recv() is None
+        assert stream.ended
+
+
+async def test_streams_to_one_peer_share_one_connection() -> None:
+    async with serving() as server, dialing() as dialer:
+        streams = [dialer.open(server.endpoint) for _ in range(50)]
+        for i, s in enumerate(streams):
+            s.send(req(b"y" * i))
+        for i, s in enumerate(streams):
+            assert (await s.recv()).fragment.end == i
+        assert len(server.connections) == 1
+        for s in streams:
+            s.close_send()
+            assert await s.recv() is None
+        await wait_until(lambda: not next(iter(server.connections)).streams, 5)
+
+
+async def test_a_peer_that_fails_a_stream_reports_its_status_and_others_go_on() -> None:
+    async def refuse(stream: PeerStream) -> None:
+        first = await stream.recv()
+        if first is not None and first.content == b"bad":
+            await stream.fail(grpc.StatusCode.INVALID_ARGUMENT, "bad content")
+            return
+        await echo_from(stream, first)
+
+    async def echo_from(stream: PeerStream, first: pb.ReplicateRequest | None) -> None:
+        while first is not None:
+            await stream.send(pb.ReplicateResponse(fragment=pb.Fragment(end=len(first.content))))
+            first = await stream.recv()
+
+    async with serving(refuse) as server, dialing() as dialer:
+        bad, good = dialer.open(server.endpoint), dialer.open(server.endpoint)
+        bad.send(req(b"bad"))
+        good.send(req(b"good"))
+        with pytest.raises(StreamError, match="INVALID_ARGUMENT: bad content"):
+            await bad.recv()
+        with pytest.raises(StreamError):
+            bad.send(req(b"more"))  # a failed stream takes nothing more
+        assert (await good.recv()).fragment.end == 4
+        good.send(req(b"still"))
+        assert (await good.recv()).fragment.end == 5
+
+
+async def test_abort_cancels_the_peers_handler() -> None:
+    finished = asyncio.Event()
+    started = asyncio.Event()
+
+    async def wait_forever(stream: PeerStream) -> None:
+        try:
+            await stream.recv()
+            started.set()
+            await asyncio.Event().wait()
+        finally:
+            finished.set()
+
+    async with serving(wait_forever) as server, dialing() as dialer:
+        stream = dialer.open(server.endpoint)
+        stream.send(req())
+        await asyncio.wait_for(started.wait(), 5)
+        stream.abort()
+        await asyncio.wait_for(finished.wait(), 5)
+        with pytest.raises(StreamError, match="aborted"):
+            await stream.recv()
+
+
+async def test_a_lost_connection_fails_every_stream_and_the_next_one_redials() -> None:
+    async with serving() as server, dialing() as dialer:
+        streams = [dialer.open(server.endpoint) for _ in range(3)]
+        for s in streams:
+            s.send(req(b"a"))
+            assert (await s.recv()).fragment.end == 1
+        for conn in list(server.connections):
+            conn.close("test")
+        for s in streams:
+            with pytest.raises(StreamError, match="connection"):
+                await s.recv()
+        again = dialer.open(server.endpoint)
+        again.send(req(b"bb"))
+        assert (await again.recv()).fragment.end == 2
+
+
+async def test_nobody_listening_fails_the_stream() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    async with dialing() as dialer:
+        stream = dialer.open(f"127.0.0.1:{port}")
+        stream.send(req())  # accepted while dialing
+        with pytest.raises(StreamError, match="cannot connect"):
+            await stream.recv()
+
+
+async def raw_connection(server: ReplicationServer) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = server.endpoint.rsplit(":", 1)
+    return await asyncio.open_connection(host, int(port))
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # another protocol
+        HEADER.pack(len(b"nope"), 0, HELLO) + b"nope",  # a HELLO of something else
+        HEADER.pack(len(HELLO_PAYLOAD), 0, HELLO) + HELLO_PAYLOAD + HEADER.pack(transport.MAX_FRAME + 1, 1, REQUEST),
+        HEADER.pack(len(HELLO_PAYLOAD), 0, HELLO) + HELLO_PAYLOAD + HEADER.pack(3, 1, REQUEST) + b"\xff\xff\xff",
+        HEADER.pack(len(HELLO_PAYLOAD), 0, HELLO) + HELLO_PAYLOAD + HEADER.pack(0, 1, 99),  # unknown kind
+    ],
+    ids=["http", "wrong-hello", "over-limit", "unparsable", "unknown-kind"],
+)
+async def test_garbage_closes_that_connection_and_the_server_serves_on(junk: bytes) -> None:
+    async with serving() as server, dialing() as dialer:
+        reader, writer = await raw_connection(server)
+        writer.write(junk)
+        await writer.drain()
+        await asyncio.wait_for(reader.read(), 5)  # read to EOF: the server closed the connection
+        writer.close()
+        stream = dialer.open(server.endpoint)
+        stream.send(req(b"ok"))
+        assert (await stream.recv()).fragment.end == 2
+
+
+async def test_a_silent_peer_is_dropped_by_keepalive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A half-open connection (a frozen peer: accepts, never answers) fails the stream, not hangs it."""
+    monkeypatch.setattr(transport, "KEEPALIVE_INTERVAL", 0.05)
+    monkeypatch.setattr(transport, "KEEPALIVE_TIMEOUT", 0.3)
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def frozen(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)  # never reads, never writes
+
+    silent = await asyncio.start_server(frozen, "127.0.0.1", 0)
+    try:
+        port = silent.sockets[0].getsockname()[1]
+        async with dialing() as dialer:
+            stream = dialer.open(f"127.0.0.1:{port}")
+            stream.send(req())
+            with pytest.raises(StreamError, match="nothing heard"):
+                await asyncio.wait_for(stream.recv(), 10)
+    finally:
+        for w in accepted:
+            w.close()
+        silent.close()
+        await silent.wait_closed()
+
+
+async def test_a_peer_that_stops_reading_stops_its_primary_with_bounded_memory() -> None:
+    """Flow control end to end: a handler that does not consume makes the peer stop reading its
+    socket, the primary's buffer fills and drain() waits; once the handler reads, all goes through."""
+    go = asyncio.Event()
+    received = 0
+
+    async def slow(stream: PeerStream) -> None:
+        nonlocal received
+        await go.wait()
+        while (r := await stream.recv()) is not None:
+            received += len(r.content)
+
+    chunk = b"z" * (1024 * 1024)
+    async with serving(slow) as server, dialing() as dialer:
+        stream = dialer.open(server.endpoint)
+        sent = 0
+        blocked = False
+        while sent < 256 * len(chunk):
+            stream.send(req(chunk, ack=False))
+            sent += len(chunk)
+            try:
+                await asyncio.wait_for(stream.drain(), 0.5)
+            except TimeoutError:
+                blocked = True
+                break
+        assert blocked, "drain() never waited although nothing was consumed"
+        conn = next(iter(server.connections))
+        assert conn.inbound <= transport.INBOUND_HIGH + len(chunk) + 1024, "the peer buffered without bound"
+        go.set()
+        await asyncio.wait_for(stream.drain(), 30)
+        stream.close_send()
+        assert await asyncio.wait_for(stream.recv(), 30) is None
+        assert received == sent
