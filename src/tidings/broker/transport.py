@@ -219,6 +219,8 @@ class _Connection(asyncio.Protocol):
     # -- for the streams -------------------------------------------------------------------
 
     def write(self, sid: int, kind: int, payload: bytes = b"") -> None:
+        """Write one frame now (whole: no await between its parts). Coalescing the small frames of a
+        loop iteration into one system call was tried and measured no faster (bench/README.md)."""
         if self.closed is not None:
             raise StreamError(f"{self.name}: {self.closed}")
         if self.transport is None:
@@ -330,7 +332,7 @@ class _PrimaryConnection(_Connection):
         self._forget(self)
         streams, self.streams = self.streams, {}
         for stream in streams.values():
-            stream._ended(f"connection: {why}")
+            stream._ended(why)
 
 
 class MuxReplicaStream:
@@ -345,6 +347,7 @@ class MuxReplicaStream:
         self._waiter: asyncio.Future[None] | None = None
         self._error: str | None = None  # the stream failed (or we aborted it)
         self._eof = False  # the peer ended the stream cleanly
+        self._ready = asyncio.get_running_loop().create_future()  # the connection is up (or failed)
 
     @property
     def ended(self) -> bool:
@@ -353,6 +356,8 @@ class MuxReplicaStream:
 
     def _connected(self, conn: _PrimaryConnection | None, error: str | None) -> None:
         pending, self._pending = self._pending, None
+        if not self._ready.done():
+            self._ready.set_result(None)
         if self._error is not None:  # aborted before the connection was up
             return
         if conn is None or conn.closed is not None:
@@ -377,9 +382,16 @@ class MuxReplicaStream:
                 raise StreamError(f"peer {self.endpoint}: {exc}") from None
 
     def send(self, message: bytes) -> None:
+        if not isinstance(message, bytes):
+            raise TypeError(f"send() takes a serialized ReplicateRequest (bytes), not {type(message).__name__}")
         self._write(REQUEST, message)
 
     async def drain(self) -> None:
+        """While dialing, wait for the connection (what was sent meanwhile is then written); then
+        wait for its buffer to drain."""
+        await asyncio.shield(self._ready)
+        if self._error is not None:
+            raise StreamError(f"peer {self.endpoint}: {self._error}")
         if self._conn is not None:
             try:
                 await self._conn.drain()
@@ -392,6 +404,8 @@ class MuxReplicaStream:
                 raise StreamError(f"peer {self.endpoint}: {self._error}")
             if self._eof:
                 return None
+            if self._waiter is not None:
+                raise RuntimeError("recv() is already being awaited: one receive loop per stream")
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
@@ -558,7 +572,7 @@ class _PeerConnection(_Connection):
         if not why.startswith(("connection", "the broker is stopping")):
             log.warning("%s: %s; closed it", self.name, why)
         for stream in list(self.streams.values()):
-            stream._reset(f"connection: {why}")
+            stream._reset(why)
 
 
 class _MuxPeerStream:
@@ -596,6 +610,8 @@ class _MuxPeerStream:
                 raise StreamError(self._error)
             if self._eof:
                 return None
+            if self._waiter is not None:
+                raise RuntimeError("recv() is already being awaited: one handler per stream")
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
@@ -651,7 +667,7 @@ class ReplicationServer:
             lambda: _PeerConnection(self), host, port, reuse_address=True
         )
         bound = self._server.sockets[0].getsockname()[1]
-        self.endpoint = f"{host}:{bound}"
+        self.endpoint = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
         return self
 
     async def aclose(self) -> None:
