@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import random
+import signal
 
 import grpc
 
@@ -124,3 +125,47 @@ async def test_join_and_sigterm_leave_under_load_keep_replication(local_cluster:
         data = await c.read_all("faults/churn")
     for b, e, body in acked:
         assert data[b:e] == body
+
+
+async def test_a_frozen_peer_fails_the_pipeline_and_appends_go_on_without_it(local_cluster: LocalCluster) -> None:
+    """A peer stopped by SIGSTOP keeps its sockets open (the kernel answers for it) but never replies.
+    Its etcd lease expires, the allocator replaces it, the primary tears down the pipeline that waits
+    on it: the appends in flight get a status and later ones succeed. No append waits without end.
+    (A connection that goes silent while the peer's lease lives, a partition between brokers only,
+    is dropped by the transport's keep-alive: tests/test_transport.py.)"""
+    lc = local_cluster
+    await create_local_journal(lc, "faults/frozen")
+    route = await _route(lc.endpoints[0], "faults/frozen")
+    primary = next(b for b in lc.brokers if b.suffix == route.members[route.primary].suffix)
+    peer = next(b for b in lc.brokers if b.suffix in {m.suffix for m in route.members} and b is not primary)
+    acked: list[tuple[int, int, bytes]] = []
+    stop = asyncio.Event()
+
+    async def writer(i: int) -> None:
+        n = 0
+        async with AsyncClient(primary.endpoint, retries=30) as c:
+            while not stop.is_set():
+                body = f"<{i}:{n}>".encode()
+                n += 1
+                with contextlib.suppress(TidingsError):
+                    r = await asyncio.wait_for(c.append("faults/frozen", body), 60)  # a hang fails the test
+                    acked.append((r.begin, r.end, body))
+
+    writers = [asyncio.create_task(writer(i)) for i in range(3)]
+    assert peer.proc is not None
+    try:
+        await wait_until(lambda: len(acked) >= 20, 30)
+        peer.proc.send_signal(signal.SIGSTOP)
+        before = len(acked)
+        await wait_until(lambda: len(acked) >= before + 20, 60)
+        now = await _route(lc.endpoints[0], "faults/frozen")
+        assert peer.suffix not in {m.suffix for m in now.members}
+    finally:
+        peer.proc.send_signal(signal.SIGCONT)
+        stop.set()
+        for result in await asyncio.gather(*writers, return_exceptions=True):
+            assert not isinstance(result, BaseException), result
+    async with AsyncClient(primary.endpoint) as c:
+        data = await c.read_all("faults/frozen")
+    for begin, end, body in acked:
+        assert data[begin:end] == body
