@@ -241,3 +241,21 @@ def test_fast_uuid_string_forms_match_the_standard_library(n: int) -> None:
 def test_fast_uuid_parse_rejects_what_the_standard_library_rejects(bad: str) -> None:
     with pytest.raises(ValueError):
         uuid_from_str(bad)
+
+
+@given(
+    producer=st.binary(min_size=6, max_size=6),
+    first=st.integers(min_value=0, max_value=(1 << 64) - 40),
+    count=st.integers(min_value=0, max_value=40),
+    flags=st.integers(min_value=0, max_value=0x3FF),
+)
+def test_the_batch_strings_are_the_uuids_strings(producer: bytes, first: int, count: int, flags: int) -> None:
+    clocks = range(first, first + count)
+    assert muuid.uuid_strs(producer, clocks, flags) == [str(muuid.build_uuid(producer, c, flags)) for c in clocks]
+
+
+def test_the_batch_strings_refuse_what_build_uuid_refuses() -> None:
+    for producer, clocks, flags in [(b"12345", range(1, 3), 0), (b"123456", range(1, 3), 0x400),
+                                    (b"123456", range((1 << 64) - 1, (1 << 64) + 1), 0)]:
+        with pytest.raises(ValueError):
+            muuid.uuid_strs(producer, clocks, flags)

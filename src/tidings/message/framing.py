@@ -213,6 +213,12 @@ def uuid_setter(cls: type) -> Callable[[Any, UUID], None]:
     return _adaptor(cls)[1]
 
 
+def uuid_is_str_item(cls: type) -> bool:
+    """Whether messages of `cls` keep their UUID as a string under the "uuid" key (plain dicts, unless
+    an adaptor says otherwise): the publisher's batch path sets those from strings, with no UUID objects."""
+    return _adaptor(cls)[1] is _dict_set
+
+
 def get_uuid(msg: Any) -> UUID | None:
     """The UUID a message carries, or None if it has none yet or its type opts out of UUIDs."""
     return _adaptor(type(msg))[0](msg)

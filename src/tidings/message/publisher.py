@@ -53,8 +53,25 @@ import msgspec
 from google.protobuf.message import Message as _ProtoMessage
 
 from tidings.client import AppendResult, AppendService, AsyncClient
-from tidings.message.framing import CONTENT_TYPE_LABEL, NDJSON, Framing, framing_for, set_uuid, uuid_setter
-from tidings.message.uuid import ACK_TXN, CONTINUE_TXN, OUTSIDE_TXN, Clock, ProducerID, build_uuid, new_clock
+from tidings.message.framing import (
+    CONTENT_TYPE_LABEL,
+    NDJSON,
+    Framing,
+    framing_for,
+    set_uuid,
+    uuid_is_str_item,
+    uuid_setter,
+)
+from tidings.message.uuid import (
+    ACK_TXN,
+    CONTINUE_TXN,
+    OUTSIDE_TXN,
+    Clock,
+    ProducerID,
+    build_uuid,
+    new_clock,
+    uuid_strs,
+)
 from tidings.message.uuid import new_producer_id as _new_producer_id
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
@@ -311,17 +328,23 @@ class Publisher:
                 groups.setdefault(mapping(msg), []).append(msg)
         self.clock.update()
         producer = self.producer
-        ticks = iter(self.clock.reserve(len(messages)))
+        clocks = self.clock.reserve(len(messages))
+        at = 0
         futures = []
         for journal, msgs in groups.items():
             framing = await self.framing(journal)
-            last_type: type | None = None
-            setter = set_uuid
-            for msg, clock in zip(msgs, ticks, strict=False):  # (the setter is looked up once per type)
-                if type(msg) is not last_type:
-                    last_type = type(msg)
-                    setter = uuid_setter(last_type)
-                setter(msg, build_uuid(producer, clock, flags))
+            mine, at = clocks[at : at + len(msgs)], at + len(msgs)
+            if uuid_is_str_item(dict) and all(type(m) is dict for m in msgs):  # the batch path
+                for msg, u in zip(msgs, uuid_strs(producer, mine, flags), strict=True):
+                    msg["uuid"] = u
+            else:
+                last_type: type | None = None
+                setter = set_uuid
+                for msg, clock in zip(msgs, mine, strict=True):  # (the setter is looked up once per type)
+                    if type(msg) is not last_type:
+                        last_type = type(msg)
+                        setter = uuid_setter(last_type)
+                    setter(msg, build_uuid(producer, clock, flags))
             fut = await self.service.append(journal, framing.encode_batch(msgs))
             futures.append(fut)
             if flags == CONTINUE_TXN:
