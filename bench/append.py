@@ -5,8 +5,15 @@ Prints one JSON line per measurement (same fields as ../shared/peers/nats/bench_
 system, replicas, test, payload_bytes, median_us, p99_us, msgs_per_s, mb_per_s) and a table.
 MB = 10^6 payload bytes.
 
-  bench/append.py                       # everything, R=1 and R=3
+First, once, the floor (replicas 0): the same sequential and pipelined 1 KiB loops against a no-op
+gRPC server (bench/_floor.py: a child process, grpc.aio on uvloop with the broker's server options,
+whose Append only reads its stream and answers OK). `append_floor` and `append_floor_sync` also give
+CPU per append of the server process (`server_cpu_us`, /proc utime+stime) and of this client process
+(`client_cpu_us`, process_time), both on this machine's shared cores.
+
+  bench/append.py                       # everything: the floor, then R=1 and R=3
   bench/append.py --replicas 3 --seconds 3 --big-mib 256
+  bench/append.py --only-floor          # the floor alone, a few seconds, no cluster
 """
 
 from __future__ import annotations
@@ -21,11 +28,29 @@ import threading
 import time
 
 from _common import create_journal, emit, primary_endpoint, run
+from _floor import cpu_seconds, floor_server
 
 from tidings.client import AsyncClient
 from tidings.cluster import LocalCluster
 
 KiB, MiB, MB = 1024, 1024 * 1024, 1_000_000
+
+
+async def sequential_loop(c: AsyncClient, name: str, body: bytes, count: int) -> list[float]:
+    """Seconds per append of `count` appends made one at a time (after 200 not timed), sorted."""
+    for _ in range(200):
+        await c.append(name, body)
+    lat = []
+    for _ in range(count):
+        t = time.perf_counter()
+        await c.append(name, body)
+        lat.append(time.perf_counter() - t)
+    lat.sort()
+    return lat
+
+
+def latency_fields(lat: list[float]) -> dict:
+    return {"median_us": round(statistics.median(lat) * 1e6), "p99_us": round(lat[int(len(lat) * 0.99)] * 1e6)}
 
 
 async def sequential(lc, r: int, size: int, count: int) -> dict:
@@ -34,27 +59,42 @@ async def sequential(lc, r: int, size: int, count: int) -> dict:
         await create_journal(c0, lc, name, r)
         ep = await primary_endpoint(c0, name)
     body = os.urandom(size)
-    lat = []
     async with AsyncClient(ep) as c:
-        for _ in range(200):
-            await c.append(name, body)
-        for _ in range(count):
-            t = time.perf_counter()
-            await c.append(name, body)
-            lat.append(time.perf_counter() - t)
-    lat.sort()
+        lat = await sequential_loop(c, name, body, count)
     return emit(
         {
             "replicas": r,
             "test": "append_sync",
             "payload_bytes": size,
-            "median_us": round(statistics.median(lat) * 1e6),
-            "p99_us": round(lat[int(len(lat) * 0.99)] * 1e6),
+            **latency_fields(lat),
             "msgs_per_s": round(len(lat) / sum(lat)),
             "mb_per_s": round(size * len(lat) / sum(lat) / MB, 1),
             "count": count,
         }
     )
+
+
+async def pipelined_loop(
+    c: AsyncClient, name: str, body: bytes, seconds: float, window: int
+) -> tuple[int, float, list[float]]:
+    """`window` appends in flight for `seconds`: (appends done, seconds elapsed, sorted latencies)."""
+    done = 0
+    lat: list[float] = []
+    deadline = time.perf_counter() + seconds
+    t0 = time.perf_counter()
+
+    async def worker() -> None:
+        nonlocal done
+        while time.perf_counter() < deadline:
+            t = time.perf_counter()
+            await c.append(name, body)
+            lat.append(time.perf_counter() - t)
+            done += 1
+
+    await asyncio.gather(*(worker() for _ in range(window)))
+    elapsed = time.perf_counter() - t0
+    lat.sort()
+    return done, elapsed, lat
 
 
 async def pipelined(lc, r: int, size: int, seconds: float, window: int) -> dict:
@@ -63,35 +103,74 @@ async def pipelined(lc, r: int, size: int, seconds: float, window: int) -> dict:
         await create_journal(c0, lc, name, r)
         ep = await primary_endpoint(c0, name)
     body = os.urandom(size)
-    done = 0
-    lat: list[float] = []
     async with AsyncClient(ep) as c:
-        deadline = time.perf_counter() + seconds
-        t0 = time.perf_counter()
-
-        async def worker() -> None:
-            nonlocal done
-            while time.perf_counter() < deadline:
-                t = time.perf_counter()
-                await c.append(name, body)
-                lat.append(time.perf_counter() - t)
-                done += 1
-
-        await asyncio.gather(*(worker() for _ in range(window)))
-        elapsed = time.perf_counter() - t0
-    lat.sort()
+        done, elapsed, lat = await pipelined_loop(c, name, body, seconds, window)
     return emit(
         {
             "replicas": r,
             "test": "append_pipelined",
             "payload_bytes": size,
-            "median_us": round(statistics.median(lat) * 1e6),
-            "p99_us": round(lat[int(len(lat) * 0.99)] * 1e6),
+            **latency_fields(lat),
             "msgs_per_s": round(done / elapsed),
             "mb_per_s": round(done * size / elapsed / MB, 1),
             "window": window,
         }
     )
+
+
+async def floor(seconds: float, count: int) -> list[dict]:
+    """The same loops against a no-op Append server (bench/_floor.py): what grpc.aio alone allows.
+
+    CPU per append: `server_cpu_us` from /proc utime+stime of the server process (all its
+    threads), `client_cpu_us` from process_time of this process (all its threads); for the
+    pipelined loop over its timed part, for the sequential one over its 200 warm-up appends
+    too (and divided by count + 200). Both share this machine's cores. The pipelined loop starts
+    on a channel warmed by 200 appends (pipelined() starts on a new one).
+    """
+    name, size, window = "bench/floor", KiB, 64
+    body = os.urandom(size)
+    recs = []
+    with floor_server() as (ep, pid):
+        async with AsyncClient(ep) as c:
+            for _ in range(200):
+                await c.append(name, body)
+            s0, c0 = cpu_seconds(pid), time.process_time()
+            done, elapsed, lat = await pipelined_loop(c, name, body, seconds, window)
+            s1, c1 = cpu_seconds(pid), time.process_time()
+            recs.append(
+                emit(
+                    {
+                        "replicas": 0,
+                        "test": "append_floor",
+                        "payload_bytes": size,
+                        **latency_fields(lat),
+                        "msgs_per_s": round(done / elapsed),
+                        "mb_per_s": round(done * size / elapsed / MB, 1),
+                        "window": window,
+                        "server_cpu_us": round((s1 - s0) / done * 1e6, 1),
+                        "client_cpu_us": round((c1 - c0) / done * 1e6, 1),
+                    }
+                )
+            )
+            s0, c0 = cpu_seconds(pid), time.process_time()
+            lat = await sequential_loop(c, name, body, count)
+            s1, c1 = cpu_seconds(pid), time.process_time()
+            recs.append(
+                emit(
+                    {
+                        "replicas": 0,
+                        "test": "append_floor_sync",
+                        "payload_bytes": size,
+                        **latency_fields(lat),
+                        "msgs_per_s": round(len(lat) / sum(lat)),
+                        "mb_per_s": round(size * len(lat) / sum(lat) / MB, 1),
+                        "count": count,
+                        "server_cpu_us": round((s1 - s0) / (count + 200) * 1e6, 1),
+                        "client_cpu_us": round((c1 - c0) / (count + 200) * 1e6, 1),
+                    }
+                )
+            )
+    return recs
 
 
 def rss_kib(pid: int) -> int:
@@ -157,6 +236,11 @@ def table(recs: list[dict]) -> None:
 
 async def main_async(args) -> None:
     recs = []
+    if not args.no_floor:
+        recs.extend(await floor(args.seconds, args.count))
+    if args.only_floor:
+        table(recs)
+        return
     with tempfile.TemporaryDirectory(prefix="tidings-bench-") as tmp:
         lc = LocalCluster(brokers=3, zones=3, data_dir=tmp)
         lc.extra = ["--log-level", "warning"]
@@ -176,7 +260,12 @@ def main() -> None:
     p.add_argument("--count", type=int, default=2000, help="sequential appends timed")
     p.add_argument("--seconds", type=float, default=5.0, help="per pipelined measurement")
     p.add_argument("--big-mib", type=int, default=1024, help="size of the single large append")
-    run(main_async(p.parse_args()))
+    p.add_argument("--no-floor", action="store_true", help="skip the no-op server measurements")
+    p.add_argument("--only-floor", action="store_true", help="only the no-op server measurements (no cluster)")
+    args = p.parse_args()
+    if args.no_floor and args.only_floor:
+        p.error("--no-floor and --only-floor exclude each other; pass one of them")
+    run(main_async(args))
 
 
 if __name__ == "__main__":
