@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import time
 from pathlib import Path
 
+import uvloop
 from rich.console import Console
 
 from tidings.client import AsyncClient
@@ -20,7 +20,7 @@ def run_demo(data_dir: Path, out: Console) -> None:
     t0 = time.monotonic()
     with LocalCluster(brokers=3, zones=3, data_dir=data_dir) as lc:
         out.print(f"started etcd at {lc.etcd_endpoint} and 3 brokers: {', '.join(lc.endpoints)}")
-        asyncio.run(_exercise(lc, out))
+        uvloop.run(_exercise(lc, out))
     out.print(f"stopped every process; done in {time.monotonic() - t0:.1f}s")
 
 

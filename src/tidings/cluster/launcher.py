@@ -15,7 +15,6 @@ Brokers get SIGTERM if the launching thread dies, even by SIGKILL (`die_with_par
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import os
 import select
@@ -24,6 +23,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import uvloop
 
 from tidings.allocator.keys import members_prefix
 from tidings.cluster.etcd import ClusterError, EtcdProcess, die_with_parent, free_port, last_line
@@ -218,4 +219,4 @@ async def _clear_members(endpoint: str, root: str) -> int:
 def _run_async(coro):  # type: ignore[no-untyped-def]
     """Run a coroutine to completion from sync code, even when this thread already runs a loop."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
+        return pool.submit(uvloop.run, coro).result()
