@@ -389,15 +389,15 @@ class MuxReplicaStream:
 
     async def drain(self) -> None:
         """While dialing, wait for the connection (what was sent meanwhile is then written); then
-        wait for its buffer to drain."""
+        wait for its buffer to drain. StreamError if the connection failed; how the peer ended the
+        stream is recv()'s to tell."""
         await asyncio.shield(self._ready)
-        if self._error is not None:
+        if self._conn is None:  # never connected (or aborted first); a peer's END is for recv() to tell
             raise StreamError(f"peer {self.endpoint}: {self._error}")
-        if self._conn is not None:
-            try:
-                await self._conn.drain()
-            except StreamError as exc:
-                raise StreamError(f"peer {self.endpoint}: {exc}") from None
+        try:
+            await self._conn.drain()
+        except StreamError as exc:
+            raise StreamError(f"peer {self.endpoint}: {exc}") from None
 
     async def recv(self) -> pb.ReplicateResponse | None:
         while not self._responses:  # what arrived is handed out before how the stream ended
