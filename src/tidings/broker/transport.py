@@ -132,7 +132,10 @@ class FailedStream:
 
 
 def _split(endpoint: str) -> tuple[str, int]:
+    """HOST:PORT -> (host, port); ValueError naming what is wrong."""
     host, _, port = endpoint.rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"{port!r} is not a port number (want HOST:PORT)")
     return host.strip("[]"), int(port)
 
 
