@@ -10,6 +10,7 @@ import hashlib
 
 from tests.support.cluster import FAST_BROKER_FLAGS
 from tests.support.waiting import wait_until
+
 from tidings.broker.replica import spool_directory
 from tidings.client import AppendResult, AsyncClient
 from tidings.cluster import LocalCluster
