@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -39,10 +40,30 @@ def last_line(path: Path) -> str:
 
 
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (the kernel picks it; callers bind it soon after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port on 127.0.0.1 for a server that may restart on it; callers bind it soon after.
+
+    It is drawn below the kernel's ephemeral range, so no outgoing connection and no port-0 listener
+    (a broker's replication port, say) can take it while its owner is down between restarts.
+    """
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = random.randrange(10_000, low) if low > 11_000 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise ClusterError("no free TCP port on 127.0.0.1")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 where /proc does not say)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def die_with_parent(argv: list[str]) -> tuple[list[str], Callable[[], None] | None]:
