@@ -9,6 +9,7 @@ import pytest
 
 from tidings.fragment.fragment import EMPTY_SUM, Fragment
 from tidings.fragment.spool import HEAD, Spool, SpoolFile, Transition, apply_registers, recover
+from tidings.fragment.store import store_for
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import ValidationError
@@ -279,3 +280,37 @@ def test_a_live_spool_keeps_its_bytes_whatever_recover_does_elsewhere(tmp_path: 
     sp.apply(pb.ReplicateRequest(content=b"fgh", content_delta=5))
     assert sp.apply_proposal(sp.next_fragment(), pb.LabelSet()).status == pb.OK
     assert sp.file is not None and sp.file.pread(18, 0) == b"0123456789abcdefgh"
+
+
+# -- a journal assigned back to this broker while its previous replica's upload waits ------------
+
+
+def _peer_commit(spool: Spool, content: bytes) -> None:
+    """A peer's view of one append: its content, then the primary's commit proposal."""
+    spool.apply(pb.ReplicateRequest(content=content, content_delta=0))
+    proposal = spool.next_fragment()
+    resp = spool.apply(pb.ReplicateRequest(proposal=proposal.to_proto(), registers=pb.LabelSet(), acknowledge=True))
+    assert resp.status == pb.OK
+
+
+def test_recovering_a_reassigned_journal_leaves_the_earlier_replicas_pending_persist_intact(tmp_path) -> None:
+    """A peer's replica closes (the journal moved away) with its HEAD one acknowledgement behind its
+    completed fragment, which goes to the persister with the replica delay. The journal comes back to
+    this broker before that upload: the new replica's `recover()` cuts that very file (same inode) to
+    the HEAD's offset, so the pending upload of [0, 10) can never match its fragment again."""
+    directory = tmp_path / "spools" / "j"
+    spool = Spool("j", directory)
+    _peer_commit(spool, b"acked")  # [0, 5)
+    spool.acknowledge(5)  # told by the primary's next proposal
+    _peer_commit(spool, b"later")  # [5, 10): the primary acknowledged it; this peer never heard so
+    held = spool.file
+    assert held is not None
+    spool.close()  # the replica closes: the completed fragment is submitted with the replica delay
+    fragment = Fragment(journal="j", begin=0, end=10, sum=hashlib.sha1(b"ackedlater").digest(), codec=pb.NONE)
+
+    recover("j", directory)  # the journal is assigned here again: a new replica recovers the same dir
+
+    store = store_for(f"file://{tmp_path / 'store'}/")
+    with held.reader() as raw:
+        store.persist(fragment, raw)  # what the persister does when the delay ends
+    assert store.exists(fragment)

@@ -6,7 +6,6 @@ Brokers run as child processes (LocalCluster) over the session etcd, so `kill -9
 from __future__ import annotations
 
 import asyncio
-import hashlib
 
 from tests.support.cluster import FAST_BROKER_FLAGS
 from tests.support.waiting import wait_until
@@ -14,9 +13,7 @@ from tests.support.waiting import wait_until
 from tidings.broker.replica import spool_directory
 from tidings.client import AppendResult, AsyncClient
 from tidings.cluster import LocalCluster
-from tidings.fragment.fragment import Fragment
-from tidings.fragment.spool import HEAD, Spool, _read_head, recover
-from tidings.fragment.store import store_for
+from tidings.fragment.spool import HEAD, _read_head
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import spec_from_dict
 from tidings.protocol.status import TidingsError
@@ -98,34 +95,3 @@ async def test_an_acknowledged_append_survives_when_its_primary_is_not_back_firs
         for bp in lc.brokers:
             bp.kill()
         lc.stop()
-
-
-def _commit(spool: Spool, content: bytes) -> None:
-    """A peer's view of one append: its content, then the primary's commit proposal."""
-    spool.apply(pb.ReplicateRequest(content=content, content_delta=0))
-    proposal = spool.next_fragment()
-    resp = spool.apply(pb.ReplicateRequest(proposal=proposal.to_proto(), registers=pb.LabelSet(), acknowledge=True))
-    assert resp.status == pb.OK
-
-
-def test_recovering_a_reassigned_journal_leaves_the_earlier_replicas_pending_persist_intact(tmp_path) -> None:
-    """A peer's replica closes (the journal moved away) with its HEAD one acknowledgement behind its
-    completed fragment, which goes to the persister with the replica delay. The journal comes back to
-    this broker before that upload: the new replica's `recover()` cuts that very file (same inode) to
-    the HEAD's offset, so the pending upload of [0, 10) can never match its fragment again."""
-    directory = tmp_path / "spools" / "j"
-    spool = Spool("j", directory)
-    _commit(spool, b"acked")  # [0, 5)
-    spool.acknowledge(5)  # told by the primary's next proposal
-    _commit(spool, b"later")  # [5, 10): the primary acknowledged it; this peer never heard so
-    held = spool.file
-    assert held is not None
-    spool.close()  # the replica closes: the completed fragment is submitted with the replica delay
-    fragment = Fragment(journal="j", begin=0, end=10, sum=hashlib.sha1(b"ackedlater").digest(), codec=pb.NONE)
-
-    recover("j", directory)  # the journal is assigned here again: a new replica recovers the same dir
-
-    store = store_for(f"file://{tmp_path / 'store'}/")
-    with held.reader() as raw:
-        store.persist(fragment, raw)  # what the persister does when the delay ends
-    assert store.exists(fragment)

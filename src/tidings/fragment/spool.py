@@ -476,6 +476,8 @@ def recover(journal: str, directory: Path, journal_revision: int = 0) -> Recover
             with contextlib.suppress(OSError):
                 os.unlink(path)
             continue
+        if frag.content_length < path.stat().st_size:
+            path = _copy_prefix(path, frag)
         file = SpoolFile(path)
         file.complete(frag)
         out.fragments.append((frag, file))
@@ -483,6 +485,25 @@ def recover(journal: str, directory: Path, journal_revision: int = 0) -> Recover
         out.acked_end, out.registers, out.codec = acked, head.registers, head.compression_codec or pb.NONE
     out.fragments.sort(key=lambda e: (e[0].begin, e[0].end))
     return out
+
+
+def _copy_prefix(path: Path, frag: Fragment) -> Path:
+    """Copy the first bytes of `path` (`frag`'s content) to a file of their own, and unlink `path`.
+
+    Never cut the file in place: an earlier replica of the journal on this broker may still hold it
+    open for a delayed upload of its whole content, which must go on matching its fragment.
+    """
+    target = path.with_name(f"recover-{frag.begin:016x}.tmp")
+    with open(path, "rb") as src, open(target, "wb") as dst:
+        left = frag.content_length
+        while left:
+            chunk = src.read(min(left, 1 << 20))
+            if not chunk:
+                raise OSError(f"{path} shrank while it was recovered")
+            dst.write(chunk)
+            left -= len(chunk)
+    os.unlink(path)
+    return target
 
 
 def _acknowledged_part(
