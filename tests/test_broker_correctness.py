@@ -534,3 +534,35 @@ async def test_nobody_takes_the_spool_before_the_replica_recovered_it(tmp_path) 
     await replica.aclose()
     closed_early = Replica("it/fresh", pb.JournalSpec(name="it/fresh"), tmp_path, persister)
     await asyncio.wait_for(closed_early.aclose(), 10)  # closed before it ever started: no hang
+
+
+# -- review 2: a peer's HEAD may lag the primary's only briefly -----------------------------------
+
+
+async def test_peers_learn_the_acknowledged_end_without_a_following_append(etcd, etcd_root, tmp_path) -> None:
+    """A peer recovers on its own no further than its HEAD. Peers learn the acknowledged end from the
+    next request, so after the last append of a burst (no append, no pulse following) the primary
+    tells them in a note of its own within milliseconds (ACK_NOTE_DELAY), not at the next pulse."""
+    from tests.support.cluster import TestCluster
+    from tidings.broker.replica import spool_directory
+    from tidings.fragment.spool import HEAD, _read_head
+
+    tc = TestCluster(etcd.endpoint, etcd_root, tmp_path, pulse_interval=600.0)  # no pulse to carry it
+    try:
+        for zone in ("zone-a", "zone-b", "zone-c"):
+            await tc.add_broker(zone)
+        j = "it/ack-note"
+        await tc.create_journal(j, 3)
+        async with tc.client(0) as c:
+            await c.append(j, b"first ")
+            last = await c.append(j, b"and the last of the burst")
+        for peer in peers_of(tc, j):
+            head = spool_directory(peer.config.data_dir, j) / HEAD
+
+            def recorded(head=head) -> bool:
+                h = _read_head(head, j)
+                return h is not None and h.acknowledged_end == last.end
+
+            await wait_until(recorded, 5)
+    finally:
+        await tc.stop()

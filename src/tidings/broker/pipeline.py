@@ -36,6 +36,10 @@ from tidings.protocol import protocol_pb2 as pb
 log = logging.getLogger(__name__)
 
 TEARDOWN_TIMEOUT = 10.0  # seconds a shutdown waits for peers to answer and end their streams
+# Seconds after an acknowledgement with no request following to carry it, after which the peers are
+# told the acknowledged end in a note of its own: their HEADs then lag the primary's by milliseconds,
+# not until the next append or pulse (a peer that recovers alone recovers no further than its HEAD).
+ACK_NOTE_DELAY = 0.005
 
 
 class PipelineError(Exception):
@@ -75,6 +79,7 @@ class Pipeline:
         # (answers' future, every answer must be OK, the end its proposal commits or -1)
         self._expected: collections.deque[tuple[asyncio.Future[Acknowledgements], bool, int]] = collections.deque()
         self._told_acked = 0  # the acknowledged offset last sent to the peers
+        self._note: asyncio.TimerHandle | None = None  # a pending note of the acknowledged end
         self._wake = asyncio.Event()
         self._closing = False
         self._receiver = asyncio.get_running_loop().create_task(
@@ -197,8 +202,17 @@ class Pipeline:
                 self.broken = error
             if error is None and proposed_end >= 0 and all(r is not None and r.status == pb.OK for r in responses):
                 self.spool.acknowledge(proposed_end)  # every replica holds it: recorded before anyone hears OK
+                if self._note is None:
+                    self._note = asyncio.get_running_loop().call_later(ACK_NOTE_DELAY, self._send_note)
             if not fut.done():
                 fut.set_result(Acknowledgements(responses, error))
+
+    def _send_note(self) -> None:
+        """Tell the peers the acknowledged end, unless a request already did (see ACK_NOTE_DELAY)."""
+        self._note = None
+        if not self._closing and self.spool.acked_end > self._told_acked:
+            self._told_acked = self.spool.acked_end
+            self._send_all(pb.ReplicateRequest(acknowledged_end=self._told_acked))
 
     def _receiver_done(self, task: asyncio.Task[None]) -> None:
         """A receive loop that died of a bug fails every waiting append rather than leaving it hanging."""
@@ -237,6 +251,9 @@ class Pipeline:
 
     def _finish(self) -> None:
         """Abort the streams and fail what still waits (idempotent)."""
+        if self._note is not None:
+            self._note.cancel()
+            self._note = None
         self._receiver.cancel()
         for stream in self.streams:
             stream.abort()
