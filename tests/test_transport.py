@@ -243,3 +243,78 @@ async def test_a_peer_that_stops_reading_stops_its_primary_with_bounded_memory()
         stream.close_send()
         assert await asyncio.wait_for(stream.recv(), 30) is None
         assert received == sent
+
+
+# -- review 3: stream lifetimes at the edges ---------------------------------------------------
+
+
+async def connected(server: ReplicationServer, dialer: Dialer) -> transport._PeerConnection:
+    """Bring the one connection up (a stream answered and ended) and return the server's end of it."""
+    warm = dialer.open(server.endpoint)
+    warm.send(req(b"w"))
+    assert (await warm.recv()).fragment.end == 1
+    warm.close_send()
+    assert await warm.recv() is None
+    (conn,) = server.connections
+    await wait_until(lambda: not conn.streams and conn.inbound == 0, 5)
+    return conn
+
+
+async def test_a_reset_read_with_the_first_request_leaves_nothing_behind() -> None:
+    """RESET in the same read as the stream's first REQUEST cancels the handler task before its
+    first step: `_serve`'s finally never runs, so the stream stays in `conn.streams` and its
+    request's bytes stay counted in `conn.inbound` for the connection's life."""
+    async with serving() as server, dialing() as dialer:
+        conn = await connected(server, dialer)
+        for _ in range(3):
+            stream = dialer.open(server.endpoint)
+            stream.send(req(b"z" * 1000))
+            stream.abort()  # both frames are in the peer's socket before its loop reads either
+        probe = dialer.open(server.endpoint)  # its frames follow the RESETs: once answered, they were read
+        probe.send(req(b"p"))
+        assert (await probe.recv()).fragment.end == 1
+        probe.close_send()
+        assert await probe.recv() is None
+        await wait_until(lambda: conn.inbound == 0 and not conn.streams, 5)
+
+
+async def test_reset_first_requests_stall_every_later_stream_of_the_connection() -> None:
+    """The leaked count is never given back: once it passes INBOUND_HIGH the connection stops
+    reading for good and every other stream to that peer hangs (until keep-alive drops it all)."""
+    async with serving() as server, dialing() as dialer:
+        conn = await connected(server, dialer)
+        big = dialer.open(server.endpoint)
+        big.send(req(b"b" * (transport.INBOUND_HIGH + 1024)))
+        big.abort()
+        await wait_until(lambda: conn._max_sid == big._sid, 10)  # the peer has read the big request
+        other = dialer.open(server.endpoint)
+        other.send(req(b"o"))
+        await other.drain()
+        resp = await asyncio.wait_for(other.recv(), 5)  # TimeoutError: the connection is paused for good
+        assert resp is not None and resp.fragment.end == 1
+
+
+async def test_a_stream_that_speaks_after_a_later_opened_one_is_still_served() -> None:
+    """Dialer.open says a stream is usable at once, but its id is fixed at open: a stream whose first
+    REQUEST goes out after a later-opened stream's is taken by the peer for one already ended and
+    dropped silently; no END, no RESET, the connection stays healthy, and recv() never returns."""
+    async with serving() as server, dialing() as dialer:
+        await connected(server, dialer)
+        first, second = dialer.open(server.endpoint), dialer.open(server.endpoint)
+        second.send(req(b"22"))
+        assert (await second.recv()).fragment.end == 2
+        first.send(req(b"1"))
+        resp = await asyncio.wait_for(first.recv(), 5)  # TimeoutError: the frame was dropped
+        assert resp is not None and resp.fragment.end == 1
+
+
+async def test_close_send_on_a_stream_that_sent_nothing_ends_it() -> None:
+    """close_send() promises the peer ends its side; a stream that never sent a REQUEST is unknown
+    to the peer, so no END ever comes (a pipeline whose first scatter failed before sending waits
+    out TEARDOWN_TIMEOUT here)."""
+    async with serving() as server, dialing() as dialer:
+        await connected(server, dialer)
+        stream = dialer.open(server.endpoint)
+        stream.close_send()
+        await stream.drain()
+        assert await asyncio.wait_for(stream.recv(), 5) is None

@@ -94,7 +94,9 @@ class BrokerConfig:
     journal_limit: int = 1024
     stall_timeout: float = 10.0  # a client silent this long is cut off
     min_append_rate: int = 16 * 1024  # bytes/s a client must average after stall_timeout
-    pulse_interval: float = 2.0
+    # Seconds between a primary's zero-byte health-check appends of each journal (Gazette's healthCheckInterval:
+    # a minute). Route changes pulse at once; dead connections are found by the transport's keep-alive.
+    pulse_interval: float = 60.0
     lease_ttl: int = 5
     metrics_listen: str | None = None  # "127.0.0.1:PORT" serves /metrics
     exit_timeout: float = 60.0

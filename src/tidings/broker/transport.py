@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import socket
 import struct
@@ -368,9 +369,11 @@ class MuxReplicaStream:
             self._ended(f"cannot connect: {error or (conn and conn.closed)}")
             return
         self._conn = conn
-        self._sid = conn.attach(self)
-        for kind, payload in pending or ():
-            conn.write(self._sid, kind, payload)
+        try:
+            for kind, payload in pending or ():
+                self._emit(kind, payload)
+        except StreamError as exc:
+            self._ended(str(exc))
 
     def _write(self, kind: int, payload: bytes) -> None:
         if self._error is not None:
@@ -379,11 +382,23 @@ class MuxReplicaStream:
             raise StreamError(f"peer {self.endpoint}: it ended the stream")
         if self._pending is not None:
             self._pending.append((kind, payload))
-        elif self._conn is not None:
-            try:
-                self._conn.write(self._sid, kind, payload)
-            except StreamError as exc:
-                raise StreamError(f"peer {self.endpoint}: {exc}") from None
+        else:
+            self._emit(kind, payload)
+
+    def _emit(self, kind: int, payload: bytes) -> None:
+        """Write a frame on the connection. The stream takes its number with its first REQUEST (the
+        peer opens streams by rising numbers); one that ends having sent none ends here, unheard."""
+        assert self._conn is not None
+        if not self._sid:
+            if kind != REQUEST:
+                if kind == CLOSE_SEND:
+                    self._ended(None)
+                return
+            self._sid = self._conn.attach(self)
+        try:
+            self._conn.write(self._sid, kind, payload)
+        except StreamError as exc:
+            raise StreamError(f"peer {self.endpoint}: {exc}") from None
 
     def send(self, message: bytes) -> None:
         if not isinstance(message, bytes):
@@ -408,6 +423,8 @@ class MuxReplicaStream:
                 raise StreamError(f"peer {self.endpoint}: {self._error}")
             if self._eof:
                 return None
+            if self._pending is None and not self._sid:
+                raise StreamError(f"peer {self.endpoint}: nothing was sent on this stream to answer")
             if self._waiter is not None:
                 raise RuntimeError("recv() is already being awaited: one receive loop per stream")
             self._waiter = asyncio.get_running_loop().create_future()
@@ -422,7 +439,7 @@ class MuxReplicaStream:
             self._write(CLOSE_SEND, b"")
 
     def abort(self) -> None:
-        if self._error is None and not self._eof and self._conn is not None:
+        if self._error is None and not self._eof and self._conn is not None and self._sid:
             with contextlib.suppress(StreamError):
                 self._conn.write(self._sid, RESET)
         self._ended("aborted")
@@ -437,7 +454,7 @@ class MuxReplicaStream:
             self._eof = True
         elif self._error is None:
             self._error = error
-        if self._conn is not None:
+        if self._conn is not None and self._sid:
             self._conn.detach(self._sid)
         self._wake()
 
@@ -531,7 +548,8 @@ class _PeerConnection(_Connection):
                     return  # a stream we already ended
                 self._max_sid = sid
                 stream = self.streams[sid] = _MuxPeerStream(self, sid)
-                stream.task = self._loop.create_task(self._serve(stream), name=f"replicate:{sid}")
+                stream.task = self._loop.create_task(self._server.handler(stream), name=f"replicate:{sid}")
+                stream.task.add_done_callback(functools.partial(self._served, stream))
             stream._deliver(pb.ReplicateRequest.FromString(payload), size)
         elif kind == CLOSE_SEND:
             if (stream := self.streams.get(sid)) is not None:
@@ -544,20 +562,18 @@ class _PeerConnection(_Connection):
         else:
             self.close(f"the primary sent a frame of unknown kind {kind}")
 
-    async def _serve(self, stream: _MuxPeerStream) -> None:
-        try:
-            await self._server.handler(stream)
-        except StreamError as exc:
+    def _served(self, stream: _MuxPeerStream, task: asyncio.Task[None]) -> None:
+        """A stream's handler ended: END it and forget it. A done-callback, not a `finally`: a handler
+        cancelled before its first step (a RESET read with its first REQUEST) runs no code of its own."""
+        exc = None if task.cancelled() else task.exception()
+        if isinstance(exc, StreamError):
             log.debug("%s: stream %d: %s", self.name, stream.sid, exc)
-        except asyncio.CancelledError:
-            pass
-        except Exception:
-            log.exception("%s: stream %d failed", self.name, stream.sid)
+        elif exc is not None:
+            log.error("%s: stream %d failed", self.name, stream.sid, exc_info=exc)
             stream.end(_end_payload(grpc.StatusCode.INTERNAL, "the peer failed serving the stream"))
-        finally:
-            stream.end(b"")
-            self.consumed(stream.take_inbound())
-            self.streams.pop(stream.sid, None)
+        stream.end(b"")
+        self.consumed(stream.take_inbound())
+        self.streams.pop(stream.sid, None)
 
     def consumed(self, size: int) -> None:
         self.inbound -= size

@@ -88,7 +88,13 @@ def broker(
     metrics: Annotated[str, typer.Option(envvar="TIDINGS_METRICS", help="HOST:PORT for /metrics; '' off.")] = "",
     stall_timeout: Annotated[float, typer.Option(envvar="TIDINGS_STALL_TIMEOUT")] = 10.0,
     min_append_rate: Annotated[int, typer.Option(envvar="TIDINGS_MIN_APPEND_RATE")] = 16 * 1024,
-    pulse_interval: Annotated[float, typer.Option(envvar="TIDINGS_PULSE_INTERVAL")] = 2.0,
+    pulse_interval: Annotated[
+        float,
+        typer.Option(
+            envvar="TIDINGS_PULSE_INTERVAL",
+            help="Seconds between health-check appends of each journal (route changes check at once).",
+        ),
+    ] = 60.0,
     lease_ttl: Annotated[
         int, typer.Option(envvar="TIDINGS_LEASE_TTL", help="Seconds etcd keeps this broker's member key without it.")
     ] = 5,
