@@ -318,3 +318,20 @@ async def test_close_send_on_a_stream_that_sent_nothing_ends_it() -> None:
         stream.close_send()
         await stream.drain()
         assert await asyncio.wait_for(stream.recv(), 5) is None
+
+
+async def test_a_primary_that_means_another_broker_is_refused() -> None:
+    """A stale endpoint (the peer restarted elsewhere, another broker took its port) must not carry a
+    stream to the wrong broker: HELLO names the broker meant, and any other refuses the connection."""
+    server = await ReplicationServer(echo, "zone-a/b1").start("127.0.0.1:0")
+    try:
+        async with dialing() as dialer:
+            wrong = dialer.open(server.endpoint, "zone-a/b2")
+            wrong.send(req(b"x"))
+            with pytest.raises(StreamError, match="meant for broker zone-a/b2"):
+                await asyncio.wait_for(wrong.recv(), 5)
+            right = dialer.open(server.endpoint, "zone-a/b1")
+            right.send(req(b"xy"))
+            assert (await right.recv()).fragment.end == 2
+    finally:
+        await server.aclose()

@@ -149,7 +149,7 @@ class Broker:
             undo.push_async_callback(self.server.stop, 0)
             self.dialer = Dialer()
             undo.push_async_callback(self.dialer.aclose)
-            self.replication = ReplicationServer(self._serve_replicate)
+            self.replication = ReplicationServer(self._serve_replicate, f"{cfg.zone}/{cfg.suffix}")
             listen = cfg.replication_listen or f"{host}:0"
             try:
                 await self.replication.start(listen)
@@ -360,7 +360,7 @@ class Broker:
                 why = "the peer announces no replication endpoint"
                 streams.append(FailedStream(f"{member.zone}/{member.suffix}", why))
             else:
-                streams.append(self.dialer.open(endpoint))
+                streams.append(self.dialer.open(endpoint, f"{member.zone}/{member.suffix}"))
         return streams
 
     async def _serve_replicate(self, stream: PeerStream) -> None:

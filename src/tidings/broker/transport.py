@@ -196,11 +196,12 @@ class _Connection(asyncio.Protocol):
                 payload = view[pos + HEADER.size : end]
                 try:
                     if not self._hello:
-                        if payload != HELLO_PAYLOAD:
-                            self.close(f"its HELLO {bytes(payload)!r} is not {HELLO_PAYLOAD!r}")
+                        hello = bytes(payload)
+                        if hello != HELLO_PAYLOAD and not hello.startswith(HELLO_PAYLOAD + b" "):
+                            self.close(f"its HELLO {hello!r} is not {HELLO_PAYLOAD!r}")
                             return
                         self._hello = True
-                        self.hello()
+                        self.hello(hello[len(HELLO_PAYLOAD) + 1 :].decode(errors="replace"))
                     else:
                         self.frame(sid, kind, payload, length)
                 except DecodeError as exc:
@@ -243,7 +244,13 @@ class _Connection(asyncio.Protocol):
         if self.closed is not None:
             raise StreamError(f"{self.name}: {self.closed}")
 
-    def close(self, why: str) -> None:
+    def refuse(self, why: str) -> None:
+        """Tell the other side why (an END on stream 0), then close once that is sent."""
+        if self.closed is None and self.transport is not None:
+            self.write(0, END, _end_payload(grpc.StatusCode.FAILED_PRECONDITION, why))
+        self.close(why, flush=True)
+
+    def close(self, why: str, flush: bool = False) -> None:
         """Close the connection and fail its streams (idempotent)."""
         if self.closed is not None:
             return
@@ -252,7 +259,7 @@ class _Connection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
         if self.transport is not None:
-            self.transport.abort()
+            self.transport.close() if flush else self.transport.abort()
         self._wake_drainers()
         self.lost(why)
 
@@ -274,8 +281,8 @@ class _Connection(asyncio.Protocol):
 
     # -- per side --------------------------------------------------------------------------
 
-    def hello(self) -> None:
-        """The other side's HELLO arrived."""
+    def hello(self, target: str) -> None:
+        """The other side's HELLO arrived (naming the broker it means to reach, if it says)."""
 
     def frame(self, sid: int, kind: int, payload: memoryview, size: int) -> None:
         raise NotImplementedError
@@ -293,9 +300,10 @@ class _Connection(asyncio.Protocol):
 class _PrimaryConnection(_Connection):
     """A connection to a peer's replication port, opened by our `Dialer`."""
 
-    def __init__(self, endpoint: str, forget: Callable[[_PrimaryConnection], None]) -> None:
-        super().__init__(f"replication to {endpoint}")
+    def __init__(self, endpoint: str, member: str, forget: Callable[[_PrimaryConnection], None]) -> None:
+        super().__init__(f"replication to {member or '?'} at {endpoint}")
         self.endpoint = endpoint
+        self.member = member
         self.streams: dict[int, MuxReplicaStream] = {}
         self._next_sid = 1
         self._forget = forget
@@ -303,7 +311,7 @@ class _PrimaryConnection(_Connection):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self.write(0, HELLO, HELLO_PAYLOAD)
+        self.write(0, HELLO, HELLO_PAYLOAD + b" " + self.member.encode() if self.member else HELLO_PAYLOAD)
 
     def attach(self, stream: MuxReplicaStream) -> int:
         sid = self._next_sid
@@ -320,6 +328,8 @@ class _PrimaryConnection(_Connection):
             stream = self.streams.get(sid)
             if stream is not None:
                 stream._deliver(pb.ReplicateResponse.FromString(payload))
+        elif kind == END and sid == 0:
+            self.close(f"the peer refused the connection: {_end_error(bytes(payload))}")
         elif kind == END:
             stream = self.streams.get(sid)
             if stream is not None:
@@ -464,23 +474,25 @@ class MuxReplicaStream:
 
 
 class Dialer:
-    """The primary's connections to its peers: one per peer endpoint, dialed on first use."""
+    """The primary's connections to its peers: one per peer, dialed on first use."""
 
     def __init__(self) -> None:
-        self._conns: dict[str, _PrimaryConnection] = {}
-        self._dialing: dict[str, asyncio.Task[_PrimaryConnection]] = {}
+        self._conns: dict[tuple[str, str], _PrimaryConnection] = {}
+        self._dialing: dict[tuple[str, str], asyncio.Task[_PrimaryConnection]] = {}
 
-    def open(self, endpoint: str) -> MuxReplicaStream:
-        """A new stream to `endpoint`; usable at once (frames wait for the connection)."""
+    def open(self, endpoint: str, member: str = "") -> MuxReplicaStream:
+        """A new stream to `endpoint`; usable at once (frames wait for the connection). `member`
+        ("zone/suffix") is the broker meant: one that is not (a stale endpoint) refuses the connection."""
         stream = MuxReplicaStream(endpoint)
-        conn = self._conns.get(endpoint)
+        key = (endpoint, member)
+        conn = self._conns.get(key)
         if conn is not None and conn.closed is None:
             stream._connected(conn, None)
             return stream
-        task = self._dialing.get(endpoint)
+        task = self._dialing.get(key)
         if task is None:
-            task = self._dialing[endpoint] = asyncio.ensure_future(self._dial(endpoint))
-            task.add_done_callback(lambda _: self._dialing.pop(endpoint, None))
+            task = self._dialing[key] = asyncio.ensure_future(self._dial(endpoint, member))
+            task.add_done_callback(lambda _: self._dialing.pop(key, None))
 
         def connected(t: asyncio.Task[_PrimaryConnection]) -> None:
             if t.cancelled():
@@ -493,21 +505,21 @@ class Dialer:
         task.add_done_callback(connected)
         return stream
 
-    async def _dial(self, endpoint: str) -> _PrimaryConnection:
+    async def _dial(self, endpoint: str, member: str) -> _PrimaryConnection:
         try:
             host, port = _split(endpoint)
             async with asyncio.timeout(CONNECT_TIMEOUT):
                 _transport, conn = await asyncio.get_running_loop().create_connection(
-                    lambda: _PrimaryConnection(endpoint, self._forget), host, port
+                    lambda: _PrimaryConnection(endpoint, member, self._forget), host, port
                 )
         except (OSError, ValueError, TimeoutError) as exc:
             raise StreamError(f"{endpoint}: {exc or type(exc).__name__}") from None
-        self._conns[endpoint] = conn
+        self._conns[(endpoint, member)] = conn
         return conn
 
     def _forget(self, conn: _PrimaryConnection) -> None:
-        if self._conns.get(conn.endpoint) is conn:
-            del self._conns[conn.endpoint]
+        if self._conns.get((conn.endpoint, conn.member)) is conn:
+            del self._conns[(conn.endpoint, conn.member)]
 
     async def aclose(self) -> None:
         for task in list(self._dialing.values()):
@@ -537,7 +549,12 @@ class _PeerConnection(_Connection):
         self.name = f"replication from {transport.get_extra_info('peername')}"
         self._server.connections.add(self)
 
-    def hello(self) -> None:
+    def hello(self, target: str) -> None:
+        identity = self._server.identity
+        if target and identity and target != identity:
+            self.write(0, HELLO, HELLO_PAYLOAD)  # a tidings peer, which refuses
+            self.refuse(f"it was meant for broker {target}, but this is {identity} (a stale endpoint?)")
+            return
         self.write(0, HELLO, HELLO_PAYLOAD)
 
     def frame(self, sid: int, kind: int, payload: memoryview, size: int) -> None:
@@ -675,8 +692,9 @@ class _MuxPeerStream:
 class ReplicationServer:
     """A broker's replication port: accepts primaries' connections and serves their streams."""
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, identity: str = "") -> None:
         self.handler = handler
+        self.identity = identity  # "zone/suffix": a primary that means another broker is refused
         self.connections: set[_PeerConnection] = set()
         self.endpoint = ""
         self._server: asyncio.Server | None = None
