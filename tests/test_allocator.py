@@ -146,7 +146,10 @@ class Cluster:
         return node
 
     async def put_item(self, name: str, replication: int) -> int:
-        return await self.etcd.put(item_key(self.root, name), journal_spec(name, replication).SerializeToString())
+        """Write a journal's spec; return once our KeySpace has seen it (plans read the KeySpace)."""
+        revision = await self.etcd.put(item_key(self.root, name), journal_spec(name, replication).SerializeToString())
+        await self.ks.wait_for_revision(revision, timeout=5)
+        return revision
 
     def state(self) -> State:
         return State.from_keyspace(self.ks)
@@ -372,7 +375,8 @@ async def test_removal_of_a_deleted_journal_fails_once_it_is_recreated(cluster: 
     leader = cluster.idle_allocator(ZA)
     journal = "journals/reborn"
     await cluster.put_item(journal, 2)
-    await cluster.converge_by_hand(leader)
+    state = await cluster.converge_by_hand(leader)
+    assert len(state.assignments[journal]) == 2
 
     await cluster.ks.wait_for_revision(await cluster.etcd.delete(item_key(cluster.root, journal)), timeout=5)
     stale = cluster.state()
