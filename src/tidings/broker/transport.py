@@ -33,8 +33,10 @@ bytes. This stalls every stream of that connection, which is what a slow peer me
 still waiting for its spool holds only its sync proposals, because a primary sends no content
 before every peer answered its sync proposal (`append_fsm.py`).
 
-TLS and a capability check belong in HELLO (the later authorization issue): the client sends
-its HELLO first and the server answers one, so either side can refuse there.
+**HELLO.** The primary's HELLO names the broker it means to reach ("zone/suffix"); another broker
+(a stale endpoint: the peer moved, someone else took its port) answers HELLO then refuses with its
+reason (an END on stream 0), so a stream never lands on the wrong replica. TLS and a capability
+check belong here too (the later authorization issue): either side can refuse before any stream.
 """
 
 from __future__ import annotations
