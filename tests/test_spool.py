@@ -314,3 +314,44 @@ def test_recovering_a_reassigned_journal_leaves_the_earlier_replicas_pending_per
     with held.reader() as raw:
         store.persist(fragment, raw)  # what the persister does when the delay ends
     assert store.exists(fragment)
+
+
+def test_a_late_acknowledgement_to_a_closed_spool_leaves_head_to_the_next_one(tmp_path: Path) -> None:
+    """An old pipeline's receive loop may acknowledge after its spool was handed back and closed; the
+    journal's next spool on this broker (same directory) owns HEAD by then."""
+    directory = tmp_path / "spools" / "j"
+    old = Spool("j", directory)
+    _peer_commit(old, b"hello")  # committed, its acknowledgement still on its way
+    old.close()
+    new_rec = recover("j", directory)
+    new = Spool("j", directory)
+    new.resume(new_rec.acked_end, new_rec.registers, new_rec.codec)
+    _peer_commit(new, b"the next spool")
+    new.acknowledge(new.fragment.end)
+    old.acknowledge(5)  # the late acknowledgement
+    assert recover("j", directory).acked_end == new.acked_end
+    assert old._head_fd is None
+
+
+def test_a_file_unlinked_while_it_is_recovered_is_skipped_not_recreated(tmp_path: Path, monkeypatch) -> None:
+    """An earlier replica's upload may finish, and unlink its file, while a new replica recovers the
+    directory: recovery skips the file (the store has it) instead of failing, or re-creating it
+    empty, which would then be served and uploaded as zeros."""
+    from tidings.fragment import spool as spool_module
+
+    directory = tmp_path / "spools" / "j"
+    sp = Spool("j", directory)
+    _peer_commit(sp, b"hello")
+    sp.acknowledge(5)
+    sp.close()
+    real = spool_module._sha1_of
+
+    def sha1_then_unlinked(path: Path, length: int) -> bytes | None:
+        digest = real(path, length)
+        path.unlink()
+        return digest
+
+    monkeypatch.setattr(spool_module, "_sha1_of", sha1_then_unlinked)
+    rec = recover("j", directory)
+    assert rec.fragments == []
+    assert not any(p.name.endswith(".spool") for p in directory.iterdir())

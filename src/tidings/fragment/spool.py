@@ -82,9 +82,9 @@ class SpoolFile:
 
     __slots__ = ("__weakref__", "_persisted_through", "completed_end", "fd", "path", "unlinked")
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, create: bool = True) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
         weakref.finalize(self, os.close, self.fd)
         self.completed_end: int | None = None  # the fragment's end once the spool moved past it
         self._persisted_through = 0
@@ -175,6 +175,7 @@ class Spool:
         self._unacked: collections.deque[tuple[int, pb.LabelSet]] = collections.deque()  # (end, registers)
         self._head_fd: int | None = None
         self._head_dirty = False
+        self._closed = False  # HEAD belongs to whichever spool of the journal comes next
 
     def __repr__(self) -> str:
         f = self.fragment
@@ -335,6 +336,7 @@ class Spool:
         """
         self.rollback()
         self._complete(primary)
+        self._closed = True
         if self._head_fd is not None:
             os.close(self._head_fd)
             self._head_fd = None
@@ -361,6 +363,8 @@ class Spool:
 
     def _write_head(self) -> None:
         self._head_dirty = False
+        if self._closed:  # a late acknowledgement from an old pipeline: the next spool owns HEAD now
+            return
         payload = pb.SpoolHead(
             acknowledged_end=self.acked_end,
             registers=self.acked_registers,
@@ -471,15 +475,19 @@ def recover(journal: str, directory: Path, journal_revision: int = 0) -> Recover
             with contextlib.suppress(ValueError):
                 begin = int(name[len("spool-") :], 16)
         codec = head.compression_codec if head is not None else pb.NONE
-        frag = _acknowledged_part(journal, path, begin, named, acked, codec)
-        if frag is None:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        try:
+            frag = _acknowledged_part(journal, path, begin, named, acked, codec)
+            if frag is None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                continue
+            if frag.content_length < path.stat().st_size:
+                path = _copy_prefix(path, frag)
+            file = SpoolFile(path, create=False)
+            file.complete(frag)
+        except OSError as exc:  # unlinked meanwhile: an earlier replica's upload finished (the store has it)
+            log.info("journal %s: %s went away while it was recovered (%s); skipping it", journal, path, exc)
             continue
-        if frag.content_length < path.stat().st_size:
-            path = _copy_prefix(path, frag)
-        file = SpoolFile(path)
-        file.complete(frag)
         out.fragments.append((frag, file))
     if head is not None:
         out.acked_end, out.registers, out.codec = acked, head.registers, head.compression_codec or pb.NONE
