@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CHUNK = 256 * 1024
+READ_REFRESH_TIMEOUT = 10.0  # seconds a read at a hole below the write head waits for a store listing
 
 
 async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.ServicerContext) -> None:
@@ -65,9 +66,20 @@ async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.Serv
         return
     offset = req.offset if req.offset >= 0 else index.end_offset
     first = True
+    listed = False
     while req.end_offset == 0 or offset < req.end_offset:
         found = index.query(offset)
         if found is None:
+            if not listed and offset < index.end_offset:
+                # Committed content below the write head that this replica's index lacks (it rolled past
+                # another replica's bytes, which that one persists at once): list the stores now, not at
+                # the next refresh interval. A non-blocking read still answers OFFSET_NOT_YET_AVAILABLE
+                # if the hole remains (Gazette's semantics); a blocking one waits for it to fill.
+                listed = True
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(READ_REFRESH_TIMEOUT):
+                        await replica.refresh_soon()
+                continue
             if not req.block:
                 await context.write(
                     pb.ReadResponse(

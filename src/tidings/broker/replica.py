@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -96,6 +97,7 @@ class Replica:
         self._deleted = False  # the journal is gone: nothing of it is persisted any more
         self._tasks: set[asyncio.Task[None]] = set()
         self._refresh_lock = asyncio.Lock()
+        self._refreshed_at = 0.0  # monotonic time of the last successful listing
 
     def __repr__(self) -> str:
         return f"Replica({self.journal!r})"
@@ -235,6 +237,11 @@ class Replica:
                 await self.closed.wait()
         return self.closed.is_set()
 
+    async def refresh_soon(self) -> None:
+        """`refresh_now()`, unless a listing finished within the last second (many readers at a hole)."""
+        if time.monotonic() - self._refreshed_at >= 1.0:
+            await self.refresh_now()
+
     async def refresh_now(self) -> None:
         """List every store and replace the index's remote half (serialized: a stale listing must
         never be applied after a newer one). Local entries the listing covers leave the index, and
@@ -250,6 +257,7 @@ class Replica:
                     self._wake_refresh_waiters()
                 raise
             self.store_error = None
+            self._refreshed_at = time.monotonic()
             for frag, file in self.index.replace_remote(found):
                 if isinstance(file, SpoolFile):
                     file.mark_persisted(frag.end)
