@@ -1,9 +1,15 @@
-"""What the benchmark scripts share: journals on a LocalCluster, JSON lines, the event loop."""
+"""What the benchmark scripts share: journals on a LocalCluster, JSON lines, the event loop, child
+processes and their CPU and memory."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Coroutine
+import os
+import select
+import subprocess
+import sys
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 import uvloop
@@ -44,3 +50,65 @@ async def primary_endpoint(c: AsyncClient, name: str) -> str:
 
 def run(main: Coroutine[Any, Any, None]) -> None:
     uvloop.run(main)
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+START_TIMEOUT = 20.0  # seconds for a child process to print its endpoint
+
+
+@contextlib.contextmanager
+def child_processes(argvs: list[list[str]], what: str) -> Iterator[list[tuple[str, int]]]:
+    """Start one child per argv (each prints its endpoint on a line, and stops when its stdin
+    closes); yield [(endpoint, pid)]; stop them all by PID, whatever happens."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for argv in argvs:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, *argv],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,  # a Ctrl-C reaches only us; we stop the children
+                )
+            )
+        started = []
+        for p in procs:
+            assert p.stdout is not None
+            ready, _, _ = select.select([p.stdout], [], [], START_TIMEOUT)
+            line = p.stdout.readline().strip() if ready else ""
+            if not line:
+                raise RuntimeError(f"{what} (pid {p.pid}) printed no endpoint (exit status {p.poll()})")
+            started.append((line, p.pid))
+        yield started
+    finally:
+        for p in procs:  # closing stdin asks each to stop; then by PID, harder
+            with contextlib.suppress(OSError):
+                p.stdin.close()  # type: ignore[union-attr]
+        for p in procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.terminate()
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            with contextlib.suppress(OSError):
+                p.stdout.close()  # type: ignore[union-attr]
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc; resolution 1/CLK_TCK."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0

@@ -20,21 +20,18 @@ import argparse
 import asyncio
 import contextlib
 import os
-import select
 import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 
 import grpc
 import uvloop
+from _common import child_processes
 
 from tidings.broker.service import SERVER_OPTIONS
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
 
-START_TIMEOUT = 20.0  # seconds for the child to print its endpoint
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 FAKE_SUM = bytes(range(20))  # a SHA1's size
 
 
@@ -94,41 +91,8 @@ async def serve(listen: str) -> None:
 @contextlib.contextmanager
 def floor_server() -> Iterator[tuple[str, int]]:
     """Start the no-op server as a child process; yield (endpoint, pid); stop it by PID, whatever happens."""
-    proc = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--listen", "127.0.0.1:0"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # a Ctrl-C reaches only us; we stop the child
-    )
-    try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT)
-        line = proc.stdout.readline().strip() if ready else ""
-        if not line:
-            raise RuntimeError(f"floor server (pid {proc.pid}) printed no endpoint (exit status {proc.poll()})")
-        yield line, proc.pid
-    finally:
-        with contextlib.suppress(OSError):
-            proc.stdin.close()  # type: ignore[union-attr]  # asks it to stop; then by PID, harder
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        with contextlib.suppress(OSError):
-            proc.stdout.close()  # type: ignore[union-attr]
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), from /proc; resolution 1/CLK_TCK."""
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    with child_processes([[os.path.abspath(__file__), "--listen", "127.0.0.1:0"]], "floor server") as started:
+        yield started[0]
 
 
 def main() -> None:

@@ -27,8 +27,8 @@ import tempfile
 import threading
 import time
 
-from _common import create_journal, emit, primary_endpoint, run
-from _floor import cpu_seconds, floor_server
+from _common import cpu_seconds, create_journal, emit, primary_endpoint, rss_kib, run
+from _floor import floor_server
 
 from tidings.client import AsyncClient
 from tidings.cluster import LocalCluster
@@ -171,14 +171,6 @@ async def floor(seconds: float, count: int) -> list[dict]:
                 )
             )
     return recs
-
-
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
 
 
 async def big_append(lc, r: int, mib: int) -> dict:

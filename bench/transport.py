@@ -34,10 +34,8 @@ import argparse
 import asyncio
 import contextlib
 import os
-import select
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections import deque
@@ -46,7 +44,7 @@ from typing import Protocol
 
 import grpc
 import uvloop
-from _common import emit, run
+from _common import CLK_TCK, child_processes, cpu_seconds, emit, rss_kib, run
 
 from tidings.broker.service import PEER_CHANNEL_OPTIONS, SERVER_OPTIONS
 from tidings.broker.transport import Dialer, MuxReplicaStream, PeerStream, ReplicationServer, StreamError
@@ -55,9 +53,7 @@ from tidings.protocol import protocol_pb2 as pb
 KiB, MiB, MB = 1024, 1024 * 1024, 1_000_000
 SERVICE, METHOD = "bench.Replication", "Replicate"
 ACK = pb.ReplicateResponse(status=pb.OK)
-PEER_START_TIMEOUT = 20.0  # seconds for a peer process to print its endpoint
 MEASURE_TIMEOUT = 120.0  # seconds for one measurement: a stuck stream fails the run instead of hanging it
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # -- the peers (child processes) ------------------------------------------------------------
@@ -114,64 +110,14 @@ async def peer_main(kind: str) -> None:
 
 @contextlib.contextmanager
 def peer_processes(kind: str, n: int) -> Iterator[list[tuple[str, int]]]:
-    """Start `n` peers of `kind`; yield (endpoint, pid) of each; stop every one by PID, whatever happens."""
-    procs: list[subprocess.Popen[str]] = []
-    try:
-        for _ in range(n):
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, os.path.abspath(__file__), "--peer", kind],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    text=True,
-                    start_new_session=True,  # a Ctrl-C reaches only us; we stop the peers
-                )
-            )
-        peers = []
-        for p in procs:
-            assert p.stdout is not None
-            ready, _, _ = select.select([p.stdout], [], [], PEER_START_TIMEOUT)
-            line = p.stdout.readline().strip() if ready else ""
-            if not line:
-                raise RuntimeError(f"{kind} peer (pid {p.pid}) printed no endpoint (exit status {p.poll()})")
-            peers.append((line, p.pid))
+    """`n` peer processes of `kind`; yield [(endpoint, pid)]; stopped by PID, whatever happens."""
+    with child_processes([[os.path.abspath(__file__), "--peer", kind]] * n, f"{kind} peer") as peers:
         yield peers
-    finally:
-        for p in procs:  # closing stdin asks each to stop; then by PID, harder
-            with contextlib.suppress(OSError):
-                p.stdin.close()  # type: ignore[union-attr]
-        for p in procs:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.terminate()
-                try:
-                    p.wait(5)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-            with contextlib.suppress(OSError):
-                p.stdout.close()  # type: ignore[union-attr]
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, from /proc (resolution 1/CLK_TCK)."""
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def per_message_us(cpu: float, count: int) -> float | None:
     """CPU per message in µs; None when `cpu` is too few clock ticks to tell (a short --quick run)."""
     return round(cpu / count * 1e6, 1) if cpu * CLK_TCK >= 5 else None
-
-
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
 
 
 # -- the sender's side: one replication to a set of peers, per transport -------------------
