@@ -296,6 +296,26 @@ class _Connection(asyncio.Protocol):
         """Every KEEPALIVE_INTERVAL while open."""
 
 
+class _Inbox:
+    """The receiving half both ends of a stream share: one receiver waits until the connection
+    delivers something (or the stream ends) and is woken then."""
+
+    _waiter: asyncio.Future[None] | None = None
+
+    async def _delivery(self) -> None:
+        if self._waiter is not None:
+            raise RuntimeError("recv() is already being awaited: one receiver per stream")
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
 # -- the primary's side -----------------------------------------------------------------------
 
 
@@ -352,7 +372,7 @@ class _PrimaryConnection(_Connection):
             stream._ended(why)
 
 
-class MuxReplicaStream:
+class MuxReplicaStream(_Inbox):
     """A ReplicaStream over a `_PrimaryConnection` (possibly still being dialed)."""
 
     def __init__(self, endpoint: str) -> None:
@@ -361,7 +381,6 @@ class MuxReplicaStream:
         self._sid = 0
         self._pending: list[tuple[int, bytes]] | None = []  # frames written before the connection was up
         self._responses: collections.deque[pb.ReplicateResponse] = collections.deque()
-        self._waiter: asyncio.Future[None] | None = None
         self._error: str | None = None  # the stream failed (or we aborted it)
         self._eof = False  # the peer ended the stream cleanly
         self._ready = asyncio.get_running_loop().create_future()  # the connection is up (or failed)
@@ -437,13 +456,7 @@ class MuxReplicaStream:
                 return None
             if self._pending is None and not self._sid:
                 raise StreamError(f"peer {self.endpoint}: nothing was sent on this stream to answer")
-            if self._waiter is not None:
-                raise RuntimeError("recv() is already being awaited: one receive loop per stream")
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            await self._delivery()
         return self._responses.popleft()
 
     def close_send(self) -> None:
@@ -469,10 +482,6 @@ class MuxReplicaStream:
         if self._conn is not None and self._sid:
             self._conn.detach(self._sid)
         self._wake()
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
 
 
 class Dialer:
@@ -614,7 +623,7 @@ class _PeerConnection(_Connection):
             stream._reset(why)
 
 
-class _MuxPeerStream:
+class _MuxPeerStream(_Inbox):
     """A PeerStream over a `_PeerConnection`."""
 
     def __init__(self, conn: _PeerConnection, sid: int) -> None:
@@ -623,7 +632,6 @@ class _MuxPeerStream:
         self.task: asyncio.Task[None] | None = None
         self._requests: collections.deque[tuple[pb.ReplicateRequest, int]] = collections.deque()
         self._inbound = 0
-        self._waiter: asyncio.Future[None] | None = None
         self._eof = False
         self._error: str | None = None
         self._ended = False
@@ -649,13 +657,7 @@ class _MuxPeerStream:
                 raise StreamError(self._error)
             if self._eof:
                 return None
-            if self._waiter is not None:
-                raise RuntimeError("recv() is already being awaited: one handler per stream")
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            await self._delivery()
         req, size = self._requests.popleft()
         self._inbound -= size
         self.conn.consumed(size)
@@ -685,10 +687,6 @@ class _MuxPeerStream:
             if self.task is not None:
                 self.task.cancel()  # as gRPC cancels a handler whose call went away
         self._wake()
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
 
 
 class ReplicationServer:
