@@ -208,9 +208,14 @@ class Pipeline:
                 fut.set_result(Acknowledgements(responses, error))
 
     def _send_note(self) -> None:
-        """Tell the peers the acknowledged end, unless a request already did (see ACK_NOTE_DELAY)."""
+        """The ACK_NOTE_DELAY timer: no request carried the acknowledged end meanwhile."""
         self._note = None
-        if not self._closing and self.spool.acked_end > self._told_acked:
+        if not self._closing:
+            self._tell_acked()
+
+    def _tell_acked(self) -> None:
+        """Send the peers the acknowledged end in a note of its own, if they have not been told it."""
+        if self.spool.acked_end > self._told_acked:
             self._told_acked = self.spool.acked_end
             self._send_all(pb.ReplicateRequest(acknowledged_end=self._told_acked))
 
@@ -229,8 +234,7 @@ class Pipeline:
         try:
             async with asyncio.timeout(TEARDOWN_TIMEOUT):
                 await asyncio.shield(self._receiver)  # every expected acknowledgement is read (or failed)
-                if self.spool.acked_end > self._told_acked:  # so the peers' HEADs hold the last acknowledgements
-                    self._send_all(pb.ReplicateRequest(acknowledged_end=self.spool.acked_end))
+                self._tell_acked()  # so the peers' HEADs hold the last acknowledgements
                 for i, stream in enumerate(self.streams):
                     if self._send_errs[i] is None:
                         stream.close_send()
