@@ -145,12 +145,26 @@ def _dict_set(msg: Any, u: UUID) -> None:
     msg["uuid"] = uuid_to_str(u)
 
 
+def _dict_set_str(msg: Any, u: str) -> None:
+    msg["uuid"] = u
+
+
 def _proto_bytes_set(msg: Any, u: UUID) -> None:
     msg.uuid = u.bytes
 
 
 def _proto_str_set(msg: Any, u: UUID) -> None:
     msg.uuid = uuid_to_str(u)
+
+
+def _proto_str_set_str(msg: Any, u: str) -> None:
+    msg.uuid = u
+
+
+_STR_SETTERS: dict[Callable[[Any, UUID], None], Callable[[Any, str], None]] = {
+    _dict_set: _dict_set_str,
+    _proto_str_set: _proto_str_set_str,
+}
 
 
 def _attr_get(msg: Any) -> UUID | None:
@@ -213,10 +227,10 @@ def uuid_setter(cls: type) -> Callable[[Any, UUID], None]:
     return _adaptor(cls)[1]
 
 
-def uuid_is_str_item(cls: type) -> bool:
-    """Whether messages of `cls` keep their UUID as a string under the "uuid" key (plain dicts, unless
-    an adaptor says otherwise): the publisher's batch path sets those from strings, with no UUID objects."""
-    return _adaptor(cls)[1] is _dict_set
+def uuid_str_setter(cls: type) -> Callable[[Any, str], None] | None:
+    """For a type that keeps its UUID as a string (dicts, protobufs with `string uuid`), the function
+    that stores one from its string form: the publisher's batch path, with no UUID objects. Else None."""
+    return _STR_SETTERS.get(_adaptor(cls)[1])
 
 
 def get_uuid(msg: Any) -> UUID | None:

@@ -59,8 +59,8 @@ from tidings.message.framing import (
     Framing,
     framing_for,
     set_uuid,
-    uuid_is_str_item,
     uuid_setter,
+    uuid_str_setter,
 )
 from tidings.message.uuid import (
     ACK_TXN,
@@ -334,9 +334,11 @@ class Publisher:
         for journal, msgs in groups.items():
             framing = await self.framing(journal)
             mine, at = clocks[at : at + len(msgs)], at + len(msgs)
-            if uuid_is_str_item(dict) and all(type(m) is dict for m in msgs):  # the batch path
+            kind = type(msgs[0])
+            set_str = uuid_str_setter(kind)
+            if set_str is not None and all(type(m) is kind for m in msgs):  # the batch path: strings at once
                 for msg, u in zip(msgs, uuid_strs(producer, mine, flags), strict=True):
-                    msg["uuid"] = u
+                    set_str(msg, u)
             else:
                 last_type: type | None = None
                 setter = set_uuid
