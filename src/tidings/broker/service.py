@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import shutil
 import socket
@@ -42,7 +43,7 @@ from tidings.broker.read_api import serve_read
 from tidings.broker.replica import Replica, spool_directory
 from tidings.broker.replicate_api import serve_replicate
 from tidings.broker.resolver import Resolver
-from tidings.broker.transport import Dialer, FailedStream, PeerStream, ReplicaStream, ReplicationServer
+from tidings.broker.transport import Dialer, FailedStream, ReplicaStream, ReplicationServer
 from tidings.fragment.fragment import Fragment
 from tidings.fragment.persister import Persister
 from tidings.fragment.spool import Recovered, SpoolFile, recover
@@ -149,7 +150,7 @@ class Broker:
             undo.push_async_callback(self.server.stop, 0)
             self.dialer = Dialer()
             undo.push_async_callback(self.dialer.aclose)
-            self.replication = ReplicationServer(self._serve_replicate, f"{cfg.zone}/{cfg.suffix}")
+            self.replication = ReplicationServer(functools.partial(serve_replicate, self), f"{cfg.zone}/{cfg.suffix}")
             listen = cfg.replication_listen or f"{host}:0"
             try:
                 await self.replication.start(listen)
@@ -362,9 +363,6 @@ class Broker:
             else:
                 streams.append(self.dialer.open(endpoint, f"{member.zone}/{member.suffix}"))
         return streams
-
-    async def _serve_replicate(self, stream: PeerStream) -> None:
-        await serve_replicate(self, stream)
 
     def _new_replica(self, journal: str, spec: pb.JournalSpec, revision: int) -> Replica:
         cfg = self.config
