@@ -175,7 +175,9 @@ class Spool:
         self._unacked: collections.deque[tuple[int, pb.LabelSet]] = collections.deque()  # (end, registers)
         self._head_fd: int | None = None
         self._head_dirty = False
-        self._closed = False  # HEAD belongs to whichever spool of the journal comes next
+        # Closed: the replica gave the spool up, but its pipeline's teardown may still read acknowledgements
+        # (recorded, as before a client hears OK); the journal's next replica here recovers only after that.
+        self._closed = False
 
     def __repr__(self) -> str:
         f = self.fragment
@@ -336,7 +338,11 @@ class Spool:
         """
         self.rollback()
         self._complete(primary)
+        self.flush_head()
         self._closed = True
+        self._close_head()
+
+    def _close_head(self) -> None:
         if self._head_fd is not None:
             os.close(self._head_fd)
             self._head_fd = None
@@ -363,8 +369,6 @@ class Spool:
 
     def _write_head(self) -> None:
         self._head_dirty = False
-        if self._closed:  # a late acknowledgement from an old pipeline: the next spool owns HEAD now
-            return
         payload = pb.SpoolHead(
             acknowledged_end=self.acked_end,
             registers=self.acked_registers,
@@ -375,6 +379,8 @@ class Spool:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._head_fd = os.open(self.directory / HEAD, os.O_WRONLY | os.O_CREAT, 0o644)
         os.pwrite(self._head_fd, _HEAD_PREFIX.pack(zlib.crc32(payload), len(payload)) + payload, 0)
+        if self._closed:
+            self._close_head()  # a late acknowledgement: no descriptor outlives the spool's close
 
     def resume(self, end: int, registers: pb.LabelSet, codec: int) -> None:
         """Start at an empty Fragment at `end` with `registers`: where `recover()` found the journal
@@ -485,8 +491,11 @@ def recover(journal: str, directory: Path, journal_revision: int = 0) -> Recover
                 path = _copy_prefix(path, frag)
             file = SpoolFile(path, create=False)
             file.complete(frag)
-        except OSError as exc:  # unlinked meanwhile: an earlier replica's upload finished (the store has it)
+        except FileNotFoundError as exc:  # unlinked meanwhile: an earlier replica's upload finished
             log.info("journal %s: %s went away while it was recovered (%s); skipping it", journal, path, exc)
+            continue
+        except OSError as exc:  # kept on disk for the next recovery: it may hold acknowledged bytes
+            log.error("journal %s: cannot recover %s (%s); leaving it in place", journal, path, exc)
             continue
         out.fragments.append((frag, file))
     if head is not None:
@@ -496,11 +505,15 @@ def recover(journal: str, directory: Path, journal_revision: int = 0) -> Recover
 
 
 def _copy_prefix(path: Path, frag: Fragment) -> Path:
-    """Copy the first bytes of `path` (`frag`'s content) to a file of their own, and unlink `path`.
+    """Copy the first bytes of `path` (`frag`'s content) to a file named after that content, then
+    unlink `path`; return the copy's path.
 
     Never cut the file in place: an earlier replica of the journal on this broker may still hold it
-    open for a delayed upload of its whole content, which must go on matching its fragment.
+    open for a delayed upload of its whole content, which must go on matching its fragment. The copy
+    is complete under its final name before the original goes, so a recovery killed at any point
+    leaves the acknowledged bytes in one file or the other.
     """
+    final = path.with_name(frag.content_name() + COMPLETED_SUFFIX)
     target = path.with_name(f"recover-{frag.begin:016x}.tmp")
     with open(path, "rb") as src, open(target, "wb") as dst:
         left = frag.content_length
@@ -510,8 +523,9 @@ def _copy_prefix(path: Path, frag: Fragment) -> Path:
                 raise OSError(f"{path} shrank while it was recovered")
             dst.write(chunk)
             left -= len(chunk)
+    os.rename(target, final)
     os.unlink(path)
-    return target
+    return final
 
 
 def _acknowledged_part(
