@@ -97,7 +97,7 @@ class Replica:
         self._deleted = False  # the journal is gone: nothing of it is persisted any more
         self._tasks: set[asyncio.Task[None]] = set()
         self._refresh_lock = asyncio.Lock()
-        self._refreshed_at = 0.0  # monotonic time of the last successful listing
+        self._refreshed_at = 0.0  # monotonic time the last successful listing began
 
     def __repr__(self) -> str:
         return f"Replica({self.journal!r})"
@@ -238,30 +238,39 @@ class Replica:
         return self.closed.is_set()
 
     async def refresh_soon(self) -> None:
-        """`refresh_now()`, unless a listing finished within the last second (many readers at a hole)."""
-        if time.monotonic() - self._refreshed_at >= 1.0:
-            await self.refresh_now()
+        """`refresh_now()`, unless a listing finished within the last second, or one that started after
+        we asked finished while we waited for the lock (many readers arriving together at a hole)."""
+        asked = time.monotonic()
+        if asked - self._refreshed_at < 1.0:
+            return
+        async with self._refresh_lock:
+            if self._refreshed_at < asked:
+                await self._refresh_locked()
 
     async def refresh_now(self) -> None:
         """List every store and replace the index's remote half (serialized: a stale listing must
         never be applied after a newer one). Local entries the listing covers leave the index, and
         their files are known persisted."""
         async with self._refresh_lock:
-            found: list[Fragment] = []
-            try:
-                for url in self.stores:
-                    found.extend(await asyncio.to_thread(_list, url, self.journal))
-            except BaseException as exc:
-                if not isinstance(exc, asyncio.CancelledError):
-                    self.store_error = f"{type(exc).__name__}: {exc}"
-                    self._wake_refresh_waiters()
-                raise
-            self.store_error = None
-            self._refreshed_at = time.monotonic()
-            for frag, file in self.index.replace_remote(found):
-                if isinstance(file, SpoolFile):
-                    file.mark_persisted(frag.end)
-            self._wake_refresh_waiters()
+            await self._refresh_locked()
+
+    async def _refresh_locked(self) -> None:
+        started = time.monotonic()
+        found: list[Fragment] = []
+        try:
+            for url in self.stores:
+                found.extend(await asyncio.to_thread(_list, url, self.journal))
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError):
+                self.store_error = f"{type(exc).__name__}: {exc}"
+                self._wake_refresh_waiters()
+            raise
+        self.store_error = None
+        self._refreshed_at = started  # a listing begun then sees everything persisted before
+        for frag, file in self.index.replace_remote(found):
+            if isinstance(file, SpoolFile):
+                file.mark_persisted(frag.end)
+        self._wake_refresh_waiters()
 
     def _wake_refresh_waiters(self) -> None:
         refreshed, self._refreshed = self._refreshed, asyncio.Event()
