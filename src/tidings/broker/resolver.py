@@ -97,7 +97,9 @@ class Resolver:
             if journal not in mine or journal not in state.items:
                 replica = self.replicas.pop(journal)
                 deleted = journal not in state.items
-                task = asyncio.get_running_loop().create_task(replica.aclose(deleted), name=f"close:{journal}")
+                task = asyncio.get_running_loop().create_task(
+                    _close_after(self._closing.get(journal), replica, deleted), name=f"close:{journal}"
+                )
                 self._closing[journal] = task
                 task.add_done_callback(functools.partial(self._replica_closed, journal))
                 log.info("journal %s: replica removed", journal)
@@ -130,3 +132,11 @@ class Resolver:
         self._closed = True
         replicas, self.replicas = self.replicas, {}
         await asyncio.gather(*(r.aclose() for r in replicas.values()), *self._closing.values(), return_exceptions=True)
+
+
+async def _close_after(previous: asyncio.Future | None, replica: Replica, deleted: bool) -> None:
+    """Close `replica` once the journal's previous replica here has closed: closes of one spool
+    directory form a chain, so the next replica, which waits for the last close, waits for them all."""
+    if previous is not None:
+        await asyncio.wait([previous])
+    await replica.aclose(deleted)
