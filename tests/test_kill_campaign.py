@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+import pytest
 
 from tests.support.cluster import FAST_BROKER_FLAGS
 from tests.support.waiting import wait_until
@@ -191,6 +192,7 @@ async def _assert_store_matches(c: AsyncClient, journal: str, data: bytes) -> No
     assert checked, f"{journal}: nothing was persisted"
 
 
+@pytest.mark.timeout(SECONDS + 270)  # the campaign's own length, beyond the suite's per-test limit
 async def test_kill_9_campaign(etcd, etcd_root, tmp_path) -> None:
     lc = LocalCluster(brokers=4, zones=3, data_dir=tmp_path, port=_ports(4), etcd=etcd.endpoint, root=etcd_root)
     lc.extra = [*FAST_BROKER_FLAGS, "--persist-delay", "5"]
