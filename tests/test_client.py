@@ -19,6 +19,7 @@ from tidings.protocol.status import (
     NotAllowedError,
     RegisterMismatchError,
     StatusError,
+    TransportError,
     WrongAppendOffsetError,
 )
 
@@ -240,3 +241,27 @@ async def test_sync_client_mirrors_the_async_one(cluster) -> None:
     data, head, names = await asyncio.to_thread(script)
     assert (data, head) == (b"one two", 7)
     assert "cl/sync" in names
+
+
+async def test_a_call_grpc_cancels_on_its_own_is_a_transport_error_not_our_cancellation(cluster) -> None:
+    """grpc.aio cancels a call whose channel goes away under it, and the awaiting task then gets a
+    CancelledError although nobody cancelled it. The client reports a retriable transport failure
+    (the outcome is unknown); it must not kill its caller's task as a cancellation would."""
+    await cluster.create_journal("cl/cancelled-under-us", 3)
+    release, under_way = asyncio.Event(), asyncio.Event()
+
+    async def stalls():
+        yield b"part one "
+        under_way.set()  # the call took the first part and asks for more
+        await release.wait()
+        yield b"never sent"
+
+    async with cluster.client(0) as c:
+        appending = asyncio.ensure_future(c.append("cl/cancelled-under-us", stalls()))
+        await asyncio.wait_for(under_way.wait(), 10)
+        for ch in list(c._channels.values()):
+            await ch.close()
+        with pytest.raises(TransportError) as err:
+            await asyncio.wait_for(appending, 10)
+        assert err.value.retriable
+        release.set()

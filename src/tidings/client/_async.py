@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from tidings._tasks import cancelled_under_us
 from tidings.client._base import (
     CHUNK,
     GRPC_OPTIONS,
@@ -166,7 +167,8 @@ class AsyncClient:
         awaiting each write); the empty chunk before end-of-stream commits.
 
         grpc.aio turns an exception of the request iterator into a cancelled call; such an
-        exception (the content source failed) is raised here instead of the CancelledError.
+        exception (the content source failed) is raised here instead of the CancelledError, and a
+        call grpc.aio cancelled on its own becomes a retriable TransportError.
         """
         failed: list[Exception] = []
 
@@ -192,10 +194,15 @@ class AsyncClient:
             raise map_grpc_error(exc, endpoint) from None
         except asyncio.CancelledError:
             call.cancel()
-            task = asyncio.current_task()
-            if failed and task is not None and not task.cancelling():
+            if not cancelled_under_us():
+                raise  # our caller cancelled us
+            if failed:
                 raise failed[0] from None
-            raise
+            # grpc.aio cancelled the call itself (seen while a broker stops or dies mid-call): a transport
+            # failure whose outcome is unknown, not a cancellation of the caller, whose task would die of it.
+            raise TransportError(
+                f"{endpoint}: the append's call was cancelled in transport", grpc.StatusCode.CANCELLED, retriable=True
+            ) from None
         except BaseException:
             call.cancel()
             raise
