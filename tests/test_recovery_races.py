@@ -36,10 +36,10 @@ async def test_an_append_acknowledged_while_its_replica_closes_is_in_no_head(tmp
     async def peer(stream: PeerStream) -> None:  # the peer side of serve_replicate, around a real Spool
         while (req := await stream.recv()) is not None:
             resp = peer_spool.apply(req)
+            peer_spool.flush_head()
             if req.acknowledge:
                 await release.wait()
                 await stream.send(resp)
-            peer_spool.flush_head()
 
     server = await ReplicationServer(peer).start("127.0.0.1:0")
     dialer = Dialer()
@@ -81,7 +81,7 @@ async def test_an_append_acknowledged_while_its_replica_closes_is_in_no_head(tmp
         # The client hears OK now. Snapshot both data dirs as a kill -9 of both brokers would leave them.
         for name in ("primary", "peer"):
             shutil.copytree(tmp_path / name, tmp_path / f"killed-{name}")
-        recovered = {name: recover("j", tmp_path / f"killed-{name}").acked_end for name in ("primary", "peer")}
+        recovered = {name: recover("j", tmp_path / f"killed-{name}").end for name in ("primary", "peer")}
         assert max(recovered.values()) == 11, f"an acknowledged append [5, 11) is in no HEAD: {recovered}"
     finally:
         pln.shutdown()
@@ -121,7 +121,7 @@ def test_recovery_killed_after_copying_a_prefix_keeps_the_acknowledged_prefix(tm
     monkeypatch.setattr(spool_module, "_copy_prefix", real)
 
     got = recover("j", directory)  # the broker restarts
-    assert got.acked_end == 5
+    assert got.end == 5
     assert [(f.begin, f.end, fl.pread(10, 0)) for f, fl in got.fragments] == [(0, 5, b"hello")]
 
 

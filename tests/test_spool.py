@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tidings.fragment.fragment import EMPTY_SUM, Fragment
-from tidings.fragment.spool import HEAD, Spool, SpoolFile, Transition, apply_registers, recover
+from tidings.fragment.spool import HEAD, Spool, SpoolFile, Transition, _read_head, apply_registers, recover
 from tidings.fragment.store import store_for
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
@@ -203,10 +203,10 @@ def test_completed_file_keeps_its_name_until_persisted_and_readers_keep_reading(
     assert live.pread(11, 0) == b"hello world", "the open descriptor still reads"
 
 
-def test_recover_keeps_what_was_acknowledged_and_nothing_past_it(tmp_path: Path) -> None:
-    """Item 12: a restarted broker recovers completed and current content up to the offset every
-    replica acknowledged, drops the rest (it may have been written again elsewhere: the review's
-    "resurrected commit"), and resumes there with the registers of that point."""
+def test_recover_keeps_what_was_committed_and_nothing_past_it(tmp_path: Path) -> None:
+    """Item 12: a restarted broker recovers completed and current content up to the committed end
+    recorded in HEAD, drops the uncommitted tail, and resumes there with the registers of that point
+    (whether the journal kept those commits is checked later, by `broker.recovery`)."""
     r1, r2 = labels.label_set({"writer": "w1"}), labels.label_set({"writer": "w2"})
     sp = Spool("a/j", tmp_path, Recorder())
     sp.apply_content(b"first", 0)
@@ -217,20 +217,36 @@ def test_recover_keeps_what_was_acknowledged_and_nothing_past_it(tmp_path: Path)
     sp.acknowledge(11)  # every replica has [0, 11)
     sp.apply_content(b"third", 0)
     sp.apply_proposal(frag(5, 16, b"secondthird"), r2)  # committed here, never acknowledged
+    sp.flush_head()  # as a peer does before answering the commit
     sp.apply_content(b"uncommitted tail", 0)
     del sp  # a kill -9: nothing is closed
 
     got = recover("a/j", tmp_path)
     assert [(f, fl.pread(100, 0)) for f, fl in got.fragments] == [
         (frag(0, 5, b"first"), b"first"),
-        (frag(5, 11, b"second"), b"second"),
+        (frag(5, 16, b"secondthird"), b"secondthird"),
     ]
-    assert got.acked_end == 11 and got.registers == r1
+    assert got.end == 16 and got.registers == r2
     fresh = Spool("a/j", tmp_path, Recorder())
-    fresh.resume(got.acked_end, got.registers, got.codec)
-    assert fresh.end == 11 and fresh.fragment.content_length == 0 and fresh.registers == r1
+    fresh.resume(got.end, got.registers, got.codec)
+    assert fresh.end == 16 and fresh.fragment.content_length == 0 and fresh.registers == r2
     again = recover("a/j", tmp_path)
-    assert again.acked_end == 11 and len(again.fragments) == 2, "recovery is repeatable"
+    assert again.end == 16 and len(again.fragments) == 2, "recovery is repeatable"
+
+
+def test_a_peer_recovers_every_commit_it_answered_whatever_the_primary_told_it(tmp_path: Path) -> None:
+    """Review 2, finding 1, at the spool: a peer answers a commit, the primary tells the client OK, and
+    both die before the primary's next request could tell the peer the acknowledged end. The peer's
+    HEAD must still cover the commit (it is written before the answer), so a restart resumes past it:
+    the append is neither lost nor its offsets handed out again."""
+    directory = tmp_path / "peer"
+    sp = Spool("j", directory)
+    _peer_commit(sp, b"acked by all")  # [0, 12), told to a client; no acknowledged_end ever reached us
+    assert sp.acked_end == 0
+    del sp  # kill -9
+    got = recover("j", directory)
+    assert got.end == 12
+    assert [(f.begin, f.end, fl.pread(100, 0)) for f, fl in got.fragments] == [(0, 12, b"acked by all")]
 
 
 def test_peers_learn_the_acknowledged_offset_from_the_primary(tmp_path: Path) -> None:
@@ -239,8 +255,8 @@ def test_peers_learn_the_acknowledged_offset_from_the_primary(tmp_path: Path) ->
     assert sp.apply(req).status == pb.OK and sp.acked_end == 0
     assert sp.apply(pb.ReplicateRequest(acknowledged_end=3)).status == pb.OK  # a request may carry only that
     assert sp.acked_end == 3
-    sp.flush_head()  # a peer writes HEAD once it has answered
-    assert recover("a/j", tmp_path).acked_end == 3
+    sp.flush_head()
+    assert _read_head(tmp_path / HEAD, "a/j").acknowledged_end == 3
 
 
 def test_recover_forgets_an_earlier_journal_of_the_same_name(tmp_path: Path) -> None:
@@ -250,7 +266,7 @@ def test_recover_forgets_an_earlier_journal_of_the_same_name(tmp_path: Path) -> 
     sp.apply_proposal(frag(0, 3, b"old"), labels.label_set({"owner": "old"}))
     sp.acknowledge(3)
     got = recover("a/j", tmp_path, journal_revision=9)  # deleted and created again since
-    assert got.acked_end == 0 and got.fragments == [] and list(tmp_path.iterdir()) == []
+    assert got.end == 0 and got.fragments == [] and list(tmp_path.iterdir()) == []
 
 
 def test_recover_drops_damaged_files_and_head(tmp_path: Path) -> None:
@@ -264,7 +280,7 @@ def test_recover_drops_damaged_files_and_head(tmp_path: Path) -> None:
     assert recover("a/j", tmp_path).fragments == []
     (tmp_path / HEAD).write_bytes(b"\x00garbage")
     got = recover("a/j", tmp_path)
-    assert got.fragments == [] and got.acked_end == 0
+    assert got.fragments == [] and got.end == 0
     assert not completed.exists()
 
 
@@ -286,10 +302,12 @@ def test_a_live_spool_keeps_its_bytes_whatever_recover_does_elsewhere(tmp_path: 
 
 
 def _peer_commit(spool: Spool, content: bytes) -> None:
-    """A peer's view of one append: its content, then the primary's commit proposal."""
+    """A peer's view of one append: its content, then the primary's commit proposal, recorded in HEAD
+    before the answer (as `serve_replicate` does)."""
     spool.apply(pb.ReplicateRequest(content=content, content_delta=0))
     proposal = spool.next_fragment()
     resp = spool.apply(pb.ReplicateRequest(proposal=proposal.to_proto(), registers=pb.LabelSet(), acknowledge=True))
+    spool.flush_head()
     assert resp.status == pb.OK
 
 
@@ -325,7 +343,7 @@ def test_a_late_acknowledgement_to_a_closed_spool_is_recorded_and_holds_no_descr
     _peer_commit(sp, b"hello")
     sp.close()
     sp.acknowledge(5)  # the late acknowledgement
-    assert recover("j", directory).acked_end == 5
+    assert _read_head(directory / HEAD, "j").acknowledged_end == 5
     assert sp._head_fd is None
 
 

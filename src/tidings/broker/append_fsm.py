@@ -428,6 +428,7 @@ class AppendFSM:
             return S.RESOLVE
         self.roll_to_offset = 0
         pln.synchronized = True
+        self.replica.synchronized.set()  # every member is at our end: recovered content can be checked
         return S.UPDATE_ASSIGNMENTS
 
     async def _on_update_assignments(self) -> AppendState:

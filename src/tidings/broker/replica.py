@@ -13,9 +13,10 @@ The replica's tasks (store refreshes, the pulse, pipeline teardowns, roll-backs 
 appends) are its own: `aclose()` cancels and awaits them, as Gazette's replica context.
 
 Starting, a replica first recovers what a previous process of this broker left on disk for the
-journal (`fragment.spool.recover`): committed fragments join the index (and are persisted if
-the journal has a store) and the spool resumes at the end and registers it had, so a broker
-restarted on its data dir neither loses committed bytes nor hands an offset out twice.
+journal (`fragment.spool.recover`): the spool resumes at the committed end and registers it had,
+so a broker restarted on its data dir hands no offset out twice, and the committed fragments it
+found wait in `unverified` until `broker.recovery` checked them against the journal's other
+replicas and stores; then they join the index (and are persisted) or are dropped.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class Replica:
     * `recovered` - what this broker's previous process left for the journal, if already read.
     * `journal_revision` - the create revision of the journal's spec (a journal deleted and
       created again does not inherit the old one's spool).
+    * `verify` - checks the recovered fragments (`broker.recovery.verify_replica`); without it they
+      are adopted as found.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class Replica:
         persist_delay: float = 60.0,
         recovered: Recovered | None = None,
         journal_revision: int = 0,
+        verify: Callable[[Replica], Awaitable[None]] | None = None,
     ) -> None:
         self.journal = journal
         self.spec = spec
@@ -93,6 +97,11 @@ class Replica:
         self.store_error: str | None = None  # why the latest store listing failed, if it did
         self._refreshed = asyncio.Event()  # set after every listing attempt, successful or not
         self._recovered = recovered
+        self._verify = verify
+        self.unverified: list[tuple[Fragment, SpoolFile]] = []  # recovered, not yet checked (never served)
+        # Set once a pipeline of this replica's route synchronized the spool (every member is then at or
+        # past the end it recovered): from then on, what members hold below it is final.
+        self.synchronized = asyncio.Event()
         self.end_at_close: int | None = None  # the spool's committed end when the replica closed
         self._deleted = False  # the journal is gone: nothing of it is persisted any more
         self._tasks: set[asyncio.Task[None]] = set()
@@ -186,6 +195,12 @@ class Replica:
         await self._recover()
         self.spawn(self._refresh_loop(), f"refresh:{self.journal}")
         self.spawn(pulse(self), f"pulse:{self.journal}")
+        if self.unverified:
+            if self._verify is None:
+                for frag, file in list(self.unverified):
+                    self.adopt(frag, file)
+            else:
+                self.spawn(self._verify(self), f"verify:{self.journal}")
 
     def _release_spool(self) -> None:
         """Put the spool in its slot for the first time (once recovered, or when closing before that)."""
@@ -194,7 +209,7 @@ class Replica:
             self.spool_slot.put_nowait(self._spool)
 
     async def _recover(self) -> None:
-        """Adopt what this broker's previous process left for the journal (see the module docstring).
+        """Take up what this broker's previous process left for the journal (see the module docstring).
         The spool is in nobody's hands meanwhile: it enters its slot only afterwards."""
         spool = self._spool
         try:
@@ -202,19 +217,24 @@ class Replica:
             self._recovered = None
             if rec is None:
                 rec = await asyncio.to_thread(recover, self.journal, self.directory, self.journal_revision)
-            stores = self.stores
-            for frag, file in rec.fragments:
-                if file.unlinked:
-                    continue  # persisted meanwhile
-                self.index.add_local(frag, file)
-                if stores:
-                    self.persister.submit(frag, file, stores[0], delay=0.01)
-            if rec.acked_end and spool.end == 0 and spool.delta == 0:
-                spool.resume(rec.acked_end, rec.registers, rec.codec)
-                log.info("journal %s: recovered the spool at offset %d (%d local fragments)",
-                         self.journal, rec.acked_end, len(rec.fragments))
+            self.unverified = [(frag, file) for frag, file in rec.fragments if not file.unlinked]
+            if rec.end and spool.end == 0 and spool.delta == 0:
+                spool.resume(rec.end, rec.registers, rec.codec)
+                log.info("journal %s: recovered the spool at offset %d (%d local fragments to check)",
+                         self.journal, rec.end, len(self.unverified))
         finally:
             self._release_spool()
+
+    def adopt(self, frag: Fragment, file: SpoolFile) -> None:
+        """A recovered fragment held up: serve it and persist it."""
+        with contextlib.suppress(ValueError):
+            self.unverified.remove((frag, file))
+        if file.unlinked:
+            return  # persisted meanwhile
+        self.index.add_local(frag, file)
+        stores = self.stores
+        if stores and not self._deleted:
+            self.persister.submit(frag, file, stores[0], delay=0.01)
 
     async def _refresh_loop(self) -> None:
         """List the fragment stores every refresh interval (the index's remote half); after a failed

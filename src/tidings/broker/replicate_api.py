@@ -1,15 +1,16 @@
 """Replicate: the peer side of a primary's pipeline stream (Gazette's `replicate_api.go`).
 
-For the stream's whole life the peer owns its replica's Spool exclusively, so no other
-primary can mutate it meanwhile. It checks the first proposal's Route against its own (answering
-WRONG_ROUTE with its own Header when it knows a different Route), validates every chunk and
-proposal through the Spool (answering PROPOSAL_MISMATCH with its own Fragment and registers when
-the proposal asked for an acknowledgement), and rolls back uncommitted content when the stream
-ends, however it ends. A fragment this replica completes while a new pipeline synchronizes (before
-any content) is persisted at once rather than after the replicas' delay: when a primary died
-between its peers, it may hold bytes the other replicas rolled past, and their readers wait for it.
-A proposal that asked for no acknowledgement but does not apply ends the stream with an error:
-answering it would pair the answer with the primary's next proposal.
+For the stream's whole life the peer owns its replica's Spool exclusively, so no other primary can
+mutate it meanwhile. It checks the first proposal's Route against its own (answering WRONG_ROUTE
+with its own Header when it knows a different Route), validates every chunk and proposal through
+the Spool (answering PROPOSAL_MISMATCH with its own Fragment and registers when the proposal asked
+for an acknowledgement), records each commit in the spool's HEAD before answering it, and rolls
+back uncommitted content when the stream ends, however it ends. A fragment this replica completes
+while a new pipeline synchronizes (before any content) is persisted at once rather than after the
+replicas' delay: when a primary died between its peers, it may hold bytes the other replicas rolled
+past, and their readers wait for it. A proposal that asked for no acknowledgement but does not
+apply ends the stream with an error: answering it would pair the answer with the primary's next
+proposal.
 
 The stream is served through `transport.PeerStream`, so the same code serves any transport.
 """
@@ -73,8 +74,11 @@ async def serve_replicate(broker: Broker, stream: PeerStream) -> None:
             # A fragment completed while a new pipeline synchronizes may be the only copy of its last
             # bytes outside a failed primary (the others roll forward past them): persist it at once.
             resp = spool.apply(req, primary=not streamed)
+            spool.flush_head()  # a commit is recorded before the primary counts on it (a restart resumes there)
             if resp.status != pb.OK:
                 metrics.RPC_STATUS.labels("replicate", pb.Status.Name(resp.status)).inc()
+            elif req.HasField("proposal"):
+                replica.synchronized.set()  # a pipeline of the current route holds our spool's end
             if req.acknowledge:
                 if header is not None:  # the Header travels with the first response only
                     resp.header.CopyFrom(header)
@@ -88,7 +92,6 @@ async def serve_replicate(broker: Broker, stream: PeerStream) -> None:
                     f"acknowledgement but answers {pb.Status.Name(resp.status)}",
                 )
                 return
-            spool.flush_head()  # the acknowledged offset the primary told us, off the answer's path
             nxt = await stream.recv()
             if nxt is None:
                 return

@@ -40,6 +40,7 @@ from tidings.broker import _metrics as metrics
 from tidings.broker.append_api import serve_append
 from tidings.broker.append_fsm import AppendFSM
 from tidings.broker.read_api import serve_read
+from tidings.broker.recovery import verify_replica, verify_unassigned
 from tidings.broker.replica import Replica, spool_directory
 from tidings.broker.replicate_api import serve_replicate
 from tidings.broker.resolver import Resolver
@@ -134,7 +135,6 @@ class Broker:
             undo.push_async_callback(self.persister.aclose)
             revisions = {j: it.create_revision for j, it in State.from_keyspace(self.keyspace).items.items()}
             self._recovered = await asyncio.to_thread(_recover_all, Path(cfg.data_dir), revisions)
-            self._persist_recovered()
             self.resolver = Resolver(self.keyspace, self.process_id, self._new_replica, self._pulse)
             undo.push_async_callback(self.resolver.aclose)
             self.server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -174,6 +174,7 @@ class Broker:
                 self._metrics_server, _thread = start_http_server(int(mport), addr=mhost)
             self.allocator = Allocator(self.etcd, self.keyspace, cfg.root, (cfg.zone, cfg.suffix))
             self._tasks.append(asyncio.create_task(self.allocator.run(), name=f"allocator:{cfg.suffix}"))
+            self._verify_unassigned()
             undo.pop_all()  # started: stop() undoes it all from here on
         log.info("broker %s/%s serving on %s", cfg.zone, cfg.suffix, self.endpoint)
         return self
@@ -375,19 +376,18 @@ class Broker:
             persist_delay=cfg.persist_delay,
             recovered=self._recovered.pop(journal, None),
             journal_revision=revision,
+            verify=functools.partial(verify_replica, self),
         )
 
-    def _persist_recovered(self) -> None:
-        """Persist what a previous process left on disk for journals that have a store, whether or
-        not they come back to this broker (a replica created later adopts the same files)."""
-        for journal, rec in self._recovered.items():
-            item = self.keyspace.get(keys.item_key(self.config.root, journal))
-            if item is None:
-                continue
-            default = [self.config.default_store] if self.config.default_store else []
-            stores = list(item.decoded.fragment.stores) or default
-            for frag, file in rec.fragments if stores else ():
-                self.persister.submit(frag, file, stores[0], delay=0.01)
+    def _verify_unassigned(self) -> None:
+        """Check, then persist, what a previous process left on disk for journals this broker does not
+        replicate now (`recovery.verify_unassigned`; a replica created later checks its own)."""
+        for journal, rec in list(self._recovered.items()):
+            if rec.fragments:
+                task = asyncio.create_task(
+                    verify_unassigned(self, journal, rec.fragments), name=f"verify-unassigned:{journal}"
+                )
+                self._tasks.append(task)
 
     def _on_persisted(self, fragment: Fragment, file: SpoolFile | str) -> None:
         replica = self.resolver.replicas.get(fragment.journal)

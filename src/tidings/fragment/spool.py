@@ -28,14 +28,16 @@ so removing the name never breaks a reader (Gazette's spool files are anonymous 
 reason). A completed fragment's file is renamed ``{content name}.spool`` and keeps its name until
 a store listing covers it (then it is unlinked).
 
-A commit is not yet a promise: the primary applies it before its peers have it, and a peer may
-hold a commit the others never got. What every replica acknowledged is: the primary learns it
-from its peers' acknowledgements and tells them with its next request (`acknowledged_end`). Each
-spool keeps that offset and the registers there in ``HEAD`` (a `SpoolHead` behind a CRC), and a
-broker restarted on its data dir (`recover()`) trusts its files up to it and nothing past it.
-Bytes past it may have been rolled past by the journal's surviving replicas and written again
-there; resurrecting them would hide an acknowledged append. So a restarted broker neither loses
-what the journal acknowledged nor hands an offset out twice. Spool files are not fsynced:
+Each spool records its committed end and the registers there in ``HEAD`` (a `SpoolHead` behind
+a CRC) before anyone relies on the commit: a peer before it answers the commit, the primary before
+a client hears OK (`flush_head`, `acknowledge`). A broker restarted on its data dir (`recover()`)
+recovers its files up to that end and resumes there, so no offset it may have committed is handed
+out again and no acknowledged append is lost with the other replicas. A commit is not yet a
+promise, though: the primary applies it before its peers have it, and a peer may hold a commit the
+others never got, which the journal's surviving replicas may have rolled past and written again.
+So what `recover()` finds is held back until verified against the journal's other replicas and
+stores (`tidings.broker.recovery`), never served or persisted before. HEAD also keeps the offset
+the primary last said every replica acknowledged (informational). Spool files are not fsynced:
 durability comes from replication to R brokers (as in Gazette) and from persisting completed
 fragments; a kill -9 leaves the page cache intact, a power loss may not.
 
@@ -221,7 +223,7 @@ class Spool:
         if req.HasField("proposal"):
             resp = self.apply_proposal(Fragment.from_proto(req.proposal), req.registers, primary)
         if req.acknowledged_end > self.acked_end:
-            self.acknowledge(req.acknowledged_end, write=primary)  # a peer writes it after answering
+            self.acknowledge(req.acknowledged_end, write=primary)  # a peer writes it before answering
         return resp
 
     def apply_content(self, content: bytes | memoryview, content_delta: int) -> None:
@@ -289,6 +291,7 @@ class Spool:
         if not self.first_append_time:
             self.first_append_time = time.time()
         self._unacked.append((proposal.end, registers))
+        self._head_dirty = True
         if self.observer is not None:
             self.observer.spool_commit(proposal, self.file)
 
@@ -300,6 +303,7 @@ class Spool:
         if proposal.end > old.end:
             self.registers = registers
             self._unacked.append((proposal.end, registers))
+            self._head_dirty = True
         self.fragment = Fragment(
             journal=self.journal, begin=proposal.end, end=proposal.end, sum=EMPTY_SUM, codec=proposal.codec
         )
@@ -363,7 +367,8 @@ class Spool:
             self.flush_head()
 
     def flush_head(self) -> None:
-        """Write HEAD if an acknowledgement is not yet recorded there."""
+        """Write HEAD if a commit or acknowledgement is not yet recorded there (a peer calls it before
+        answering a request)."""
         if self._head_dirty:
             self._write_head()
 
@@ -374,6 +379,8 @@ class Spool:
             registers=self.acked_registers,
             compression_codec=self.fragment.codec,
             journal_revision=self.journal_revision,
+            committed_end=self.fragment.end,
+            committed_registers=self.registers,
         ).SerializeToString()
         if self._head_fd is None:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -383,8 +390,8 @@ class Spool:
             self._close_head()  # a late acknowledgement: no descriptor outlives the spool's close
 
     def resume(self, end: int, registers: pb.LabelSet, codec: int) -> None:
-        """Start at an empty Fragment at `end` with `registers`: where `recover()` found the journal
-        acknowledged, which every replica holds."""
+        """Start at an empty Fragment at `end` with `registers`: where `recover()` found this spool's
+        committed end (what it holds there is verified separately)."""
         assert self.file is None and self.delta == 0
         self.fragment = Fragment(journal=self.journal, begin=end, end=end, sum=EMPTY_SUM, codec=codec)
         self.registers = registers
@@ -404,10 +411,11 @@ def apply_registers(current: pb.LabelSet, union: pb.LabelSet, subtract: pb.Label
 
 @dataclass
 class Recovered:
-    """What a spool directory held: acknowledged fragments with their files, and where the spool stood."""
+    """What a spool directory held: committed fragments with their files (not yet verified against the
+    journal), and where the spool stood."""
 
     fragments: list[tuple[Fragment, SpoolFile]] = field(default_factory=list)
-    acked_end: int = 0  # where the spool resumes (0: nothing recorded)
+    end: int = 0  # the committed end recorded in HEAD: where the spool resumes (0: nothing recorded)
     registers: pb.LabelSet = field(default_factory=pb.LabelSet)
     codec: int = pb.NONE
 
@@ -449,14 +457,15 @@ def _sha1_of(path: Path, length: int) -> bytes | None:
 
 
 def recover(journal: str, directory: Path, journal_revision: int = 0) -> Recovered:
-    """Find what a previous process left in `directory` that the journal acknowledged (blocking:
+    """Find what a previous process left in `directory` that this replica committed (blocking:
     call in a thread).
 
     Completed files (``{content name}.spool``) and the current spool file are kept up to HEAD's
-    acknowledged offset, verified (a completed file against the SHA1 in its name), cut there, and
-    returned as completed fragments named after their content. Anything else (content past that
-    offset, temporaries, damaged files, everything when HEAD is missing or names another
-    incarnation of the journal than `journal_revision`) is removed.
+    committed end, checked (a completed file against the SHA1 in its name), cut there, and
+    returned as completed fragments named after their content. Anything else (uncommitted content
+    past that offset, temporaries, damaged files, everything when HEAD is missing or names another
+    incarnation of the journal than `journal_revision`) is removed. A HEAD written before HEAD held
+    the committed end counts its acknowledged end instead.
     """
     out = Recovered()
     if not directory.is_dir():
@@ -465,7 +474,7 @@ def recover(journal: str, directory: Path, journal_revision: int = 0) -> Recover
     if head is not None and journal_revision and head.journal_revision not in (0, journal_revision):
         log.info("journal %s: %s belongs to an earlier journal of that name; removing it", journal, directory)
         head = None
-    acked = head.acknowledged_end if head is not None else 0
+    end_at = (head.committed_end or head.acknowledged_end) if head is not None else 0
     for path in sorted(directory.iterdir()):
         name = path.name
         if name == HEAD:
@@ -482,7 +491,7 @@ def recover(journal: str, directory: Path, journal_revision: int = 0) -> Recover
                 begin = int(name[len("spool-") :], 16)
         codec = head.compression_codec if head is not None else pb.NONE
         try:
-            frag = _acknowledged_part(journal, path, begin, named, acked, codec)
+            frag = _committed_part(journal, path, begin, named, end_at, codec)
             if frag is None:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
@@ -499,7 +508,8 @@ def recover(journal: str, directory: Path, journal_revision: int = 0) -> Recover
             continue
         out.fragments.append((frag, file))
     if head is not None:
-        out.acked_end, out.registers, out.codec = acked, head.registers, head.compression_codec or pb.NONE
+        out.end, out.codec = end_at, head.compression_codec or pb.NONE
+        out.registers = head.committed_registers if head.committed_end else head.registers
     out.fragments.sort(key=lambda e: (e[0].begin, e[0].end))
     return out
 
@@ -511,7 +521,7 @@ def _copy_prefix(path: Path, frag: Fragment) -> Path:
     Never cut the file in place: an earlier replica of the journal on this broker may still hold it
     open for a delayed upload of its whole content, which must go on matching its fragment. The copy
     is complete under its final name before the original goes, so a recovery killed at any point
-    leaves the acknowledged bytes in one file or the other.
+    leaves the committed bytes in one file or the other.
     """
     final = path.with_name(frag.content_name() + COMPLETED_SUFFIX)
     target = path.with_name(f"recover-{frag.begin:016x}.tmp")
@@ -528,19 +538,19 @@ def _copy_prefix(path: Path, frag: Fragment) -> Path:
     return final
 
 
-def _acknowledged_part(
-    journal: str, path: Path, begin: int, named: Fragment | None, acked: int, current_codec: int
+def _committed_part(
+    journal: str, path: Path, begin: int, named: Fragment | None, end_at: int, current_codec: int
 ) -> Fragment | None:
-    """The acknowledged part of a spool file as a Fragment (None: nothing there to keep)."""
-    if begin < 0 or begin >= acked:
+    """The committed part of a spool file (below `end_at`) as a Fragment (None: nothing there to keep)."""
+    if begin < 0 or begin >= end_at:
         return None
     size = path.stat().st_size
-    end = min(acked, named.end if named is not None else begin + size)
+    end = min(end_at, named.end if named is not None else begin + size)
     if end <= begin:
         return None
     digest = _sha1_of(path, end - begin)
     if digest is None:
-        log.warning("journal %s: %s is shorter than its acknowledged content; removing it", journal, path)
+        log.warning("journal %s: %s is shorter than its committed content; removing it", journal, path)
         return None
     if named is not None and end == named.end and digest != named.sum:
         log.warning("journal %s: %s does not match its name; removing it", journal, path)

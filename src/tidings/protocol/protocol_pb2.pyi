@@ -295,16 +295,20 @@ class ReplicateRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., proposal: _Optional[_Union[Fragment, _Mapping]] = ..., registers: _Optional[_Union[LabelSet, _Mapping]] = ..., content: _Optional[bytes] = ..., content_delta: _Optional[int] = ..., acknowledge: _Optional[bool] = ..., acknowledged_end: _Optional[int] = ...) -> None: ...
 
 class SpoolHead(_message.Message):
-    __slots__ = ("acknowledged_end", "registers", "compression_codec", "journal_revision")
+    __slots__ = ("acknowledged_end", "registers", "compression_codec", "journal_revision", "committed_end", "committed_registers")
     ACKNOWLEDGED_END_FIELD_NUMBER: _ClassVar[int]
     REGISTERS_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_CODEC_FIELD_NUMBER: _ClassVar[int]
     JOURNAL_REVISION_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_END_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_REGISTERS_FIELD_NUMBER: _ClassVar[int]
     acknowledged_end: int
     registers: LabelSet
     compression_codec: CompressionCodec
     journal_revision: int
-    def __init__(self, acknowledged_end: _Optional[int] = ..., registers: _Optional[_Union[LabelSet, _Mapping]] = ..., compression_codec: _Optional[_Union[CompressionCodec, str]] = ..., journal_revision: _Optional[int] = ...) -> None: ...
+    committed_end: int
+    committed_registers: LabelSet
+    def __init__(self, acknowledged_end: _Optional[int] = ..., registers: _Optional[_Union[LabelSet, _Mapping]] = ..., compression_codec: _Optional[_Union[CompressionCodec, str]] = ..., journal_revision: _Optional[int] = ..., committed_end: _Optional[int] = ..., committed_registers: _Optional[_Union[LabelSet, _Mapping]] = ...) -> None: ...
 
 class ReplicateResponse(_message.Message):
     __slots__ = ("status", "header", "fragment", "registers")

@@ -1,0 +1,244 @@
+"""Verifying what a restarted broker recovered from its spool files before anyone relies on it.
+
+`fragment.spool.recover()` finds the fragments this broker's previous process committed, and the
+spool resumes at their end, so no offset it may have committed (and a client may have heard OK
+for) is handed out again. But a commit is not yet a promise: while this broker was down, the
+journal's other replicas may have rolled past a commit only it held and written other bytes at
+those offsets (a primary that committed, then died before its peers had it; every replica lost and
+the journal reset elsewhere). Serving or persisting such content would put two contents at one
+offset. So a recovered fragment joins the replica's index and the persister only once checked:
+
+- against every store fragment overlapping it (a fresh listing), byte for byte on the overlap
+  (a fragment of the same name is the same content);
+- against every other member of the journal's current route, through the member's own fragment
+  list and non-proxied reads of what it holds locally: bytes a member serves must be equal; offsets
+  no member holds contradict nothing (the other replicas rolled past them: this copy is the one).
+
+A replica asks its route's members only once a pipeline of that route has synchronized its spool:
+every member is then at or past the recovered end and never commits below it again, whereas a
+member still behind might write there later. A contradicted fragment is dropped (its file removed,
+with a warning); one that cannot be checked yet (a member unreachable, a store failing) is checked
+again later and meanwhile neither served nor persisted (readers wait at its offsets). Fragments a
+broker recovers for journals it no longer replicates are checked the same way, against the route's
+members, and persisted if they hold up.
+
+Gazette has no such step: it never recovers spools, so a broker restarted on its disk loses what it
+had not persisted. Ours keeps it, and this check is what keeps that from forking the journal. One
+window remains: two replicas of diverged histories restarted together may each check the other
+before either adopted its content, and both keep theirs (recorded in the README's limits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import os
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import grpc
+
+from tidings.fragment.fragment import Fragment
+from tidings.fragment.spool import SpoolFile
+from tidings.fragment.store import store_for
+from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.protocol_pb2_grpc import JournalStub
+
+if TYPE_CHECKING:
+    from tidings.broker.replica import Replica
+    from tidings.broker.service import Broker
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1 << 20
+RETRY = (0.5, 10.0)  # first and largest pause between checks of fragments that could not be checked
+MEMBER_TIMEOUT = 30.0  # seconds one member may take to answer for one fragment
+UNASSIGNED_GIVE_UP = 3600.0  # seconds a broker keeps checking fragments of a journal it does not replicate
+
+
+class Verdict(enum.Enum):
+    KEEP = "keep"  # nothing contradicts it: serve and persist it
+    DROP = "drop"  # another copy of the journal holds other bytes at its offsets
+    UNKNOWN = "unknown"  # a member or store could not be asked: ask again later
+
+
+class _Contradiction(Exception):
+    """Bytes at an offset differ from the recovered fragment's."""
+
+
+def _overlap(a: Fragment, begin: int, end: int) -> tuple[int, int]:
+    return max(a.begin, begin), min(a.end, end)
+
+
+def _same_as(frag: Fragment, file: SpoolFile, offset: int, data: bytes) -> None:
+    """Raise _Contradiction unless the recovered file holds `data` at journal offset `offset`."""
+    if file.pread(len(data), offset - frag.begin) != data:
+        raise _Contradiction(f"offset {offset}")
+
+
+def _check_store_fragment(frag: Fragment, file: SpoolFile, other: Fragment) -> None:
+    """Compare the store's `other` with the recovered content where they overlap (blocking)."""
+    begin, end = _overlap(other, frag.begin, frag.end)
+    if (other.begin, other.end, other.sum) == (frag.begin, frag.end, frag.sum) or begin >= end:
+        return
+    stream = store_for(other.backing_store).open(other)
+    try:
+        skip = begin - other.begin
+        while skip > 0:
+            n = len(stream.read(min(CHUNK, skip)))
+            if not n:
+                raise OSError(f"fragment {other.content_name()} is shorter than its name says")
+            skip -= n
+        offset = begin
+        while offset < end:
+            data = stream.read(min(CHUNK, end - offset))
+            if not data:
+                raise OSError(f"fragment {other.content_name()} is shorter than its name says")
+            _same_as(frag, file, offset, data)
+            offset += len(data)
+    finally:
+        with contextlib.suppress(Exception):
+            stream.close()
+
+
+async def _check_member(channel: grpc.aio.Channel, frag: Fragment, file: SpoolFile) -> bool:
+    """Compare what one member holds locally of `frag`'s offsets -> False if it cannot answer now."""
+    stub = JournalStub(channel)
+    listing = await stub.ListFragments(pb.FragmentsRequest(journal=frag.journal, do_not_proxy=True))
+    if listing.status != pb.OK:
+        return False
+    for entry in listing.fragments:
+        other = Fragment.from_proto(entry.spec)
+        begin, end = _overlap(other, frag.begin, frag.end)
+        if entry.url or begin >= end:
+            continue  # only in a store: compared with the store itself
+        if (other.begin, other.end, other.sum) == (frag.begin, frag.end, frag.sum):
+            continue
+        req = pb.ReadRequest(journal=frag.journal, offset=begin, end_offset=end, do_not_proxy=True)
+        async for resp in stub.Read(req):
+            if resp.status != pb.OK:
+                return False  # it no longer holds them as listed: ask again
+            if resp.content:
+                _same_as(frag, file, resp.offset, resp.content)
+    return True
+
+
+async def check(
+    frag: Fragment,
+    file: SpoolFile,
+    store_fragments: Iterable[Fragment],
+    members: Iterable[str],
+    channel: Callable[[str], grpc.aio.Channel],
+) -> Verdict:
+    """Whether the recovered `frag` (content in `file`) agrees with the journal's stores and members."""
+    try:
+        for other in store_fragments:
+            if other.begin < frag.end and frag.begin < other.end:
+                await asyncio.to_thread(_check_store_fragment, frag, file, other)
+        for endpoint in members:
+            async with asyncio.timeout(MEMBER_TIMEOUT):
+                if not await _check_member(channel(endpoint), frag, file):
+                    return Verdict.UNKNOWN
+    except _Contradiction as exc:
+        log.warning(
+            "journal %s: recovered fragment [%d, %d) differs from the journal's content (at %s): dropping it",
+            frag.journal, frag.begin, frag.end, exc,
+        )
+        return Verdict.DROP
+    except (OSError, grpc.RpcError, TimeoutError) as exc:
+        log.info("journal %s: cannot check recovered [%d, %d) yet: %s", frag.journal, frag.begin, frag.end, exc)
+        return Verdict.UNKNOWN
+    return Verdict.KEEP
+
+
+def drop(frag: Fragment, file: SpoolFile) -> None:
+    """Remove a contradicted fragment's file (readers never saw it)."""
+    file.unlinked = True
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(file.path)
+
+
+def _members(route: pb.Route, me: pb.ProcessId) -> list[str]:
+    return [
+        route.endpoints[i]
+        for i, m in enumerate(route.members)
+        if (m.zone, m.suffix) != (me.zone, me.suffix) and i < len(route.endpoints) and route.endpoints[i]
+    ]
+
+
+async def verify_replica(broker: Broker, replica: Replica) -> None:
+    """Check a replica's recovered fragments until none is left, adopting or dropping each (see the
+    module docstring). Runs as one of the replica's tasks."""
+    pause = RETRY[0]
+    while replica.unverified:
+        changed = replica.route_changed
+        res = await broker.resolver.resolve(replica.journal)
+        if res.status == pb.OK and res.replica is replica:
+            members = _members(res.route, broker.process_id)
+            if (replica.synchronized.is_set() or not members) and await _listed(replica):
+                store = [f for f, fl in replica.index.fragments() if fl is None]
+                for frag, file in list(replica.unverified):
+                    verdict = await check(frag, file, store, members, broker.channel)
+                    if verdict is Verdict.KEEP:
+                        replica.adopt(frag, file)
+                    elif verdict is Verdict.DROP:
+                        replica.unverified.remove((frag, file))
+                        drop(frag, file)
+                if not replica.unverified:
+                    return
+        waits = [asyncio.ensure_future(e.wait()) for e in (changed, replica.synchronized)]
+        try:
+            await asyncio.wait(waits, timeout=pause)
+        finally:
+            for w in waits:
+                w.cancel()
+        pause = min(pause * 2, RETRY[1])
+
+
+async def _listed(replica: Replica) -> bool:
+    """List the stores afresh (a store written meanwhile must be seen) -> False if listing failed."""
+    try:
+        await replica.refresh_now()
+    except Exception:  # the refresh loop reports it
+        return False
+    return True
+
+
+async def verify_unassigned(broker: Broker, journal: str, fragments: list[tuple[Fragment, SpoolFile]]) -> None:
+    """Check fragments recovered for a journal this broker does not replicate against its route's
+    members and stores; persist those that hold up. Stops if the journal is assigned here (its
+    replica recovers the same files and checks them itself) or after `UNASSIGNED_GIVE_UP`."""
+    pending = list(fragments)
+    pause = RETRY[0]
+    deadline = asyncio.get_running_loop().time() + UNASSIGNED_GIVE_UP
+    while pending and asyncio.get_running_loop().time() < deadline:
+        res = await broker.resolver.resolve(journal)
+        if res.status == pb.OK and res.replica is not None:
+            return
+        item = broker.resolver.state.items.get(journal)
+        if item is None:
+            return  # deleted meanwhile
+        default = [broker.config.default_store] if broker.config.default_store else []
+        stores = list(item.spec.fragment.stores) or default
+        if not stores:
+            return  # nowhere to persist them: they wait on disk for the journal to come back
+        try:
+            listed = await asyncio.to_thread(store_for(stores[0]).list, journal)
+        except Exception as exc:
+            log.info("journal %s: listing %s to check recovered fragments failed: %s", journal, stores[0], exc)
+            listed = None
+        if listed is not None:
+            members = _members(res.route, broker.process_id) if res.status == pb.OK else []
+            for frag, file in list(pending):
+                verdict = await check(frag, file, listed, members, broker.channel)
+                if verdict is Verdict.KEEP:
+                    broker.persister.submit(frag, file, stores[0], delay=0.01)
+                elif verdict is Verdict.DROP:
+                    drop(frag, file)
+                if verdict is not Verdict.UNKNOWN:
+                    pending.remove((frag, file))
+        if pending:
+            await asyncio.sleep(pause)  # a member or store was unavailable: a retry with backoff
+            pause = min(pause * 2, RETRY[1])
