@@ -14,13 +14,22 @@ offset. So a recovered fragment joins the replica's index and the persister only
   list and non-proxied reads of what it holds locally: bytes a member serves must be equal; offsets
   no member holds contradict nothing (the other replicas rolled past them: this copy is the one).
 
-A replica asks its route's members only once a pipeline of that route has synchronized its spool:
-every member is then at or past the recovered end and never commits below it again, whereas a
-member still behind might write there later. A contradicted fragment is dropped (its file removed,
-with a warning); one that cannot be checked yet (a member unreachable, a store failing) is checked
-again later and meanwhile neither served nor persisted (readers wait at its offsets). Fragments a
-broker recovers for journals it no longer replicates are checked the same way, against the route's
-members, and persisted if they hold up.
+A contradiction can be seen at any time (committed bytes never change), but agreement is final only
+once no member can still write at those offsets. So a replica checks twice. Before its spool
+resumes (`before_sync`, bounded), it drops the first contradicted fragment and every later one (the
+same abandoned history) and resumes at that fragment's begin instead of its recovered end: resuming
+past them would make the journal roll over offsets nobody holds. It keeps the rest only after a
+pipeline of its route synchronized the spool (`after_sync`): every member is then at or past the
+recovered end and never commits below it again. A fragment that cannot be checked yet (a member
+unreachable, a store failing) is checked again later and meanwhile neither served nor persisted
+(readers wait at its offsets).
+
+Fragments a broker recovers for journals it no longer replicates are checked against the route's
+members too (`verify_unassigned`), and persisted only where some member is already past them: a tail
+the journal never reached (a primary's commit its peers never got) stays on disk, since persisting
+it would leave the journal's brokers refusing appends (INDEX_HAS_GREATER_OFFSET) until a reset-head.
+A drop there also lowers the directory's HEAD, so a replica recovering it later does not resume
+past what was dropped.
 
 Gazette has no such step: it never recovers spools, so a broker restarted on its disk loses what it
 had not persisted. Ours keeps it, and this check is what keeps that from forking the journal. One
@@ -36,12 +45,14 @@ import enum
 import logging
 import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
 
+from tidings.broker.replica import spool_directory
 from tidings.fragment.fragment import Fragment
-from tidings.fragment.spool import SpoolFile
+from tidings.fragment.spool import SpoolFile, lower_head
 from tidings.fragment.store import store_for
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.protocol_pb2_grpc import JournalStub
@@ -55,6 +66,7 @@ log = logging.getLogger(__name__)
 CHUNK = 1 << 20
 RETRY = (0.5, 10.0)  # first and largest pause between checks of fragments that could not be checked
 MEMBER_TIMEOUT = 30.0  # seconds one member may take to answer for one fragment
+BEFORE_SYNC_TIMEOUT = 10.0  # seconds a recovering replica spends looking for contradictions before it resumes
 UNASSIGNED_GIVE_UP = 3600.0  # seconds a broker keeps checking fragments of a journal it does not replicate
 
 
@@ -62,6 +74,7 @@ class Verdict(enum.Enum):
     KEEP = "keep"  # nothing contradicts it: serve and persist it
     DROP = "drop"  # another copy of the journal holds other bytes at its offsets
     UNKNOWN = "unknown"  # a member or store could not be asked: ask again later
+    AHEAD = "ahead"  # nothing contradicts it, but no member is past it yet (asked with need_past)
 
 
 class _Contradiction(Exception):
@@ -103,12 +116,13 @@ def _check_store_fragment(frag: Fragment, file: SpoolFile, other: Fragment) -> N
             stream.close()
 
 
-async def _check_member(channel: grpc.aio.Channel, frag: Fragment, file: SpoolFile) -> bool:
-    """Compare what one member holds locally of `frag`'s offsets -> False if it cannot answer now."""
+async def _check_member(channel: grpc.aio.Channel, frag: Fragment, file: SpoolFile) -> int | None:
+    """Compare what one member holds locally of `frag`'s offsets -> the end of the member's index, or
+    None if it cannot answer now."""
     stub = JournalStub(channel)
     listing = await stub.ListFragments(pb.FragmentsRequest(journal=frag.journal, do_not_proxy=True))
     if listing.status != pb.OK:
-        return False
+        return None
     for entry in listing.fragments:
         other = Fragment.from_proto(entry.spec)
         begin, end = _overlap(other, frag.begin, frag.end)
@@ -119,10 +133,10 @@ async def _check_member(channel: grpc.aio.Channel, frag: Fragment, file: SpoolFi
         req = pb.ReadRequest(journal=frag.journal, offset=begin, end_offset=end, do_not_proxy=True)
         async for resp in stub.Read(req):
             if resp.status != pb.OK:
-                return False  # it no longer holds them as listed: ask again
+                return None  # it no longer holds them as listed: ask again
             if resp.content:
                 _same_as(frag, file, resp.offset, resp.content)
-    return True
+    return max((e.spec.end for e in listing.fragments), default=0)
 
 
 async def check(
@@ -131,16 +145,21 @@ async def check(
     store_fragments: Iterable[Fragment],
     members: Iterable[str],
     channel: Callable[[str], grpc.aio.Channel],
+    need_past: bool = False,
 ) -> Verdict:
-    """Whether the recovered `frag` (content in `file`) agrees with the journal's stores and members."""
+    """Whether the recovered `frag` (content in `file`) agrees with the journal's stores and members.
+    `need_past`: KEEP only if some member's index already reaches past it."""
+    furthest = -1
     try:
         for other in store_fragments:
             if other.begin < frag.end and frag.begin < other.end:
                 await asyncio.to_thread(_check_store_fragment, frag, file, other)
         for endpoint in members:
             async with asyncio.timeout(MEMBER_TIMEOUT):
-                if not await _check_member(channel(endpoint), frag, file):
-                    return Verdict.UNKNOWN
+                end = await _check_member(channel(endpoint), frag, file)
+            if end is None:
+                return Verdict.UNKNOWN
+            furthest = max(furthest, end)
     except _Contradiction as exc:
         log.warning(
             "journal %s: recovered fragment [%d, %d) differs from the journal's content (at %s): dropping it",
@@ -150,7 +169,7 @@ async def check(
     except (OSError, grpc.RpcError, TimeoutError) as exc:
         log.info("journal %s: cannot check recovered [%d, %d) yet: %s", frag.journal, frag.begin, frag.end, exc)
         return Verdict.UNKNOWN
-    return Verdict.KEEP
+    return Verdict.AHEAD if need_past and furthest < frag.end else Verdict.KEEP
 
 
 def drop(frag: Fragment, file: SpoolFile) -> None:
@@ -158,6 +177,15 @@ def drop(frag: Fragment, file: SpoolFile) -> None:
     file.unlinked = True
     with contextlib.suppress(FileNotFoundError):
         os.unlink(file.path)
+
+
+def drop_from(pending: list[tuple[Fragment, SpoolFile]], i: int) -> int:
+    """Drop pending[i] and every later fragment (the same abandoned history); -> the first one's begin."""
+    begin = pending[i][0].begin
+    for frag, file in pending[i:]:
+        drop(frag, file)
+    del pending[i:]
+    return begin
 
 
 def _members(route: pb.Route, me: pb.ProcessId) -> list[str]:
@@ -168,19 +196,43 @@ def _members(route: pb.Route, me: pb.ProcessId) -> list[str]:
     ]
 
 
-async def verify_replica(broker: Broker, replica: Replica) -> None:
-    """Check a replica's recovered fragments until none is left, adopting or dropping each (see the
-    module docstring). Runs as one of the replica's tasks."""
-    pause = RETRY[0]
-    while replica.unverified:
-        changed = replica.route_changed
-        res = await broker.resolver.resolve(replica.journal)
-        if res.status == pb.OK and res.replica is replica:
-            members = _members(res.route, broker.process_id)
-            if (replica.synchronized.is_set() or not members) and await _listed(replica):
+class RecoveryChecks:
+    """A broker's checks of its replicas' recovered fragments (see the module docstring)."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+
+    async def _members(self, replica: Replica) -> list[str] | None:
+        res = await self.broker.resolver.resolve(replica.journal)
+        if res.status != pb.OK or res.replica is not replica:
+            return None
+        return _members(res.route, self.broker.process_id)
+
+    async def before_sync(self, replica: Replica) -> int | None:
+        """Drop the first recovered fragment the journal contradicts and every later one, before the
+        spool resumes -> where the spool must resume instead (None: nothing dropped). Bounded."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(BEFORE_SYNC_TIMEOUT):
+                members = await self._members(replica)
+                if members is None or not await _listed(replica):
+                    return None
+                store = [f for f, fl in replica.index.fragments() if fl is None]
+                for i, (frag, file) in enumerate(replica.unverified):
+                    if await check(frag, file, store, members, self.broker.channel) is Verdict.DROP:
+                        return drop_from(replica.unverified, i)
+        return None
+
+    async def after_sync(self, replica: Replica) -> None:
+        """Check the replica's recovered fragments until none is left, adopting or dropping each. Runs
+        as one of the replica's tasks."""
+        pause = RETRY[0]
+        while replica.unverified:
+            changed = replica.route_changed
+            members = await self._members(replica)
+            if members is not None and (replica.synchronized.is_set() or not members) and await _listed(replica):
                 store = [f for f, fl in replica.index.fragments() if fl is None]
                 for frag, file in list(replica.unverified):
-                    verdict = await check(frag, file, store, members, broker.channel)
+                    verdict = await check(frag, file, store, members, self.broker.channel)
                     if verdict is Verdict.KEEP:
                         replica.adopt(frag, file)
                     elif verdict is Verdict.DROP:
@@ -188,13 +240,13 @@ async def verify_replica(broker: Broker, replica: Replica) -> None:
                         drop(frag, file)
                 if not replica.unverified:
                     return
-        waits = [asyncio.ensure_future(e.wait()) for e in (changed, replica.synchronized)]
-        try:
-            await asyncio.wait(waits, timeout=pause)
-        finally:
-            for w in waits:
-                w.cancel()
-        pause = min(pause * 2, RETRY[1])
+            waits = [asyncio.ensure_future(e.wait()) for e in (changed, replica.synchronized)]
+            try:
+                await asyncio.wait(waits, timeout=pause)
+            finally:
+                for w in waits:
+                    w.cancel()
+            pause = min(pause * 2, RETRY[1])
 
 
 async def _listed(replica: Replica) -> bool:
@@ -208,18 +260,19 @@ async def _listed(replica: Replica) -> bool:
 
 async def verify_unassigned(broker: Broker, journal: str, fragments: list[tuple[Fragment, SpoolFile]]) -> None:
     """Check fragments recovered for a journal this broker does not replicate against its route's
-    members and stores; persist those that hold up. Stops if the journal is assigned here (its
-    replica recovers the same files and checks them itself) or after `UNASSIGNED_GIVE_UP`."""
+    members and stores; persist those some member is already past (see the module docstring). The
+    broker cancels it when the journal is assigned here (the replica recovers the directory itself);
+    it gives up after `UNASSIGNED_GIVE_UP`, leaving what is left on disk."""
     pending = list(fragments)
+    said: set[int] = set()
+    directory = spool_directory(Path(broker.config.data_dir), journal)
     pause = RETRY[0]
     deadline = asyncio.get_running_loop().time() + UNASSIGNED_GIVE_UP
     while pending and asyncio.get_running_loop().time() < deadline:
         res = await broker.resolver.resolve(journal)
-        if res.status == pb.OK and res.replica is not None:
-            return
         item = broker.resolver.state.items.get(journal)
-        if item is None:
-            return  # deleted meanwhile
+        if item is None or res.replica is not None:
+            return  # deleted meanwhile, or assigned here
         default = [broker.config.default_store] if broker.config.default_store else []
         stores = list(item.spec.fragment.stores) or default
         if not stores:
@@ -229,16 +282,23 @@ async def verify_unassigned(broker: Broker, journal: str, fragments: list[tuple[
         except Exception as exc:
             log.info("journal %s: listing %s to check recovered fragments failed: %s", journal, stores[0], exc)
             listed = None
-        if listed is not None:
-            members = _members(res.route, broker.process_id) if res.status == pb.OK else []
+        members = _members(res.route, broker.process_id) if res.status == pb.OK else []
+        if listed is not None and members:
             for frag, file in list(pending):
-                verdict = await check(frag, file, listed, members, broker.channel)
+                verdict = await check(frag, file, listed, members, broker.channel, need_past=True)
                 if verdict is Verdict.KEEP:
                     broker.persister.submit(frag, file, stores[0], delay=0.01)
-                elif verdict is Verdict.DROP:
-                    drop(frag, file)
-                if verdict is not Verdict.UNKNOWN:
                     pending.remove((frag, file))
+                elif verdict is Verdict.DROP:
+                    lower_head(directory, journal, drop_from(pending, pending.index((frag, file))))
+                    break
+                elif verdict is Verdict.AHEAD and frag.begin not in said:
+                    said.add(frag.begin)
+                    log.info(
+                        "journal %s: recovered [%d, %d) is past the journal's end at its brokers; "
+                        "left on disk until they reach it or the journal is assigned here",
+                        journal, frag.begin, frag.end,
+                    )
         if pending:
-            await asyncio.sleep(pause)  # a member or store was unavailable: a retry with backoff
+            await asyncio.sleep(pause)  # a member or store was unavailable, or the journal is not past them yet
             pause = min(pause * 2, RETRY[1])

@@ -38,6 +38,7 @@ from tidings.protocol import protocol_pb2 as pb
 
 if TYPE_CHECKING:
     from tidings.broker.pipeline import Pipeline
+    from tidings.broker.recovery import RecoveryChecks
     from tidings.fragment.persister import Persister
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class Replica:
     * `recovered` - what this broker's previous process left for the journal, if already read.
     * `journal_revision` - the create revision of the journal's spec (a journal deleted and
       created again does not inherit the old one's spool).
-    * `verify` - checks the recovered fragments (`broker.recovery.verify_replica`); without it they
+    * `recovery` - checks the recovered fragments (`broker.recovery.RecoveryChecks`); without it they
       are adopted as found.
     """
 
@@ -75,7 +76,7 @@ class Replica:
         persist_delay: float = 60.0,
         recovered: Recovered | None = None,
         journal_revision: int = 0,
-        verify: Callable[[Replica], Awaitable[None]] | None = None,
+        recovery: RecoveryChecks | None = None,
     ) -> None:
         self.journal = journal
         self.spec = spec
@@ -97,7 +98,7 @@ class Replica:
         self.store_error: str | None = None  # why the latest store listing failed, if it did
         self._refreshed = asyncio.Event()  # set after every listing attempt, successful or not
         self._recovered = recovered
-        self._verify = verify
+        self._recovery = recovery
         self.unverified: list[tuple[Fragment, SpoolFile]] = []  # recovered, not yet checked (never served)
         # Set once a pipeline of this replica's route synchronized the spool (every member is then at or
         # past the end it recovered): from then on, what members hold below it is final.
@@ -196,11 +197,11 @@ class Replica:
         self.spawn(self._refresh_loop(), f"refresh:{self.journal}")
         self.spawn(pulse(self), f"pulse:{self.journal}")
         if self.unverified:
-            if self._verify is None:
+            if self._recovery is None:
                 for frag, file in list(self.unverified):
                     self.adopt(frag, file)
             else:
-                self.spawn(self._verify(self), f"verify:{self.journal}")
+                self.spawn(self._recovery.after_sync(self), f"verify:{self.journal}")
 
     def _release_spool(self) -> None:
         """Put the spool in its slot for the first time (once recovered, or when closing before that)."""
@@ -218,10 +219,14 @@ class Replica:
             if rec is None:
                 rec = await asyncio.to_thread(recover, self.journal, self.directory, self.journal_revision)
             self.unverified = [(frag, file) for frag, file in rec.fragments if not file.unlinked]
+            end = rec.end
+            if self.unverified and self._recovery is not None:
+                dropped_at = await self._recovery.before_sync(self)
+                end = end if dropped_at is None else min(end, dropped_at)
             if rec.end and spool.end == 0 and spool.delta == 0:
-                spool.resume(rec.end, rec.registers, rec.codec)
+                spool.resume(end, rec.registers, rec.codec)  # HEAD too: never past what was dropped
                 log.info("journal %s: recovered the spool at offset %d (%d local fragments to check)",
-                         self.journal, rec.end, len(self.unverified))
+                         self.journal, end, len(self.unverified))
         finally:
             self._release_spool()
 

@@ -40,7 +40,7 @@ from tidings.broker import _metrics as metrics
 from tidings.broker.append_api import serve_append
 from tidings.broker.append_fsm import AppendFSM
 from tidings.broker.read_api import serve_read
-from tidings.broker.recovery import verify_replica, verify_unassigned
+from tidings.broker.recovery import RecoveryChecks, verify_unassigned
 from tidings.broker.replica import Replica, spool_directory
 from tidings.broker.replicate_api import serve_replicate
 from tidings.broker.resolver import Resolver
@@ -116,6 +116,8 @@ class Broker:
         self.endpoint = ""
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._unassigned: dict[str, asyncio.Task[None]] = {}  # checks of journals recovered but not assigned here
+        self.recovery = RecoveryChecks(self)
         self.stopped = asyncio.Event()
         self._metrics_server = None
 
@@ -190,7 +192,7 @@ class Broker:
         log.info("%s stopping (%s)", who, "handing its journals off first" if graceful and not lost else "no hand-off")
         if graceful and not lost:
             await self._hand_off(cfg.exit_timeout)
-        for task in self._tasks:
+        for task in [*self._tasks, *self._unassigned.values()]:
             task.cancel()
         with contextlib.suppress(Exception):
             await self.allocator.aclose()
@@ -367,6 +369,10 @@ class Broker:
 
     def _new_replica(self, journal: str, spec: pb.JournalSpec, revision: int) -> Replica:
         cfg = self.config
+        recovered = self._recovered.pop(journal, None)
+        unassigned = self._unassigned.pop(journal, None)
+        if unassigned is not None:
+            unassigned.cancel()  # the replica recovers the directory itself (after it, nothing is dropped)
         return Replica(
             journal,
             spec,
@@ -374,20 +380,29 @@ class Broker:
             self.persister,
             default_store=cfg.default_store,
             persist_delay=cfg.persist_delay,
-            recovered=self._recovered.pop(journal, None),
+            recovered=recovered if recovered is not None and recovered.journal_revision == revision else None,
             journal_revision=revision,
-            verify=functools.partial(verify_replica, self),
+            recovery=self.recovery,
         )
 
     def _verify_unassigned(self) -> None:
         """Check, then persist, what a previous process left on disk for journals this broker does not
-        replicate now (`recovery.verify_unassigned`; a replica created later checks its own)."""
-        for journal, rec in list(self._recovered.items()):
+        replicate now (`recovery.verify_unassigned`; a replica created later recovers and checks the
+        directory itself)."""
+        for journal in list(self._recovered):
+            rec = self._recovered.pop(journal)
             if rec.fragments:
                 task = asyncio.create_task(
                     verify_unassigned(self, journal, rec.fragments), name=f"verify-unassigned:{journal}"
                 )
-                self._tasks.append(task)
+                task.add_done_callback(functools.partial(self._unassigned_done, journal))
+                self._unassigned[journal] = task
+
+    def _unassigned_done(self, journal: str, task: asyncio.Task[None]) -> None:
+        if self._unassigned.get(journal) is task:
+            del self._unassigned[journal]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("journal %s: checking recovered fragments failed", journal, exc_info=task.exception())
 
     def _on_persisted(self, fragment: Fragment, file: SpoolFile | str) -> None:
         replica = self.resolver.replicas.get(fragment.journal)

@@ -374,18 +374,18 @@ class Spool:
 
     def _write_head(self) -> None:
         self._head_dirty = False
-        payload = pb.SpoolHead(
+        head = pb.SpoolHead(
             acknowledged_end=self.acked_end,
             registers=self.acked_registers,
             compression_codec=self.fragment.codec,
             journal_revision=self.journal_revision,
             committed_end=self.fragment.end,
             committed_registers=self.registers,
-        ).SerializeToString()
+        )
         if self._head_fd is None:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._head_fd = os.open(self.directory / HEAD, os.O_WRONLY | os.O_CREAT, 0o644)
-        os.pwrite(self._head_fd, _HEAD_PREFIX.pack(zlib.crc32(payload), len(payload)) + payload, 0)
+        os.pwrite(self._head_fd, _encode_head(head), 0)
         if self._closed:
             self._close_head()  # a late acknowledgement: no descriptor outlives the spool's close
 
@@ -416,8 +416,30 @@ class Recovered:
 
     fragments: list[tuple[Fragment, SpoolFile]] = field(default_factory=list)
     end: int = 0  # the committed end recorded in HEAD: where the spool resumes (0: nothing recorded)
+    journal_revision: int = 0  # of the journal it was recovered for (one deleted and created again differs)
     registers: pb.LabelSet = field(default_factory=pb.LabelSet)
     codec: int = pb.NONE
+
+
+def _encode_head(head: pb.SpoolHead) -> bytes:
+    payload = head.SerializeToString()
+    return _HEAD_PREFIX.pack(zlib.crc32(payload), len(payload)) + payload
+
+
+def lower_head(directory: Path, journal: str, end: int) -> None:
+    """Record that this replica holds nothing committed from `end` on: recovered content there was
+    dropped (the journal holds other bytes), so a later recovery must not resume past it (the journal
+    would roll over offsets nobody holds). Only for a directory no live spool owns."""
+    head = _read_head(directory / HEAD, journal)
+    if head is None or (head.committed_end or head.acknowledged_end) <= end:
+        return
+    head.committed_end = end
+    head.acknowledged_end = min(head.acknowledged_end, end)
+    fd = os.open(directory / HEAD, os.O_WRONLY)
+    try:
+        os.pwrite(fd, _encode_head(head), 0)
+    finally:
+        os.close(fd)
 
 
 def _read_head(path: Path, journal: str) -> pb.SpoolHead | None:
@@ -467,7 +489,7 @@ def recover(journal: str, directory: Path, journal_revision: int = 0) -> Recover
     incarnation of the journal than `journal_revision`) is removed. A HEAD written before HEAD held
     the committed end counts its acknowledged end instead.
     """
-    out = Recovered()
+    out = Recovered(journal_revision=journal_revision)
     if not directory.is_dir():
         return out
     head = _read_head(directory / HEAD, journal)
