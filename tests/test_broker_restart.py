@@ -174,7 +174,7 @@ async def test_a_commit_no_peer_acknowledged_does_not_come_back_over_a_later_app
         p = next(b for b in lc.brokers if b.suffix == route.members[route.primary].suffix)
         p.kill()
         # What the primary's disk holds had it died right after applying a commit no peer got: its
-        # content, past the acknowledged end of its current spool file (a commit writes no HEAD).
+        # content, past the committed end its HEAD records (the primary records it when peers acknowledge).
         directory = spool_directory(p.data_dir, J)
         current = next(f for f in directory.iterdir() if f.name.startswith("spool-"))
         await asyncio.to_thread(_append_to, current, b"X" * 200)

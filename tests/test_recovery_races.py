@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.waiting import wait_until
 from tidings.broker import replica as replica_module
 from tidings.broker.pipeline import Pipeline
 from tidings.broker.replica import Replica
@@ -68,8 +67,7 @@ async def test_an_append_acknowledged_while_its_replica_closes_is_in_no_head(tmp
             return fut
 
         first = await (await append(b"first"))
-        assert first.error is None and spool.acked_end == 5
-        await wait_until(lambda: peer_spool.acked_end == 5)  # the ack note reached the peer
+        assert first.error is None
 
         release.clear()  # the peer's answer to the next append is on its way
         fut = await append(b"second")
@@ -104,7 +102,7 @@ def test_recovery_killed_after_copying_a_prefix_keeps_the_acknowledged_prefix(tm
     sp = Spool("j", directory)
     sp.apply(pb.ReplicateRequest(content=b"hello", content_delta=0))
     sp.apply_proposal(sp.next_fragment(), pb.LabelSet())
-    sp.acknowledge(5)
+    sp.flush_head()
     sp.apply(pb.ReplicateRequest(content=b"world", content_delta=0))
     sp.apply_proposal(sp.next_fragment(), pb.LabelSet())  # committed, never acknowledged
     del sp  # kill -9

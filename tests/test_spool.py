@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import struct
+import zlib
 from pathlib import Path
 
 import pytest
@@ -214,7 +216,6 @@ def test_recover_keeps_what_was_committed_and_nothing_past_it(tmp_path: Path) ->
     sp.apply_proposal(frag(5, 5), r1)  # completed, not persisted
     sp.apply_content(b"second", 0)
     sp.apply_proposal(frag(5, 11, b"second"), r1)
-    sp.acknowledge(11)  # every replica has [0, 11)
     sp.apply_content(b"third", 0)
     sp.apply_proposal(frag(5, 16, b"secondthird"), r2)  # committed here, never acknowledged
     sp.flush_head()  # as a peer does before answering the commit
@@ -241,22 +242,23 @@ def test_a_peer_recovers_every_commit_it_answered_whatever_the_primary_told_it(t
     the append is neither lost nor its offsets handed out again."""
     directory = tmp_path / "peer"
     sp = Spool("j", directory)
-    _peer_commit(sp, b"acked by all")  # [0, 12), told to a client; no acknowledged_end ever reached us
-    assert sp.acked_end == 0
+    _peer_commit(sp, b"acked by all")  # [0, 12), told to a client by the primary
     del sp  # kill -9
     got = recover("j", directory)
     assert got.end == 12
     assert [(f.begin, f.end, fl.pread(100, 0)) for f, fl in got.fragments] == [(0, 12, b"acked by all")]
 
 
-def test_peers_learn_the_acknowledged_offset_from_the_primary(tmp_path: Path) -> None:
+def test_a_head_written_before_committed_end_existed_recovers_to_its_acknowledged_end(tmp_path: Path) -> None:
+    """A data dir from an earlier version: HEAD holds only the acknowledged end and its registers."""
+    r1 = labels.label_set({"writer": "w1"})
     sp = Spool("a/j", tmp_path, Recorder())
-    req = pb.ReplicateRequest(content=b"abc", content_delta=0, proposal=frag(0, 3, b"abc").to_proto())
-    assert sp.apply(req).status == pb.OK and sp.acked_end == 0
-    assert sp.apply(pb.ReplicateRequest(acknowledged_end=3)).status == pb.OK  # a request may carry only that
-    assert sp.acked_end == 3
-    sp.flush_head()
-    assert _read_head(tmp_path / HEAD, "a/j").acknowledged_end == 3
+    sp.apply(pb.ReplicateRequest(content=b"abcdef", content_delta=0, proposal=frag(0, 6, b"abcdef").to_proto()))
+    old = pb.SpoolHead(acknowledged_end=3, registers=r1).SerializeToString()
+    (tmp_path / HEAD).write_bytes(struct.pack("<II", zlib.crc32(old), len(old)) + old)
+    got = recover("a/j", tmp_path)
+    assert got.end == 3 and got.registers == r1
+    assert [(f.begin, f.end, fl.pread(10, 0)) for f, fl in got.fragments] == [(0, 3, b"abc")]
 
 
 def test_recover_forgets_an_earlier_journal_of_the_same_name(tmp_path: Path) -> None:
@@ -264,7 +266,7 @@ def test_recover_forgets_an_earlier_journal_of_the_same_name(tmp_path: Path) -> 
     sp.journal_revision = 7
     sp.apply_content(b"old", 0)
     sp.apply_proposal(frag(0, 3, b"old"), labels.label_set({"owner": "old"}))
-    sp.acknowledge(3)
+    sp.flush_head()
     got = recover("a/j", tmp_path, journal_revision=9)  # deleted and created again since
     assert got.end == 0 and got.fragments == [] and list(tmp_path.iterdir()) == []
 
@@ -274,7 +276,7 @@ def test_recover_drops_damaged_files_and_head(tmp_path: Path) -> None:
     sp.apply_content(b"abc", 0)
     sp.apply_proposal(frag(0, 3, b"abc"), pb.LabelSet())
     sp.apply_proposal(frag(3, 3), pb.LabelSet())
-    sp.acknowledge(3)
+    sp.flush_head()
     completed = next(p for p in tmp_path.iterdir() if p.name.endswith(".spool"))
     completed.write_bytes(b"abX")  # corrupted
     assert recover("a/j", tmp_path).fragments == []
@@ -291,7 +293,7 @@ def test_a_live_spool_keeps_its_bytes_whatever_recover_does_elsewhere(tmp_path: 
     sp = Spool("a/j", tmp_path)
     sp.apply(pb.ReplicateRequest(content=b"0123456789", content_delta=0))
     sp.apply_proposal(sp.next_fragment(), pb.LabelSet())
-    sp.acknowledge(10)
+    sp.flush_head()
     sp.apply(pb.ReplicateRequest(content=b"abcde", content_delta=0))
     sp.apply(pb.ReplicateRequest(content=b"fgh", content_delta=5))
     assert sp.apply_proposal(sp.next_fragment(), pb.LabelSet()).status == pb.OK
@@ -319,7 +321,6 @@ def test_recovering_a_reassigned_journal_leaves_the_earlier_replicas_pending_per
     directory = tmp_path / "spools" / "j"
     spool = Spool("j", directory)
     _peer_commit(spool, b"acked")  # [0, 5)
-    spool.acknowledge(5)  # told by the primary's next proposal
     _peer_commit(spool, b"later")  # [5, 10): the primary acknowledged it; this peer never heard so
     held = spool.file
     assert held is not None
@@ -336,14 +337,16 @@ def test_recovering_a_reassigned_journal_leaves_the_earlier_replicas_pending_per
 
 def test_a_late_acknowledgement_to_a_closed_spool_is_recorded_and_holds_no_descriptor(tmp_path: Path) -> None:
     """A replica closes its spool while its pipeline's teardown still reads acknowledgements: one that
-    arrives then was (or is about to be) told to a client, so HEAD records it; no descriptor stays open.
+    arrives then is (or is about to be) told to a client, so HEAD covers it (close flushes); no descriptor
+    stays open.
     (The journal's next replica on this broker recovers only after that teardown.)"""
     directory = tmp_path / "spools" / "j"
     sp = Spool("j", directory)
-    _peer_commit(sp, b"hello")
+    sp.apply(pb.ReplicateRequest(content=b"hello", content_delta=0))
+    sp.apply_proposal(sp.next_fragment(), pb.LabelSet(), primary=True)  # the primary's commit, not yet flushed
     sp.close()
-    sp.acknowledge(5)  # the late acknowledgement
-    assert _read_head(directory / HEAD, "j").acknowledged_end == 5
+    assert _read_head(directory / HEAD, "j").committed_end == 5
+    sp.flush_head()  # the late acknowledgement
     assert sp._head_fd is None
 
 
@@ -356,7 +359,6 @@ def test_a_file_unlinked_while_it_is_recovered_is_skipped_not_recreated(tmp_path
     directory = tmp_path / "spools" / "j"
     sp = Spool("j", directory)
     _peer_commit(sp, b"hello")
-    sp.acknowledge(5)
     sp.close()
     real = spool_module._sha1_of
 

@@ -36,10 +36,6 @@ from tidings.protocol import protocol_pb2 as pb
 log = logging.getLogger(__name__)
 
 TEARDOWN_TIMEOUT = 10.0  # seconds a shutdown waits for peers to answer and end their streams
-# Seconds after an acknowledgement with no request following to carry it, after which the peers are
-# told the acknowledged end in a note of its own: their HEADs then lag the primary's by milliseconds,
-# not until the next append or pulse (a peer that recovers alone recovers no further than its HEAD).
-ACK_NOTE_DELAY = 0.005
 
 
 class PipelineError(Exception):
@@ -78,8 +74,6 @@ class Pipeline:
         self._recv_errs: list[str | None] = [None] * len(streams)
         # (answers' future, every answer must be OK, the end its proposal commits or -1)
         self._expected: collections.deque[tuple[asyncio.Future[Acknowledgements], bool, int]] = collections.deque()
-        self._told_acked = 0  # the acknowledged offset last sent to the peers
-        self._note: asyncio.TimerHandle | None = None  # a pending note of the acknowledged end
         self._wake = asyncio.Event()
         self._closing = False
         self._receiver = asyncio.get_running_loop().create_task(
@@ -116,8 +110,6 @@ class Pipeline:
         """
         if self._closing:
             raise PipelineError("the pipeline was shut down")
-        if req.HasField("proposal"):
-            req.acknowledged_end = self._told_acked = self.spool.acked_end  # peers record it (SpoolHead)
         resp = self.spool.apply(req, primary=True)
         if resp.status != pb.OK:  # proposals are derived from this very spool: a bug if it happens
             self.broken = f"the primary's own spool refused a proposal: {pb.Status.Name(resp.status)}"
@@ -201,23 +193,9 @@ class Pipeline:
             if error is not None and (self.broken is None or self.broken == "shut down"):
                 self.broken = error
             if error is None and proposed_end >= 0 and all(r is not None and r.status == pb.OK for r in responses):
-                self.spool.acknowledge(proposed_end)  # every replica holds it: recorded before anyone hears OK
-                if self._note is None:
-                    self._note = asyncio.get_running_loop().call_later(ACK_NOTE_DELAY, self._send_note)
+                self.spool.flush_head()  # our own commit is recorded before anyone hears OK
             if not fut.done():
                 fut.set_result(Acknowledgements(responses, error))
-
-    def _send_note(self) -> None:
-        """The ACK_NOTE_DELAY timer: no request carried the acknowledged end meanwhile."""
-        self._note = None
-        if not self._closing:
-            self._tell_acked()
-
-    def _tell_acked(self) -> None:
-        """Send the peers the acknowledged end in a note of its own, if they have not been told it."""
-        if self.spool.acked_end > self._told_acked:
-            self._told_acked = self.spool.acked_end
-            self._send_all(pb.ReplicateRequest(acknowledged_end=self._told_acked))
 
     def _receiver_done(self, task: asyncio.Task[None]) -> None:
         """A receive loop that died of a bug fails every waiting append rather than leaving it hanging."""
@@ -234,7 +212,6 @@ class Pipeline:
         try:
             async with asyncio.timeout(TEARDOWN_TIMEOUT):
                 await asyncio.shield(self._receiver)  # every expected acknowledgement is read (or failed)
-                self._tell_acked()  # so the peers' HEADs hold the last acknowledgements
                 for i, stream in enumerate(self.streams):
                     if self._send_errs[i] is None:
                         stream.close_send()
@@ -255,9 +232,6 @@ class Pipeline:
 
     def _finish(self) -> None:
         """Abort the streams and fail what still waits (idempotent)."""
-        if self._note is not None:
-            self._note.cancel()
-            self._note = None
         self._receiver.cancel()
         for stream in self.streams:
             stream.abort()

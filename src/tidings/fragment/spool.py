@@ -36,8 +36,7 @@ out again and no acknowledged append is lost with the other replicas. A commit i
 promise, though: the primary applies it before its peers have it, and a peer may hold a commit the
 others never got, which the journal's surviving replicas may have rolled past and written again.
 So what `recover()` finds is held back until verified against the journal's other replicas and
-stores (`tidings.broker.recovery`), never served or persisted before. HEAD also keeps the offset
-the primary last said every replica acknowledged (informational). Spool files are not fsynced:
+stores (`tidings.broker.recovery`), never served or persisted before. Spool files are not fsynced:
 durability comes from replication to R brokers (as in Gazette) and from persisting completed
 fragments; a kill -9 leaves the page cache intact, a power loss may not.
 
@@ -47,7 +46,6 @@ replica's `spool_slot`); nothing here is safe to call without holding it.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import enum
 import hashlib
@@ -169,16 +167,13 @@ class Spool:
         self.delta = 0
         self.file: SpoolFile | None = None
         self.first_append_time = 0.0  # unix time of the current Fragment's first commit (flush intervals)
-        self.acked_end = 0  # through here every replica acknowledged the commits (see the module docstring)
-        self.acked_registers = pb.LabelSet()
         self.journal_revision = 0  # the journal spec's create revision, recorded in HEAD
         self._sum = hashlib.sha1()  # SHA1 of committed content of the current Fragment
         self._pending: hashlib._Hash | None = None  # SHA1 including the uncommitted delta
-        self._unacked: collections.deque[tuple[int, pb.LabelSet]] = collections.deque()  # (end, registers)
         self._head_fd: int | None = None
         self._head_dirty = False
         # Closed: the replica gave the spool up, but its pipeline's teardown may still read acknowledgements
-        # (recorded, as before a client hears OK); the journal's next replica here recovers only after that.
+        # (HEAD is flushed, as before a client hears OK); the journal's next replica here recovers only after.
         self._closed = False
 
     def __repr__(self) -> str:
@@ -222,8 +217,6 @@ class Spool:
         resp = pb.ReplicateResponse(status=pb.OK)
         if req.HasField("proposal"):
             resp = self.apply_proposal(Fragment.from_proto(req.proposal), req.registers, primary)
-        if req.acknowledged_end > self.acked_end:
-            self.acknowledge(req.acknowledged_end, write=primary)  # a peer writes it before answering
         return resp
 
     def apply_content(self, content: bytes | memoryview, content_delta: int) -> None:
@@ -290,7 +283,6 @@ class Spool:
         self.registers = registers
         if not self.first_append_time:
             self.first_append_time = time.time()
-        self._unacked.append((proposal.end, registers))
         self._head_dirty = True
         if self.observer is not None:
             self.observer.spool_commit(proposal, self.file)
@@ -302,7 +294,6 @@ class Spool:
         self._complete(primary)
         if proposal.end > old.end:
             self.registers = registers
-            self._unacked.append((proposal.end, registers))
             self._head_dirty = True
         self.fragment = Fragment(
             journal=self.journal, begin=proposal.end, end=proposal.end, sum=EMPTY_SUM, codec=proposal.codec
@@ -353,30 +344,15 @@ class Spool:
 
     # -- HEAD ------------------------------------------------------------------------------
 
-    def acknowledge(self, end: int, write: bool = True) -> None:
-        """Every replica acknowledged the commits through `end`: record it (and the registers there) in
-        HEAD, now or (`write=False`) at the next `flush_head()`."""
-        end = min(end, self.fragment.end)
-        if end <= self.acked_end:
-            return
-        while self._unacked and self._unacked[0][0] <= end:
-            _, self.acked_registers = self._unacked.popleft()
-        self.acked_end = end
-        self._head_dirty = True
-        if write:
-            self.flush_head()
-
     def flush_head(self) -> None:
-        """Write HEAD if a commit or acknowledgement is not yet recorded there (a peer calls it before
-        answering a request)."""
+        """Write HEAD if a commit or roll is not yet recorded there: a peer before it answers a request,
+        the primary before a client hears OK."""
         if self._head_dirty:
             self._write_head()
 
     def _write_head(self) -> None:
         self._head_dirty = False
         head = pb.SpoolHead(
-            acknowledged_end=self.acked_end,
-            registers=self.acked_registers,
             compression_codec=self.fragment.codec,
             journal_revision=self.journal_revision,
             committed_end=self.fragment.end,
@@ -387,7 +363,7 @@ class Spool:
             self._head_fd = os.open(self.directory / HEAD, os.O_WRONLY | os.O_CREAT, 0o644)
         os.pwrite(self._head_fd, _encode_head(head), 0)
         if self._closed:
-            self._close_head()  # a late acknowledgement: no descriptor outlives the spool's close
+            self._close_head()  # read by a late acknowledgement: no descriptor outlives the spool's close
 
     def resume(self, end: int, registers: pb.LabelSet, codec: int) -> None:
         """Start at an empty Fragment at `end` with `registers`: where `recover()` found this spool's
@@ -395,9 +371,7 @@ class Spool:
         assert self.file is None and self.delta == 0
         self.fragment = Fragment(journal=self.journal, begin=end, end=end, sum=EMPTY_SUM, codec=codec)
         self.registers = registers
-        self.acked_end, self.acked_registers = end, registers
         self._sum = hashlib.sha1()
-        self._unacked.clear()
         self._write_head()
 
 

@@ -277,22 +277,20 @@ class AppendResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[Status, str]] = ..., header: _Optional[_Union[Header, _Mapping]] = ..., commit: _Optional[_Union[Fragment, _Mapping]] = ..., registers: _Optional[_Union[LabelSet, _Mapping]] = ..., total_chunks: _Optional[int] = ..., delayed_chunks: _Optional[int] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
-    __slots__ = ("header", "proposal", "registers", "content", "content_delta", "acknowledge", "acknowledged_end")
+    __slots__ = ("header", "proposal", "registers", "content", "content_delta", "acknowledge")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     REGISTERS_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     CONTENT_DELTA_FIELD_NUMBER: _ClassVar[int]
     ACKNOWLEDGE_FIELD_NUMBER: _ClassVar[int]
-    ACKNOWLEDGED_END_FIELD_NUMBER: _ClassVar[int]
     header: Header
     proposal: Fragment
     registers: LabelSet
     content: bytes
     content_delta: int
     acknowledge: bool
-    acknowledged_end: int
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., proposal: _Optional[_Union[Fragment, _Mapping]] = ..., registers: _Optional[_Union[LabelSet, _Mapping]] = ..., content: _Optional[bytes] = ..., content_delta: _Optional[int] = ..., acknowledge: _Optional[bool] = ..., acknowledged_end: _Optional[int] = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., proposal: _Optional[_Union[Fragment, _Mapping]] = ..., registers: _Optional[_Union[LabelSet, _Mapping]] = ..., content: _Optional[bytes] = ..., content_delta: _Optional[int] = ..., acknowledge: _Optional[bool] = ...) -> None: ...
 
 class SpoolHead(_message.Message):
     __slots__ = ("acknowledged_end", "registers", "compression_codec", "journal_revision", "committed_end", "committed_registers")

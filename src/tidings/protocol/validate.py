@@ -188,10 +188,8 @@ def append_content(r: pb.AppendRequest, ctx: str = "append") -> None:
 def replicate_request(r: pb.ReplicateRequest, ctx: str = "replicate") -> None:
     if r.HasField("header"):
         header(r.header, f"{ctx}.header")
-    if not r.content and not r.HasField("proposal") and not r.acknowledged_end:
+    if not r.content and not r.HasField("proposal"):
         raise ValidationError(ctx, "expected a proposal, content, or content then a proposal")
-    if r.acknowledged_end < 0:
-        raise ValidationError(f"{ctx}.acknowledged_end", "must not be negative")
     if r.HasField("proposal"):
         fragment(r.proposal, f"{ctx}.proposal")
         label_set(r.registers, f"{ctx}.registers")
