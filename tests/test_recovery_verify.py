@@ -174,3 +174,69 @@ def _spool_files(data_dir: Path, journal: str) -> list[str]:
     if not folder.is_dir():
         return []
     return [p.name for p in folder.iterdir() if p.name.startswith("spool-") and p.stat().st_size]
+
+
+async def test_a_tail_only_an_unassigned_broker_holds_is_persisted_when_the_journal_refuses_to_guess(
+    etcd, etcd_root, tmp_path
+) -> None:
+    """R=1. Broker H holds [x2 x3] past the journal's first (persisted) fragment; H and B are killed -9
+    together and B comes back first, so the journal is B's: B refuses to guess (INDEX_HAS_GREATER_OFFSET).
+    H comes back unassigned. Its tail is past B's end, but B is stuck rather than live below it, so H
+    persists the tail (the only copy of acknowledged appends), and the operator's reset-head lands after
+    every acknowledged byte."""
+    j = "verify/stuck"
+    lc = LocalCluster(brokers=2, zones=2, data_dir=tmp_path, etcd=etcd.endpoint, root=etcd_root)
+    lc.extra = list(FAST_BROKER_FLAGS)
+    try:
+        lc.start()
+        await create_local_journal(lc, j, 1, fragment={"length": "1MiB", "refresh_interval": "1s"})
+        async with AsyncClient(lc.endpoints[0]) as c:
+            x1 = await c.append(j, b"x1: the first write\n")
+            await c.append(j, b"x2: acknowledged, only on H\n")  # rolls: [x1] is persisted at once
+            x3 = await c.append(j, b"x3: acknowledged, only on H\n")
+        await wait_until(lambda: any(f.end == x1.end for f in store_for(lc.store_url).list(j)), 30)
+        route = await _route(lc.endpoints[0], j)
+        assert route is not None
+        h = next(bp for bp in lc.brokers if bp.suffix == route.members[route.primary].suffix)
+        b = next(bp for bp in lc.brokers if bp is not h)
+        h.kill()
+        b.kill()
+        await asyncio.to_thread(b.start)
+
+        async def refused() -> bool:
+            try:
+                async with AsyncClient(b.endpoint) as c:
+                    await asyncio.wait_for(c.append(j, b"not yet"), 10)
+            except IndexHasGreaterOffsetError:
+                return True
+            except (TidingsError, TimeoutError):
+                return False
+            raise AssertionError("B appended at its empty spool's offset without a reset-head")
+
+        await wait_until(refused, 60, interval=0.5)
+        await asyncio.to_thread(h.start)
+        await wait_until(lambda: any(f.end == x3.end for f in store_for(lc.store_url).list(j)), 60, interval=0.2)
+        route = await _route(b.endpoint, j)
+        assert route is not None and [m.suffix for m in route.members] == [b.suffix], "H was assigned the journal"
+
+        async def reset_head() -> bool:
+            try:
+                async with AsyncClient(b.endpoint) as c:
+                    await asyncio.wait_for(c.append(j, b"", offset=x3.end), 10)  # `journals reset-head`
+            except (TidingsError, TimeoutError):
+                return False
+            return True
+
+        await wait_until(reset_head, 60, interval=0.5)
+        async with AsyncClient(b.endpoint) as c:
+            y = await c.append(j, b"y: after the reset-head\n")
+            assert y.begin == x3.end
+            data = await c.read_all(j)
+        assert data == (
+            b"x1: the first write\nx2: acknowledged, only on H\nx3: acknowledged, only on H\ny: after the reset-head\n"
+        )
+        assert_no_fork(lc.store_url, j)
+    finally:
+        for bp in lc.brokers:
+            bp.kill()
+        lc.stop()

@@ -25,11 +25,14 @@ unreachable, a store failing) is checked again later and meanwhile neither serve
 (readers wait at its offsets).
 
 Fragments a broker recovers for journals it no longer replicates are checked against the route's
-members too (`verify_unassigned`), and persisted only where some member is already past them: a tail
-the journal never reached (a primary's commit its peers never got) stays on disk, since persisting
-it would leave the journal's brokers refusing appends (INDEX_HAS_GREATER_OFFSET) until a reset-head.
-A drop there also lowers the directory's HEAD, so a replica recovering it later does not resume
-past what was dropped.
+members too (`verify_unassigned`), and persisted where some member is already past them. A tail the
+journal's brokers have not reached is persisted only if they refuse appends anyway (a zero-byte
+append through the journal answers INDEX_HAS_GREATER_OFFSET: every replica was lost and the new ones
+refuse to guess, so the tail may be the only copy of acknowledged appends and a reset-head must land
+after it); while the journal is live below it (a primary's commit its peers never got), it stays on
+disk, since persisting it would leave those brokers refusing appends until a reset-head. A drop
+there also lowers the directory's HEAD, so a replica recovering it later does not resume past what
+was dropped.
 
 Gazette has no such step: it never recovers spools, so a broker restarted on its disk loses what it
 had not persisted. Ours keeps it, and this check is what keeps that from forking the journal. One
@@ -188,6 +191,19 @@ def drop_from(pending: list[tuple[Fragment, SpoolFile]], i: int) -> int:
     return begin
 
 
+async def _journal_refuses_appends(broker: Broker, journal: str) -> bool | None:
+    """Whether a zero-byte append (a barrier: it writes nothing) through this broker answers
+    INDEX_HAS_GREATER_OFFSET (None: no answer now)."""
+    stub = JournalStub(broker.channel(broker.endpoint))
+    try:
+        resp = await stub.Append(iter([pb.AppendRequest(journal=journal, commit=True)]), timeout=MEMBER_TIMEOUT)
+    except grpc.RpcError:
+        return None
+    if resp.status == pb.INDEX_HAS_GREATER_OFFSET:
+        return True
+    return False if resp.status == pb.OK else None
+
+
 def _members(route: pb.Route, me: pb.ProcessId) -> list[str]:
     return [
         route.endpoints[i]
@@ -286,6 +302,8 @@ async def verify_unassigned(broker: Broker, journal: str, fragments: list[tuple[
         if listed is not None and members:
             for frag, file in list(pending):
                 verdict = await check(frag, file, listed, members, broker.channel, need_past=True)
+                if verdict is Verdict.AHEAD and await _journal_refuses_appends(broker, journal):
+                    verdict = Verdict.KEEP  # the only copy, maybe of acknowledged appends: a reset-head goes past it
                 if verdict is Verdict.KEEP:
                     broker.persister.submit(frag, file, stores[0], delay=0.01)
                     pending.remove((frag, file))
