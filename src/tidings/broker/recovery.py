@@ -45,9 +45,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -120,8 +121,8 @@ def _check_store_fragment(frag: Fragment, file: SpoolFile, other: Fragment) -> N
 
 
 async def _check_member(channel: grpc.aio.Channel, frag: Fragment, file: SpoolFile) -> int | None:
-    """Compare what one member holds locally of `frag`'s offsets -> the end of the member's index, or
-    None if it cannot answer now."""
+    """Compare what one member serves of `frag`'s offsets (its spool files, or the store through it) ->
+    the end of the member's index, or None if it cannot answer now."""
     stub = JournalStub(channel)
     listing = await stub.ListFragments(pb.FragmentsRequest(journal=frag.journal, do_not_proxy=True))
     if listing.status != pb.OK:
@@ -129,9 +130,7 @@ async def _check_member(channel: grpc.aio.Channel, frag: Fragment, file: SpoolFi
     for entry in listing.fragments:
         other = Fragment.from_proto(entry.spec)
         begin, end = _overlap(other, frag.begin, frag.end)
-        if entry.url or begin >= end:
-            continue  # only in a store: compared with the store itself
-        if (other.begin, other.end, other.sum) == (frag.begin, frag.end, frag.sum):
+        if begin >= end or (other.begin, other.end, other.sum) == (frag.begin, frag.end, frag.sum):
             continue
         req = pb.ReadRequest(journal=frag.journal, offset=begin, end_offset=end, do_not_proxy=True)
         async for resp in stub.Read(req):
@@ -145,32 +144,47 @@ async def _check_member(channel: grpc.aio.Channel, frag: Fragment, file: SpoolFi
 async def check(
     frag: Fragment,
     file: SpoolFile,
-    store_fragments: Iterable[Fragment],
     members: Iterable[str],
     channel: Callable[[str], grpc.aio.Channel],
+    list_store: Callable[[], Awaitable[list[Fragment] | None]],
     need_past: bool = False,
 ) -> Verdict:
-    """Whether the recovered `frag` (content in `file`) agrees with the journal's stores and members.
-    `need_past`: KEEP only if some member's index already reaches past it."""
+    """Whether the recovered `frag` (content in `file`) agrees with the journal's members and stores.
+
+    Every member is asked (one that cannot answer does not hide another's contradiction), then the
+    store is listed: a fragment a member uploaded and dropped locally meanwhile is in that listing.
+    `need_past`: KEEP only if some member's index already reaches past `frag`."""
+    unknown: list[str] = []
     furthest = -1
     try:
-        for other in store_fragments:
-            if other.begin < frag.end and frag.begin < other.end:
-                await asyncio.to_thread(_check_store_fragment, frag, file, other)
         for endpoint in members:
-            async with asyncio.timeout(MEMBER_TIMEOUT):
-                end = await _check_member(channel(endpoint), frag, file)
+            try:
+                async with asyncio.timeout(MEMBER_TIMEOUT):
+                    end = await _check_member(channel(endpoint), frag, file)
+            except (grpc.RpcError, TimeoutError) as exc:
+                unknown.append(f"{endpoint}: {exc!r}"[:200])
+                continue
             if end is None:
-                return Verdict.UNKNOWN
-            furthest = max(furthest, end)
+                unknown.append(endpoint)
+            else:
+                furthest = max(furthest, end)
+        listed = await list_store()
+        if listed is None:
+            unknown.append("the store listing failed")
+        for other in listed or ():
+            if other.begin < frag.end and frag.begin < other.end:
+                try:
+                    await asyncio.to_thread(_check_store_fragment, frag, file, other)
+                except OSError as exc:
+                    unknown.append(f"{other.content_name()}: {exc}")
     except _Contradiction as exc:
         log.warning(
             "journal %s: recovered fragment [%d, %d) differs from the journal's content (at %s): dropping it",
             frag.journal, frag.begin, frag.end, exc,
         )
         return Verdict.DROP
-    except (OSError, grpc.RpcError, TimeoutError) as exc:
-        log.info("journal %s: cannot check recovered [%d, %d) yet: %s", frag.journal, frag.begin, frag.end, exc)
+    if unknown:
+        log.info("journal %s: cannot check recovered [%d, %d) yet: %s", frag.journal, frag.begin, frag.end, unknown)
         return Verdict.UNKNOWN
     return Verdict.AHEAD if need_past and furthest < frag.end else Verdict.KEEP
 
@@ -230,11 +244,11 @@ class RecoveryChecks:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(BEFORE_SYNC_TIMEOUT):
                 members = await self._members(replica)
-                if members is None or not await _listed(replica):
+                if members is None:
                     return None
-                store = [f for f, fl in replica.index.fragments() if fl is None]
                 for i, (frag, file) in enumerate(replica.unverified):
-                    if await check(frag, file, store, members, self.broker.channel) is Verdict.DROP:
+                    verdict = await check(frag, file, members, self.broker.channel, functools.partial(_listed, replica))
+                    if verdict is Verdict.DROP:
                         return drop_from(replica.unverified, i)
         return None
 
@@ -245,10 +259,9 @@ class RecoveryChecks:
         while replica.unverified:
             changed = replica.route_changed
             members = await self._members(replica)
-            if members is not None and (replica.synchronized.is_set() or not members) and await _listed(replica):
-                store = [f for f, fl in replica.index.fragments() if fl is None]
+            if members is not None and (replica.synchronized.is_set() or not members):
                 for frag, file in list(replica.unverified):
-                    verdict = await check(frag, file, store, members, self.broker.channel)
+                    verdict = await check(frag, file, members, self.broker.channel, functools.partial(_listed, replica))
                     if verdict is Verdict.KEEP:
                         replica.adopt(frag, file)
                     elif verdict is Verdict.DROP:
@@ -265,13 +278,21 @@ class RecoveryChecks:
             pause = min(pause * 2, RETRY[1])
 
 
-async def _listed(replica: Replica) -> bool:
-    """List the stores afresh (a store written meanwhile must be seen) -> False if listing failed."""
+async def _listed(replica: Replica) -> list[Fragment] | None:
+    """The replica's stores listed afresh (a store written meanwhile must be seen); None if that failed."""
     try:
         await replica.refresh_now()
     except Exception:  # the refresh loop reports it
-        return False
-    return True
+        return None
+    return [f for f, fl in replica.index.fragments() if fl is None]
+
+
+async def _list_store(url: str, journal: str) -> list[Fragment] | None:
+    try:
+        return await asyncio.to_thread(store_for(url).list, journal)
+    except Exception as exc:
+        log.info("journal %s: listing %s to check recovered fragments failed: %s", journal, url, exc)
+        return None
 
 
 async def verify_unassigned(broker: Broker, journal: str, fragments: list[tuple[Fragment, SpoolFile]]) -> None:
@@ -293,15 +314,11 @@ async def verify_unassigned(broker: Broker, journal: str, fragments: list[tuple[
         stores = list(item.spec.fragment.stores) or default
         if not stores:
             return  # nowhere to persist them: they wait on disk for the journal to come back
-        try:
-            listed = await asyncio.to_thread(store_for(stores[0]).list, journal)
-        except Exception as exc:
-            log.info("journal %s: listing %s to check recovered fragments failed: %s", journal, stores[0], exc)
-            listed = None
         members = _members(res.route, broker.process_id) if res.status == pb.OK else []
-        if listed is not None and members:
+        if members:
+            list_store = functools.partial(_list_store, stores[0], journal)
             for frag, file in list(pending):
-                verdict = await check(frag, file, listed, members, broker.channel, need_past=True)
+                verdict = await check(frag, file, members, broker.channel, list_store, need_past=True)
                 if verdict is Verdict.AHEAD and await _journal_refuses_appends(broker, journal):
                     verdict = Verdict.KEEP  # the only copy, maybe of acknowledged appends: a reset-head goes past it
                 if verdict is Verdict.KEEP:

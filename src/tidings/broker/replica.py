@@ -193,8 +193,9 @@ class Replica:
     async def _start(self, pulse: Callable[[Replica], Awaitable[None]], after: asyncio.Future | None) -> None:
         if after is not None:
             await asyncio.wait([after])
-        await self._recover()
+        # Listing first: members checking their own recovered fragments against ours wait for it.
         self.spawn(self._refresh_loop(), f"refresh:{self.journal}")
+        await self._recover()
         self.spawn(pulse(self), f"pulse:{self.journal}")
         if self.unverified:
             if self._recovery is None:
