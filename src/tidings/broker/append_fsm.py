@@ -486,7 +486,8 @@ class AppendFSM:
         a recovering broker sees a dirty index instead of mistaking the journal for a new one.
 
         A spool behind the journal's recorded resume offset (`spec.suspend.offset`, written by the
-        journal's last brokers when they stopped with everything persisted) rolls forward to it.
+        journal's last brokers when they stopped with everything persisted) rolls forward to it; the
+        offset is cleared once an append went past it.
 
         -> RESOLVE if the route changes while awaiting the first store listing; ERROR on a failed
         check (FRAGMENT_STORE_UNHEALTHY, REGISTER_MISMATCH, WRONG_APPEND_OFFSET,
@@ -518,8 +519,10 @@ class AppendFSM:
         if spool.end < resume:
             self.roll_to_offset = resume  # where the last holders left the journal
             return S.SEND_PIPELINE_SYNC
-        if resume:
-            return S.UPDATE_SUSPEND  # resumed: the offset has served, and a stale one must not linger
+        if resume and spool.end > resume:
+            # Resumed, and an append went past it: the offset has served, and a stale one must not linger.
+            # Not at exactly the offset: brokers stopping together record it while the primary still pulses.
+            return S.UPDATE_SUSPEND
         index_min, index_max = replica.index.begin_offset, replica.index.end_offset
         max_offset = max(spool.end, index_max)
         writable = self.resolved.spec.flags != pb.JournalSpec.O_RDONLY
