@@ -130,9 +130,10 @@ def _roll_back_abandoned(replica: Replica, pipeline: Pipeline) -> None:
 class AppendFSM:
     """Drives one AppendRequest (the first message of an Append RPC) through the states."""
 
-    def __init__(self, broker: Broker, req: pb.AppendRequest) -> None:
+    def __init__(self, broker: Broker, req: pb.AppendRequest, pulse: bool = False) -> None:
         self.broker = broker
         self.req = req
+        self.pulse = pulse  # the replica's own keep-alive, not a client's append
         self.journal = req.journal
         self.state = S.RESOLVE
         self.status = pb.OK
@@ -487,7 +488,7 @@ class AppendFSM:
 
         A spool behind the journal's recorded resume offset (`spec.suspend.offset`, written by the
         journal's last brokers when they stopped with everything persisted) rolls forward to it; the
-        offset is cleared once an append went past it.
+        offset is cleared before the first append that may go past it (not by a pulse at exactly it).
 
         -> RESOLVE if the route changes while awaiting the first store listing; ERROR on a failed
         check (FRAGMENT_STORE_UNHEALTHY, REGISTER_MISMATCH, WRONG_APPEND_OFFSET,
@@ -519,9 +520,10 @@ class AppendFSM:
         if spool.end < resume:
             self.roll_to_offset = resume  # where the last holders left the journal
             return S.SEND_PIPELINE_SYNC
-        if resume and spool.end > resume:
-            # Resumed, and an append went past it: the offset has served, and a stale one must not linger.
-            # Not at exactly the offset: brokers stopping together record it while the primary still pulses.
+        if resume and (spool.end > resume or not self.pulse):
+            # Resumed: the offset has served, and a stale one must not linger (every replica lost before the
+            # next append, a new primary would roll to it and write over what was appended there). A pulse
+            # at exactly the offset leaves it: brokers stopping together record it while the primary pulses.
             return S.UPDATE_SUSPEND
         index_min, index_max = replica.index.begin_offset, replica.index.end_offset
         max_offset = max(spool.end, index_max)

@@ -161,7 +161,7 @@ async def check(
             try:
                 async with asyncio.timeout(MEMBER_TIMEOUT):
                     end = await _check_member(channel(endpoint), frag, file)
-            except (grpc.RpcError, TimeoutError) as exc:
+            except (grpc.RpcError, TimeoutError, OSError) as exc:  # OSError: reading our own file failed
                 unknown.append(f"{endpoint}: {exc!r}"[:200])
                 continue
             if end is None:
@@ -315,25 +315,28 @@ async def verify_unassigned(broker: Broker, journal: str, fragments: list[tuple[
         if not stores:
             return  # nowhere to persist them: they wait on disk for the journal to come back
         members = _members(res.route, broker.process_id) if res.status == pb.OK else []
-        if members:
-            list_store = functools.partial(_list_store, stores[0], journal)
-            for frag, file in list(pending):
-                verdict = await check(frag, file, members, broker.channel, list_store, need_past=True)
-                if verdict is Verdict.AHEAD and await _journal_refuses_appends(broker, journal):
-                    verdict = Verdict.KEEP  # the only copy, maybe of acknowledged appends: a reset-head goes past it
-                if verdict is Verdict.KEEP:
-                    broker.persister.submit(frag, file, stores[0], delay=0.01)
-                    pending.remove((frag, file))
-                elif verdict is Verdict.DROP:
-                    lower_head(directory, journal, drop_from(pending, pending.index((frag, file))))
-                    break
-                elif verdict is Verdict.AHEAD and frag.begin not in said:
-                    said.add(frag.begin)
-                    log.info(
-                        "journal %s: recovered [%d, %d) is past the journal's end at its brokers; "
-                        "left on disk until they reach it or the journal is assigned here",
-                        journal, frag.begin, frag.end,
-                    )
+        list_store = functools.partial(_list_store, stores[0], journal)
+        # In offset order, and only a prefix: a later fragment persisted before an earlier one is dropped
+        # would stay in the store, past a hole.
+        while pending and members:
+            frag, file = pending[0]
+            verdict = await check(frag, file, members, broker.channel, list_store, need_past=True)
+            if verdict is Verdict.AHEAD and await _journal_refuses_appends(broker, journal):
+                verdict = Verdict.KEEP  # the only copy, maybe of acknowledged appends: a reset-head goes past it
+            if verdict is Verdict.KEEP:
+                broker.persister.submit(frag, file, stores[0], delay=0.01)
+                pending.pop(0)
+                continue
+            if verdict is Verdict.DROP:
+                lower_head(directory, journal, drop_from(pending, 0))
+            elif verdict is Verdict.AHEAD and frag.begin not in said:
+                said.add(frag.begin)
+                log.info(
+                    "journal %s: recovered [%d, %d) is past the journal's end at its brokers; "
+                    "left on disk until they reach it or the journal is assigned here",
+                    journal, frag.begin, frag.end,
+                )
+            break
         if pending:
             await asyncio.sleep(pause)  # a member or store was unavailable, or the journal is not past them yet
             pause = min(pause * 2, RETRY[1])

@@ -222,7 +222,11 @@ class Replica:
             self.unverified = [(frag, file) for frag, file in rec.fragments if not file.unlinked]
             end = rec.end
             if self.unverified and self._recovery is not None:
-                dropped_at = await self._recovery.before_sync(self)
+                try:
+                    dropped_at = await self._recovery.before_sync(self)
+                except Exception:  # never resume below what we may have committed for a failed check
+                    log.exception("journal %s: checking recovered fragments before resuming failed", self.journal)
+                    dropped_at = None
                 end = end if dropped_at is None else min(end, dropped_at)
             if rec.end and spool.end == 0 and spool.delta == 0:
                 spool.resume(end, rec.registers, rec.codec)  # HEAD too: never past what was dropped

@@ -444,7 +444,7 @@ class Broker:
         async def next_message() -> pb.AppendRequest | None:
             return next(messages)
 
-        fsm = AppendFSM(self, pb.AppendRequest(journal=replica.journal, do_not_proxy=True))
+        fsm = AppendFSM(self, pb.AppendRequest(journal=replica.journal, do_not_proxy=True), pulse=True)
         await fsm.run(next_message)
         if fsm.error:
             log.debug("journal %s: pulse ended in %s: %s", replica.journal, fsm.state, fsm.error)
