@@ -30,7 +30,7 @@ a store listing covers it (then it is unlinked).
 
 Each spool records its committed end and the registers there in ``HEAD`` (a `SpoolHead` behind
 a CRC) before anyone relies on the commit: a peer before it answers the commit, the primary before
-a client hears OK (`flush_head`, `acknowledge`). A broker restarted on its data dir (`recover()`)
+a client hears OK (`flush_head`, by the pipeline). A broker restarted on its data dir (`recover()`)
 recovers its files up to that end and resumes there, so no offset it may have committed is handed
 out again and no acknowledged append is lost with the other replicas. A commit is not yet a
 promise, though: the primary applies it before its peers have it, and a peer may hold a commit the
