@@ -99,10 +99,16 @@ async def test_a_restarted_cluster_keeps_every_ok_append_and_never_reuses_an_off
         lc.start()
         await _wait_primary(lc.endpoints[0])
         async with AsyncClient(lc.endpoints[0]) as c:
-            data = await c.read_all(J)
+            # Blocking: a restarted replica serves what it recovered once it has checked it against the
+            # others (broker/recovery.py); until then a read waits there (a non-blocking one stops).
+            async def read_back() -> bytes:
+                return b"".join([ch.content async for ch in c.read(J, 0, block=True, end_offset=spans[-1][1])])
+
+            data = await asyncio.wait_for(read_back(), 60)
             for begin, end, content in spans:
                 assert data[begin:end] == content, f"[{begin}, {end}) did not survive the restart"
             assert len(data) == spans[-1][1]
+            assert await c.write_head(J) == spans[-1][1]
             after = await c.append(J, b"after the restart\n")
             assert after.begin == spans[-1][1], "the next append lands after every earlier one"
     finally:
