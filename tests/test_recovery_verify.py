@@ -9,60 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import itertools
-from pathlib import Path
 
 from tests.support.cluster import FAST_BROKER_FLAGS, create_local_journal
+from tests.support.recovery import (
+    append_eventually,
+    assert_no_fork,
+    local_spools,
+    refuses_to_guess,
+    route_of,
+    routed,
+)
 from tests.support.waiting import wait_until
-from tidings.broker.replica import spool_directory
-from tidings.client import AppendResult, AsyncClient
+from tidings.client import AsyncClient
 from tidings.cluster import LocalCluster
-from tidings.fragment.fragment import Fragment
 from tidings.fragment.store import store_for
-from tidings.protocol import protocol_pb2 as pb
-from tidings.protocol.status import IndexHasGreaterOffsetError, TidingsError
-
-
-async def _route(endpoint: str, journal: str) -> pb.Route | None:
-    async with AsyncClient(endpoint) as c:
-        for j in (await c.list()).journals:
-            if j.spec.name == journal:
-                return j.route
-    return None
-
-
-def _content(frag: Fragment) -> bytes:
-    with store_for(frag.backing_store).open(frag) as f:
-        return f.read()
-
-
-def assert_no_fork(store_url: str, journal: str) -> list[Fragment]:
-    """No two fragments in the store hold different bytes at one offset."""
-    frags = store_for(store_url).list(journal)
-    contents = {f.content_name(): _content(f) for f in frags}
-    for a, b in itertools.combinations(frags, 2):
-        lo, hi = max(a.begin, b.begin), min(a.end, b.end)
-        if lo < hi:
-            ca = contents[a.content_name()][lo - a.begin : hi - a.begin]
-            cb = contents[b.content_name()][lo - b.begin : hi - b.begin]
-            assert ca == cb, f"fragments [{a.begin}, {a.end}) and [{b.begin}, {b.end}) differ over [{lo}, {hi})"
-    return frags
-
-
-def _unpersisted(data_dir: Path, journal: str) -> list[str]:
-    folder = spool_directory(data_dir, journal)
-    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".spool")) if folder.is_dir() else []
-
-
-async def _append_eventually(endpoint: str, journal: str, content: bytes, **kw: int) -> AppendResult:
-    async def attempt() -> AppendResult | None:
-        try:
-            async with AsyncClient(endpoint) as c:
-                return await asyncio.wait_for(c.append(journal, content, **kw), 10)
-        except (TidingsError, TimeoutError):
-            return None
-
-    return await wait_until(attempt, 60, interval=0.5)
+from tidings.protocol.status import TidingsError
 
 
 async def test_an_acknowledged_append_survives_when_its_primary_is_not_back_first(etcd, etcd_root, tmp_path) -> None:
@@ -77,12 +38,12 @@ async def test_an_acknowledged_append_survives_when_its_primary_is_not_back_firs
     try:
         lc.start()
         await create_local_journal(lc, j, 2, fragment={"length": "1MiB", "refresh_interval": "1s"})
-        await wait_until(lambda: _has_members(lc.endpoints[0], j, 2), 30)
+        await wait_until(lambda: routed(lc.endpoints[0], j, n=2), 30)
         async with AsyncClient(lc.endpoints[0]) as c:
             for i in range(3):
                 await c.append(j, f"acked-{i}\n".encode())
             a = await c.append(j, b"the last acknowledged append\n")
-        route = await _route(lc.endpoints[0], j)
+        route = await route_of(lc.endpoints[0], j)
         assert route is not None
         q_suffix = route.members[route.primary].suffix
         p_suffix = next(m.suffix for i, m in enumerate(route.members) if i != route.primary)
@@ -93,29 +54,20 @@ async def test_an_acknowledged_append_survives_when_its_primary_is_not_back_firs
         p.kill()
         await asyncio.to_thread(p.start)  # Q's machine is slow to come back
 
-        async def routed_to_p_and_s() -> bool:
-            r = await _route(s.endpoint, j)
-            return r is not None and r.primary >= 0 and {m.suffix for m in r.members} == {p.suffix, s.suffix}
-
-        await wait_until(routed_to_p_and_s, 60, interval=0.2)
-        b = await _append_eventually(s.endpoint, j, b"B, after the restart\n")
+        await wait_until(lambda: routed(s.endpoint, j, {p.suffix, s.suffix}), 60, interval=0.2)
+        b = await append_eventually(s.endpoint, j, b"B, after the restart\n")
         assert b.begin >= a.end, f"offsets [{b.begin}, {b.end}) handed out again: A [{a.begin}, {a.end}) is lost"
         async with AsyncClient(s.endpoint) as c:
             got = b"".join([ch.content async for ch in c.read(j, a.begin, block=True, end_offset=a.end)])
         assert got == b"the last acknowledged append\n"
 
         await asyncio.to_thread(q.start)
-        await wait_until(lambda: not _unpersisted(q.data_dir, j), 60, interval=0.2)
+        await wait_until(lambda: not local_spools(q.data_dir, j), 60, interval=0.2)
         assert_no_fork(lc.store_url, j)
     finally:
         for bp in lc.brokers:
             bp.kill()
         lc.stop()
-
-
-async def _has_members(endpoint: str, journal: str, n: int) -> bool:
-    route = await _route(endpoint, journal)
-    return route is not None and route.primary >= 0 and len(route.members) == n
 
 
 async def test_content_the_journal_wrote_over_while_its_broker_was_down_is_dropped(etcd, etcd_root, tmp_path) -> None:
@@ -134,28 +86,18 @@ async def test_content_the_journal_wrote_over_while_its_broker_was_down_is_dropp
             await c.append(j, b"x2: only on A\n")  # rolls: [x1] is persisted at once (a dirty index)
             x3 = await c.append(j, b"x3: only on A\n")
         await wait_until(lambda: any(f.end == x1.end for f in store_for(lc.store_url).list(j)), 30)
-        route = await _route(lc.endpoints[0], j)
+        route = await route_of(lc.endpoints[0], j)
         assert route is not None
         a = next(bp for bp in lc.brokers if bp.suffix == route.members[route.primary].suffix)
         b = next(bp for bp in lc.brokers if bp is not a)
         a.kill()
 
-        async def refused() -> bool:
-            try:
-                async with AsyncClient(b.endpoint) as c:
-                    await asyncio.wait_for(c.append(j, b"not yet"), 10)
-            except IndexHasGreaterOffsetError:
-                return True
-            except (TidingsError, TimeoutError):
-                return False
-            raise AssertionError("B appended at the empty spool's offset without a reset-head")
-
-        await wait_until(refused, 60, interval=0.5)
-        y = await _append_eventually(b.endpoint, j, b"Y: written after the reset-head\n", offset=x1.end)
+        await wait_until(lambda: refuses_to_guess(b.endpoint, j), 60, interval=0.5)
+        y = await append_eventually(b.endpoint, j, b"Y: written after the reset-head\n", offset=x1.end)
         assert y.begin == x1.end < x3.end
 
         await asyncio.to_thread(a.start)
-        await wait_until(lambda: not _unpersisted(a.data_dir, j) and not _spool_files(a.data_dir, j), 60, interval=0.2)
+        await wait_until(lambda: not local_spools(a.data_dir, j), 60, interval=0.2)
         frags = assert_no_fork(lc.store_url, j)
         forked = hashlib.sha1(b"x2: only on A\nx3: only on A\n").digest()
         assert all(f.sum != forked for f in frags), "A's overwritten content reached the store"
@@ -166,14 +108,6 @@ async def test_content_the_journal_wrote_over_while_its_broker_was_down_is_dropp
         for bp in lc.brokers:
             bp.kill()
         lc.stop()
-
-
-def _spool_files(data_dir: Path, journal: str) -> list[str]:
-    """Spool files holding content at or past the journal's first fragment's end (A's recovered x2 x3)."""
-    folder = spool_directory(data_dir, journal)
-    if not folder.is_dir():
-        return []
-    return [p.name for p in folder.iterdir() if p.name.startswith("spool-") and p.stat().st_size]
 
 
 async def test_a_tail_only_an_unassigned_broker_holds_is_persisted_when_the_journal_refuses_to_guess(
@@ -195,7 +129,7 @@ async def test_a_tail_only_an_unassigned_broker_holds_is_persisted_when_the_jour
             await c.append(j, b"x2: acknowledged, only on H\n")  # rolls: [x1] is persisted at once
             x3 = await c.append(j, b"x3: acknowledged, only on H\n")
         await wait_until(lambda: any(f.end == x1.end for f in store_for(lc.store_url).list(j)), 30)
-        route = await _route(lc.endpoints[0], j)
+        route = await route_of(lc.endpoints[0], j)
         assert route is not None
         h = next(bp for bp in lc.brokers if bp.suffix == route.members[route.primary].suffix)
         b = next(bp for bp in lc.brokers if bp is not h)
@@ -203,20 +137,10 @@ async def test_a_tail_only_an_unassigned_broker_holds_is_persisted_when_the_jour
         b.kill()
         await asyncio.to_thread(b.start)
 
-        async def refused() -> bool:
-            try:
-                async with AsyncClient(b.endpoint) as c:
-                    await asyncio.wait_for(c.append(j, b"not yet"), 10)
-            except IndexHasGreaterOffsetError:
-                return True
-            except (TidingsError, TimeoutError):
-                return False
-            raise AssertionError("B appended at its empty spool's offset without a reset-head")
-
-        await wait_until(refused, 60, interval=0.5)
+        await wait_until(lambda: refuses_to_guess(b.endpoint, j), 60, interval=0.5)
         await asyncio.to_thread(h.start)
         await wait_until(lambda: any(f.end == x3.end for f in store_for(lc.store_url).list(j)), 60, interval=0.2)
-        route = await _route(b.endpoint, j)
+        route = await route_of(b.endpoint, j)
         assert route is not None and [m.suffix for m in route.members] == [b.suffix], "H was assigned the journal"
 
         async def reset_head() -> bool:

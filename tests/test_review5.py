@@ -7,43 +7,15 @@ into a scenario the change mishandles, and fails on 6746257.
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
-from tests.support.cluster import FAST_BROKER_FLAGS, create_local_journal
+from tests.support.cluster import FAST_BROKER_FLAGS
+from tests.support.recovery import assert_no_fork, local_spools, primary_killed_with_a_tail, route_of, routed
 from tests.support.waiting import wait_until
-from tests.test_recovery_verify import _route, assert_no_fork
-from tidings.broker.replica import spool_directory
 from tidings.client import AsyncClient
 from tidings.cluster import LocalCluster
-from tidings.fragment.spool import Spool, recover
 from tidings.fragment.store import store_for
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import IndexHasGreaterOffsetError, TidingsError
-
-
-def commit_on_disk(data_dir: Path, journal: str, revision: int, content: bytes) -> tuple[int, int]:
-    """Commit `content` past what a stopped broker's spool of `journal` holds, with real Spool code, as
-    that broker's process would have: a primary applies a commit before its peers have it, and its HEAD
-    records the spool's committed end at the next acknowledgement (of an earlier, pipelined append) or
-    when the spool closes. Returns the committed span."""
-    folder = spool_directory(data_dir, journal)
-    rec = recover(journal, folder, revision)
-    spool = Spool(journal, folder)
-    spool.journal_revision = revision
-    spool.resume(rec.end, rec.registers, rec.codec)
-    begin = spool.end
-    spool.apply(pb.ReplicateRequest(content=content, content_delta=0), primary=True)
-    resp = spool.apply(
-        pb.ReplicateRequest(proposal=spool.next_fragment().to_proto(), registers=spool.registers), primary=True
-    )
-    assert resp.status == pb.OK
-    spool.close(primary=True)
-    return begin, spool.end
-
-
-async def _create_revision(endpoint: str, journal: str) -> int:
-    async with AsyncClient(endpoint) as c:
-        return next(j.create_revision for j in (await c.list()).journals if j.spec.name == journal)
 
 
 async def _members_listed(endpoints: list[str], journal: str, wanted: set[str]) -> bool:
@@ -62,13 +34,6 @@ async def _members_listed(endpoints: list[str], journal: str, wanted: set[str]) 
     return True
 
 
-def _local_spools(data_dir: Path, journal: str) -> list[str]:
-    folder = spool_directory(data_dir, journal)
-    if not folder.is_dir():
-        return []
-    return sorted(p.name for p in folder.iterdir() if p.name != "HEAD" and p.stat().st_size)
-
-
 async def test_an_unassigned_restart_does_not_persist_a_tail_the_route_never_had(etcd, etcd_root, tmp_path) -> None:
     """R=2 over 3 brokers. The primary P commits C past the last acknowledged append A (its HEAD covers C:
     recorded at a pipelined acknowledgement or its spool's close) and dies before its peer Q has C. The
@@ -82,34 +47,17 @@ async def test_an_unassigned_restart_does_not_persist_a_tail_the_route_never_had
     lc.extra = list(FAST_BROKER_FLAGS)
     try:
         lc.start()
-        await create_local_journal(lc, j, 2, fragment={"length": "1MiB", "refresh_interval": "1s"})
-
-        async def two_members() -> bool:
-            r = await _route(lc.endpoints[0], j)
-            return r is not None and r.primary >= 0 and len(r.members) == 2
-
-        await wait_until(two_members, 30)
-        async with AsyncClient(lc.endpoints[0]) as c:
-            a = await c.append(j, b"A: acknowledged on P and Q\n")
-        route = await _route(lc.endpoints[0], j)
-        assert route is not None
-        p = next(b for b in lc.brokers if b.suffix == route.members[route.primary].suffix)
-        others = [b for b in lc.brokers if b is not p]
-        revision = await _create_revision(others[0].endpoint, j)
-        p.kill()
-        c_begin, c_end = commit_on_disk(p.data_dir, j, revision, b"C: committed on P alone, never acknowledged\n")
+        t = await primary_killed_with_a_tail(lc, j)
+        a, p, c_begin, c_end = t.a, t.p, t.c_begin, t.c_end
+        others = [t.q, t.s]
         assert c_begin == a.end
 
-        async def routed_without_p() -> bool:
-            r = await _route(others[0].endpoint, j)
-            return r is not None and r.primary >= 0 and {m.suffix for m in r.members} == {b.suffix for b in others}
-
-        await wait_until(routed_without_p, 60, interval=0.2)
+        await wait_until(lambda: routed(others[0].endpoint, j, {b.suffix for b in others}), 60, interval=0.2)
         await asyncio.to_thread(p.start)
         # P's check of C finds the members behind it: C stays on P's disk, neither persisted nor dropped.
         await wait_until(lambda: b"left on disk" in (p.data_dir / "broker.log").read_bytes(), 60, interval=0.2)
-        assert _local_spools(p.data_dir, j)
-        route = await _route(others[0].endpoint, j)
+        assert local_spools(p.data_dir, j)
+        route = await route_of(others[0].endpoint, j)
         assert route is not None and p.suffix not in {m.suffix for m in route.members}, "P was assigned again"
         stored = {f"{f.begin:016x}-{f.end:016x}" for f in store_for(lc.store_url).list(j)}
         await wait_until(lambda: _members_listed([b.endpoint for b in others], j, stored), 30, interval=0.2)
@@ -142,37 +90,18 @@ async def test_a_dropped_tail_leaves_no_hole_the_journal_never_fills(etcd, etcd_
     lc.extra = list(FAST_BROKER_FLAGS)
     try:
         lc.start()
-        await create_local_journal(lc, j, 2, fragment={"length": "1MiB", "refresh_interval": "1s"})
+        t = await primary_killed_with_a_tail(lc, j)
+        a, p, q, s, c_begin, c_end = t.a, t.p, t.q, t.s, t.c_begin, t.c_end
 
-        async def two_members() -> bool:
-            r = await _route(lc.endpoints[0], j)
-            return r is not None and r.primary >= 0 and len(r.members) == 2
-
-        await wait_until(two_members, 30)
-        async with AsyncClient(lc.endpoints[0]) as c:
-            a = await c.append(j, b"A: acknowledged on P and Q\n")
-        route = await _route(lc.endpoints[0], j)
-        assert route is not None
-        p = next(b for b in lc.brokers if b.suffix == route.members[route.primary].suffix)
-        q = next(b for b in lc.brokers if b.suffix != p.suffix and b.suffix in {m.suffix for m in route.members})
-        s = next(b for b in lc.brokers if b not in (p, q))
-        revision = await _create_revision(q.endpoint, j)
-        p.kill()
-        c_begin, c_end = commit_on_disk(p.data_dir, j, revision, b"C: committed on P alone, never acknowledged\n")
-
-        async def routed(members: set[str]) -> bool:
-            r = await _route(q.endpoint, j)
-            return r is not None and r.primary >= 0 and {m.suffix for m in r.members} == members
-
-        await wait_until(lambda: routed({q.suffix, s.suffix}), 60, interval=0.2)
+        await wait_until(lambda: routed(q.endpoint, j, {q.suffix, s.suffix}), 60, interval=0.2)
         async with AsyncClient(q.endpoint) as c:
             d = await asyncio.wait_for(c.append(j, b"D\n"), 20)
         assert d.begin == a.end == c_begin and d.end < c_end
 
         await asyncio.to_thread(p.start)
-        await wait_until(lambda: not _local_spools(p.data_dir, j), 60, interval=0.2)  # C is dropped
+        await wait_until(lambda: not local_spools(p.data_dir, j), 60, interval=0.2)  # C is dropped
         s.kill()  # the journal moves to Q and P
-        await wait_until(lambda: routed({q.suffix, p.suffix}), 60, interval=0.2)
+        await wait_until(lambda: routed(q.endpoint, j, {q.suffix, p.suffix}), 60, interval=0.2)
 
         async def appended() -> object:
             try:

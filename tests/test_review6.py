@@ -11,13 +11,20 @@ import asyncio
 import os
 
 from tests.support.cluster import FAST_BROKER_FLAGS, create_local_journal
+from tests.support.recovery import (
+    assert_no_fork,
+    local_spools,
+    primary_killed_with_a_tail,
+    refuses_to_guess,
+    route_of,
+    routed,
+)
 from tests.support.waiting import wait_until
-from tests.test_recovery_verify import _route, assert_no_fork
-from tests.test_review5 import _create_revision, _local_spools, _read_blocking, commit_on_disk
+from tests.test_review5 import _read_blocking
 from tidings.client import AsyncClient
 from tidings.cluster import LocalCluster
 from tidings.fragment.store import store_for
-from tidings.protocol.status import IndexHasGreaterOffsetError, TidingsError
+from tidings.protocol.status import TidingsError
 
 
 async def test_an_r1_journal_moved_elsewhere_gets_its_acknowledged_tail_back(etcd, etcd_root, tmp_path) -> None:
@@ -38,7 +45,7 @@ async def test_an_r1_journal_moved_elsewhere_gets_its_acknowledged_tail_back(etc
         async with AsyncClient(lc.endpoints[0]) as c:
             acked = [await c.append(j, f"A{i}: acknowledged by the only replica\n".encode()) for i in range(5)]
         end = acked[-1].end
-        route = await _route(lc.endpoints[0], j)
+        route = await route_of(lc.endpoints[0], j)
         assert route is not None
         p = next(b for b in lc.brokers if b.suffix == route.members[route.primary].suffix)
         others = [b for b in lc.brokers if b is not p]
@@ -47,22 +54,12 @@ async def test_an_r1_journal_moved_elsewhere_gets_its_acknowledged_tail_back(etc
         p.kill()
 
         async def moved() -> bool:
-            r = await _route(others[0].endpoint, j)
+            r = await route_of(others[0].endpoint, j)
             return r is not None and r.primary >= 0 and r.members[r.primary].suffix != p.suffix
 
         await wait_until(moved, 60, interval=0.2)
 
-        async def refused() -> bool:
-            try:
-                async with AsyncClient(others[0].endpoint) as c:
-                    await asyncio.wait_for(c.append(j, b"x"), 10)
-            except IndexHasGreaterOffsetError:
-                return True
-            except (TidingsError, TimeoutError):
-                return False
-            raise AssertionError("the journal's new primary took an append over acknowledged offsets")
-
-        await wait_until(refused, 30, interval=0.5)
+        await wait_until(lambda: refuses_to_guess(others[0].endpoint, j), 30, interval=0.5)
         await asyncio.to_thread(p.start)
 
         def covered() -> bool:
@@ -101,26 +98,9 @@ async def test_a_store_outage_at_restart_skips_before_sync_and_the_journal_rolls
     away = folder.with_name(folder.name + ".away")
     try:
         lc.start()
-        await create_local_journal(lc, j, 2, fragment={"length": "1MiB", "refresh_interval": "1s"})
-
-        async def routed(endpoint: str, members: set[str] | None = None, n: int = 2) -> bool:
-            r = await _route(endpoint, j)
-            if r is None or r.primary < 0 or len(r.members) != n:
-                return False
-            return members is None or {m.suffix for m in r.members} == members
-
-        await wait_until(lambda: routed(lc.endpoints[0]), 30)
-        async with AsyncClient(lc.endpoints[0]) as c:
-            a = await c.append(j, b"A: acknowledged on P and Q\n")
-        route = await _route(lc.endpoints[0], j)
-        assert route is not None
-        p = next(b for b in lc.brokers if b.suffix == route.members[route.primary].suffix)
-        q = next(b for b in lc.brokers if b.suffix != p.suffix and b.suffix in {m.suffix for m in route.members})
-        s = next(b for b in lc.brokers if b not in (p, q))
-        revision = await _create_revision(q.endpoint, j)
-        p.kill()
-        c_begin, c_end = commit_on_disk(p.data_dir, j, revision, b"C: committed on P alone, never acknowledged\n")
-        await wait_until(lambda: routed(q.endpoint, {q.suffix, s.suffix}), 60, interval=0.2)
+        t = await primary_killed_with_a_tail(lc, j)
+        a, p, q, s, c_begin, c_end = t.a, t.p, t.q, t.s, t.c_begin, t.c_end
+        await wait_until(lambda: routed(q.endpoint, j, {q.suffix, s.suffix}), 60, interval=0.2)
         async with AsyncClient(q.endpoint) as c:
             d = await asyncio.wait_for(c.append(j, b"D\n"), 20)
         assert d.begin == a.end == c_begin and d.end < c_end
@@ -137,7 +117,7 @@ async def test_a_store_outage_at_restart_skips_before_sync_and_the_journal_rolls
         away.rename(folder)
         log_line = next(ln for ln in (p.data_dir / "broker.log").read_bytes().splitlines() if resumed in ln)
 
-        await wait_until(lambda: not _local_spools(p.data_dir, j), 60, interval=0.2)  # after_sync drops C
+        await wait_until(lambda: not local_spools(p.data_dir, j), 60, interval=0.2)  # after_sync drops C
 
         async def appended() -> object:
             try:
