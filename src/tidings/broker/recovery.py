@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from tidings.broker.replica import spool_directory
+from tidings.broker.replica import spool_directory, stores_of
 from tidings.fragment.fragment import Fragment
 from tidings.fragment.spool import SpoolFile, lower_head
 from tidings.fragment.store import store_for
@@ -310,8 +310,7 @@ async def verify_unassigned(broker: Broker, journal: str, fragments: list[tuple[
         item = broker.resolver.state.items.get(journal)
         if item is None or res.replica is not None:
             return  # deleted meanwhile, or assigned here
-        default = [broker.config.default_store] if broker.config.default_store else []
-        stores = list(item.spec.fragment.stores) or default
+        stores = stores_of(item.spec, broker.config.default_store)
         if not stores:
             return  # nowhere to persist them: they wait on disk for the journal to come back
         members = _members(res.route, broker.process_id) if res.status == pb.OK else []

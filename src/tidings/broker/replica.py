@@ -47,6 +47,13 @@ GAP_REFRESH = 0.25  # seconds between store listings while a gap is not yet cove
 FAILED_REFRESH_BACKOFF = (0.25, 5.0)  # first and largest pause after a failed listing
 
 
+def stores_of(spec: pb.JournalSpec, default_store: str) -> list[str]:
+    """A journal's fragment stores: its spec's, else the broker's default store ("" keeps it local)."""
+    if spec.fragment.stores:
+        return list(spec.fragment.stores)
+    return [default_store] if default_store else []
+
+
 def spool_directory(data_dir: Path, journal: str) -> Path:
     return data_dir / "spools" / journal.replace("/", "%2F")
 
@@ -114,10 +121,7 @@ class Replica:
 
     @property
     def stores(self) -> list[str]:
-        """The journal's fragment stores: its spec's, else the broker's default store."""
-        if self.spec.fragment.stores:
-            return list(self.spec.fragment.stores)
-        return [self.default_store] if self.default_store else []
+        return stores_of(self.spec, self.default_store)
 
     # -- SpoolObserver ---------------------------------------------------------------------
 
@@ -333,7 +337,10 @@ class Replica:
             self.pipeline_slot.put_nowait(None)
         spool = await self.spool_slot.get()
         try:
-            spool.close()
+            # Persisted at once, not after the replicas' delay: the journal's other replicas may be leaving
+            # too, and a broker restarted meanwhile checks what it recovered only against the route's
+            # members and the store (broker/recovery.py): bytes only here, waiting, are in neither.
+            spool.close(primary=True)
             self.end_at_close = spool.end
         finally:
             self.spool_slot.put_nowait(spool)
