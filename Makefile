@@ -26,10 +26,12 @@ demo: install
 
 test: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # Regenerate the committed protobuf code (tests/test_protocol_generated.py checks it is current).
 proto: $(STAMP)

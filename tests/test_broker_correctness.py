@@ -93,9 +93,11 @@ async def test_a_listing_that_covers_the_live_spool_never_deletes_it(cluster) ->
             await b.resolver.replicas[j].refresh_now()
         for b in cluster.brokers:
             live = b.resolver.replicas[j]
-            spool = live.spool_slot._queue[0] if live.spool_slot.full() else primary_of(cluster, j).resolver.replicas[
-                j
-            ].pipeline_slot._queue[0].spool  # type: ignore[attr-defined]
+            spool = (
+                live.spool_slot._queue[0]
+                if live.spool_slot.full()
+                else primary_of(cluster, j).resolver.replicas[j].pipeline_slot._queue[0].spool
+            )  # type: ignore[attr-defined]
             if spool.file is not None:
                 assert spool.file.path.exists(), f"{b.process_id.suffix}: the live spool file was deleted"
         third = await c.append(j, b" world")
@@ -470,7 +472,6 @@ async def test_an_unusable_store_answers_fragment_store_unhealthy(cluster, tmp_p
     async with AsyncClient(cluster.brokers[0].endpoint, retries=0) as c:
         with pytest.raises(FragmentStoreUnhealthyError):
             await asyncio.wait_for(c.append(j, b"x"), 30)
-
 
 
 # -- the review's scenarios ------------------------------------------------------------------

@@ -159,9 +159,7 @@ async def test_a_journal_killed_with_every_replica_and_back_elsewhere_needs_rese
         lc.stop()
 
 
-async def test_a_commit_no_peer_acknowledged_does_not_come_back_over_a_later_append(
-    etcd, etcd_root, tmp_path
-) -> None:
+async def test_a_commit_no_peer_acknowledged_does_not_come_back_over_a_later_append(etcd, etcd_root, tmp_path) -> None:
     """The review's resurrected commit: the primary applies an append's commit to its own spool, and is
     killed before any peer has it. The journal goes on without it, acknowledging another append at the
     same offsets. When the killed broker returns on its data dir it must not bring its commit back."""

@@ -41,8 +41,21 @@ class Producer:
         self.done = False
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "tests.support.producer", "--broker", self.lc.endpoints[-1],
-               "--selector", "topic=eo", "--index", str(self.index), "--txns", str(TXNS), "--state", str(self.state)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.support.producer",
+            "--broker",
+            self.lc.endpoints[-1],
+            "--selector",
+            "topic=eo",
+            "--index",
+            str(self.index),
+            "--txns",
+            str(TXNS),
+            "--state",
+            str(self.state),
+        ]
         for die in PLANS[self.index]:
             cmd += ["--die-at", die]
         self.starts += 1

@@ -255,7 +255,10 @@ def test_the_batch_strings_are_the_uuids_strings(producer: bytes, first: int, co
 
 
 def test_the_batch_strings_refuse_what_build_uuid_refuses() -> None:
-    for producer, clocks, flags in [(b"12345", range(1, 3), 0), (b"123456", range(1, 3), 0x400),
-                                    (b"123456", range((1 << 64) - 1, (1 << 64) + 1), 0)]:
+    for producer, clocks, flags in [
+        (b"12345", range(1, 3), 0),
+        (b"123456", range(1, 3), 0x400),
+        (b"123456", range((1 << 64) - 1, (1 << 64) + 1), 0),
+    ]:
         with pytest.raises(ValueError):
             muuid.uuid_strs(producer, clocks, flags)

@@ -54,14 +54,20 @@ async def test_an_append_acknowledged_while_its_replica_closes_is_in_no_head(tmp
     route = pb.Route(members=[pb.ProcessId(zone="z", suffix="a"), pb.ProcessId(zone="z", suffix="b")], primary=0)
     pln = Pipeline(pb.Header(route=route), spool, [dialer.open(server.endpoint)], returned.append, spawn)
     try:
-        sync = pb.ReplicateRequest(header=pb.Header(route=route), acknowledge=True,
-                                   proposal=Fragment("j", 0, 0, EMPTY_SUM, pb.NONE).to_proto())
+        sync = pb.ReplicateRequest(
+            header=pb.Header(route=route), acknowledge=True, proposal=Fragment("j", 0, 0, EMPTY_SUM, pb.NONE).to_proto()
+        )
         assert (await (await pln.scatter(sync))).error is None
 
         async def append(content: bytes) -> asyncio.Future:
             proposal = spool.next_fragment(content)
-            req = pb.ReplicateRequest(content=content, content_delta=0, proposal=proposal.to_proto(),
-                                      registers=pb.LabelSet(), acknowledge=True)
+            req = pb.ReplicateRequest(
+                content=content,
+                content_delta=0,
+                proposal=proposal.to_proto(),
+                registers=pb.LabelSet(),
+                acknowledge=True,
+            )
             fut = await pln.scatter(req, require_ok=True)
             assert fut is not None
             return fut

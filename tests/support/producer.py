@@ -62,6 +62,7 @@ async def run(args: argparse.Namespace) -> None:
     commit(state_path, state)
     plan = set(args.die_at)
     async with AsyncClient(args.broker) as client:
+
         def channels() -> None:
             for ep, ch in client._channels.items():
                 logging.warning("channel %s: %s", ep, ch.get_state())

@@ -220,13 +220,19 @@ class Pipeline:
                     if self._recv_errs[i] is None and self._send_errs[i] is None:
                         try:
                             if await stream.recv() is not None:
-                                log.warning("journal %s: peer %s answered after end of stream", self.spool.journal,
-                                            stream.endpoint)
+                                log.warning(
+                                    "journal %s: peer %s answered after end of stream",
+                                    self.spool.journal,
+                                    stream.endpoint,
+                                )
                         except StreamError:
                             pass
         except TimeoutError:
-            log.warning("journal %s: peers did not end their streams within %.0fs; cancelling them",
-                        self.spool.journal, TEARDOWN_TIMEOUT)
+            log.warning(
+                "journal %s: peers did not end their streams within %.0fs; cancelling them",
+                self.spool.journal,
+                TEARDOWN_TIMEOUT,
+            )
         finally:
             self._finish()
 

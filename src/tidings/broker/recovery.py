@@ -180,7 +180,10 @@ async def check(
     except _Contradiction as exc:
         log.warning(
             "journal %s: recovered fragment [%d, %d) differs from the journal's content (at %s): dropping it",
-            frag.journal, frag.begin, frag.end, exc,
+            frag.journal,
+            frag.begin,
+            frag.end,
+            exc,
         )
         return Verdict.DROP
     if unknown:
@@ -333,7 +336,9 @@ async def verify_unassigned(broker: Broker, journal: str, fragments: list[tuple[
                 log.info(
                     "journal %s: recovered [%d, %d) is past the journal's end at its brokers; "
                     "left on disk until they reach it or the journal is assigned here",
-                    journal, frag.begin, frag.end,
+                    journal,
+                    frag.begin,
+                    frag.end,
                 )
             break
         if pending:

@@ -234,8 +234,12 @@ class Replica:
                 end = end if dropped_at is None else min(end, dropped_at)
             if rec.end and spool.end == 0 and spool.delta == 0:
                 spool.resume(end, rec.registers, rec.codec)  # HEAD too: never past what was dropped
-                log.info("journal %s: recovered the spool at offset %d (%d local fragments to check)",
-                         self.journal, end, len(self.unverified))
+                log.info(
+                    "journal %s: recovered the spool at offset %d (%d local fragments to check)",
+                    self.journal,
+                    end,
+                    len(self.unverified),
+                )
         finally:
             self._release_spool()
 

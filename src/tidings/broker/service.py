@@ -242,7 +242,8 @@ class Broker:
                 spec.suspend.offset = end
                 try:
                     ok, revision = await self.etcd.txn(
-                        [mod_revision_is(key, item.mod_revision)], [put_op(key, spec.SerializeToString())],
+                        [mod_revision_is(key, item.mod_revision)],
+                        [put_op(key, spec.SerializeToString())],
                         timeout=ETCD_STOP_TIMEOUT,
                     )
                     await self.keyspace.wait_for_revision(revision, timeout=ETCD_STOP_TIMEOUT)

@@ -253,9 +253,7 @@ class Spool:
             return Transition.COMMIT
         return Transition.MISMATCH
 
-    def apply_proposal(
-        self, proposal: Fragment, registers: pb.LabelSet, primary: bool = False
-    ) -> pb.ReplicateResponse:
+    def apply_proposal(self, proposal: Fragment, registers: pb.LabelSet, primary: bool = False) -> pb.ReplicateResponse:
         transition = self.classify(proposal, registers)
         if transition is Transition.ROLL:
             self._roll(proposal, registers, primary)

@@ -210,9 +210,7 @@ class ReadCommitted(ReadUncommitted):
     ) -> None:
         names = [journals] if isinstance(journals, str) else list(journals)
         offsets = {j: checkpoint.resume_offset(j) for j in names} if checkpoint is not None else None
-        super().__init__(
-            client, names, offsets=offsets, message_type=message_type, block=block, on_garbage=on_garbage
-        )
+        super().__init__(client, names, offsets=offsets, message_type=message_type, block=block, on_garbage=on_garbage)
         self.sequencer = Sequencer(ring_size, checkpoint=checkpoint)
 
     def checkpoint(self) -> Checkpoint:

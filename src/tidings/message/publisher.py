@@ -272,9 +272,7 @@ class Publisher:
         """Publish `messages` (OUTSIDE_TXN); returns a future of their appends' spans, one per journal."""
         return await self._publish(mapping, messages, OUTSIDE_TXN)
 
-    async def publish_uncommitted(
-        self, mapping: Mapping | str, *messages: Any
-    ) -> asyncio.Future[list[AppendResult]]:
+    async def publish_uncommitted(self, mapping: Mapping | str, *messages: Any) -> asyncio.Future[list[AppendResult]]:
         """Publish `messages` as part of the open transaction (CONTINUE_TXN); see `build_ack_intents`."""
         return await self._publish(mapping, messages, CONTINUE_TXN)
 
