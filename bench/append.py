@@ -49,6 +49,30 @@ async def sequential_loop(c: AsyncClient, name: str, body: bytes, count: int) ->
     return lat
 
 
+class CpuPerAppend:
+    """CPU seconds spent during a measurement by the primary broker, the other brokers (summed) and
+    this client process (all threads; /proc and process_time), as microseconds per append: where
+    the time of an append goes, on a machine whose cores they all share."""
+
+    def __init__(self, lc, primary: str) -> None:
+        self.primary = next(b.pid for b in lc.brokers if b.endpoint == primary)
+        self.others = [b.pid for b in lc.brokers if b.pid != self.primary]
+
+    def _sample(self) -> tuple[float, float, float]:
+        return cpu_seconds(self.primary), sum(cpu_seconds(p) for p in self.others), time.process_time()
+
+    def __enter__(self) -> CpuPerAppend:
+        self.start = self._sample()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end = self._sample()
+
+    def fields(self, appends: int) -> dict:
+        names = ("primary_cpu_us", "other_brokers_cpu_us", "client_cpu_us")
+        return {n: round((e - s) / appends * 1e6) for n, s, e in zip(names, self.start, self.end, strict=True)}
+
+
 def latency_fields(lat: list[float]) -> dict:
     return {"median_us": round(statistics.median(lat) * 1e6), "p99_us": round(lat[int(len(lat) * 0.99)] * 1e6)}
 
@@ -60,7 +84,8 @@ async def sequential(lc, r: int, size: int, count: int) -> dict:
         ep = await primary_endpoint(c0, name)
     body = os.urandom(size)
     async with AsyncClient(ep) as c:
-        lat = await sequential_loop(c, name, body, count)
+        with CpuPerAppend(lc, ep) as cpu:
+            lat = await sequential_loop(c, name, body, count)
     return emit(
         {
             "replicas": r,
@@ -70,6 +95,7 @@ async def sequential(lc, r: int, size: int, count: int) -> dict:
             "msgs_per_s": round(len(lat) / sum(lat)),
             "mb_per_s": round(size * len(lat) / sum(lat) / MB, 1),
             "count": count,
+            **cpu.fields(count + 200),
         }
     )
 
@@ -104,7 +130,8 @@ async def pipelined(lc, r: int, size: int, seconds: float, window: int) -> dict:
         ep = await primary_endpoint(c0, name)
     body = os.urandom(size)
     async with AsyncClient(ep) as c:
-        done, elapsed, lat = await pipelined_loop(c, name, body, seconds, window)
+        with CpuPerAppend(lc, ep) as cpu:
+            done, elapsed, lat = await pipelined_loop(c, name, body, seconds, window)
     return emit(
         {
             "replicas": r,
@@ -114,12 +141,14 @@ async def pipelined(lc, r: int, size: int, seconds: float, window: int) -> dict:
             "msgs_per_s": round(done / elapsed),
             "mb_per_s": round(done * size / elapsed / MB, 1),
             "window": window,
+            **cpu.fields(done),
         }
     )
 
 
 async def floor(seconds: float, count: int) -> list[dict]:
-    """The same loops against a no-op Append server (bench/_floor.py): what grpc.aio alone allows.
+    """The same loops against a no-op Append server (bench/_floor.py): what grpc.aio alone allows
+    (pipelined at 1 KiB, 64 KiB and 1 MiB with the windows the cluster's loops use; sequential at 1 KiB).
 
     CPU per append: `server_cpu_us` from /proc utime+stime of the server process (all its
     threads), `client_cpu_us` from process_time of this process (all its threads); for the
@@ -127,31 +156,35 @@ async def floor(seconds: float, count: int) -> list[dict]:
     too (and divided by count + 200). Both share this machine's cores. The pipelined loop starts
     on a channel warmed by 200 appends (pipelined() starts on a new one).
     """
-    name, size, window = "bench/floor", KiB, 64
-    body = os.urandom(size)
+    name = "bench/floor"
     recs = []
     with floor_server() as (ep, pid):
         async with AsyncClient(ep) as c:
-            for _ in range(200):
-                await c.append(name, body)
-            s0, c0 = cpu_seconds(pid), time.process_time()
-            done, elapsed, lat = await pipelined_loop(c, name, body, seconds, window)
-            s1, c1 = cpu_seconds(pid), time.process_time()
-            recs.append(
-                emit(
-                    {
-                        "replicas": 0,
-                        "test": "append_floor",
-                        "payload_bytes": size,
-                        **latency_fields(lat),
-                        "msgs_per_s": round(done / elapsed),
-                        "mb_per_s": round(done * size / elapsed / MB, 1),
-                        "window": window,
-                        "server_cpu_us": round((s1 - s0) / done * 1e6, 1),
-                        "client_cpu_us": round((c1 - c0) / done * 1e6, 1),
-                    }
+            for size in (KiB, 64 * KiB, MiB):
+                window = 64 if size <= 64 * KiB else 16
+                body = os.urandom(size)
+                for _ in range(200 if size <= 64 * KiB else 20):
+                    await c.append(name, body)
+                s0, c0 = cpu_seconds(pid), time.process_time()
+                done, elapsed, lat = await pipelined_loop(c, name, body, seconds, window)
+                s1, c1 = cpu_seconds(pid), time.process_time()
+                recs.append(
+                    emit(
+                        {
+                            "replicas": 0,
+                            "test": "append_floor",
+                            "payload_bytes": size,
+                            **latency_fields(lat),
+                            "msgs_per_s": round(done / elapsed),
+                            "mb_per_s": round(done * size / elapsed / MB, 1),
+                            "window": window,
+                            "server_cpu_us": round((s1 - s0) / done * 1e6, 1),
+                            "client_cpu_us": round((c1 - c0) / done * 1e6, 1),
+                        }
+                    )
                 )
-            )
+            size = KiB
+            body = os.urandom(size)
             s0, c0 = cpu_seconds(pid), time.process_time()
             lat = await sequential_loop(c, name, body, count)
             s1, c1 = cpu_seconds(pid), time.process_time()
