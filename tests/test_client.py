@@ -243,6 +243,39 @@ async def test_sync_client_mirrors_the_async_one(cluster) -> None:
     assert "cl/sync" in names
 
 
+async def test_a_whole_append_cancelled_under_us_is_a_transport_error_not_our_cancellation() -> None:
+    """The same for an append small enough to go as one unary call: a server that holds the call
+    (the append is under way, its outcome unknown), then the client's channel goes away under it."""
+    import grpc
+
+    arrived, release = asyncio.Event(), asyncio.Event()
+
+    async def holds(request_iterator, context) -> bytes:
+        async for _ in request_iterator:
+            arrived.set()
+        await release.wait()
+        return b""
+
+    server = grpc.aio.server()
+    handler = grpc.stream_unary_rpc_method_handler(holds)
+    service = pb.DESCRIPTOR.services_by_name["Journal"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, {"Append": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}", retries=0) as c:
+            appending = asyncio.ensure_future(c.append("cl/held", b"small enough for one message"))
+            await asyncio.wait_for(arrived.wait(), 10)
+            for ch in list(c._channels.values()):
+                await ch.close()
+            with pytest.raises(TransportError) as err:
+                await asyncio.wait_for(appending, 10)
+            assert err.value.retriable
+    finally:
+        release.set()
+        await server.stop(0)
+
+
 async def test_a_call_grpc_cancels_on_its_own_is_a_transport_error_not_our_cancellation(cluster) -> None:
     """grpc.aio cancels a call whose channel goes away under it, and the awaiting task then gets a
     CancelledError although nobody cancelled it. The client reports a retriable transport failure

@@ -108,6 +108,7 @@ class AsyncClient:
                 APPEND_METHOD,
                 request_serializer=pb.AppendRequest.SerializeToString,
                 response_deserializer=pb.AppendResponse.FromString,
+                _registered_method=True,  # as the generated stub's methods are
             )
         return mc
 
@@ -175,7 +176,7 @@ class AsyncClient:
         first = first_append_request(journal, offset, check_registers, union_registers, subtract_registers)
         replayable = isinstance(content, bytes | bytearray | memoryview)
         if timeout is None and replayable:
-            timeout = ATTEMPT_TIMEOUT + len(content) / (1 << 20)
+            timeout = ATTEMPT_TIMEOUT + _nbytes(content) / (1 << 20)
         attempt = 0
         while True:
             endpoint = self._append_endpoint(journal)
@@ -191,8 +192,10 @@ class AsyncClient:
     async def _append_once(
         self, endpoint: str, first: pb.AppendRequest, content: Content, timeout: float | None = None
     ) -> AppendResult:
-        """One Append RPC. Messages are handed to grpc as an iterator (about half the cost of
-        awaiting each write); the empty chunk before end-of-stream commits.
+        """One Append RPC. Content of at most CHUNK bytes goes as one message with `commit` set, by
+        a unary call on the Append method (see `_append_whole`); larger or streamed content as a
+        client stream handed to grpc as an iterator (about half the cost of awaiting each write),
+        whose empty chunk before end-of-stream commits.
 
         grpc.aio turns an exception of the request iterator into a cancelled call; such an
         exception (the content source failed) is raised here instead of the CancelledError, and a
@@ -210,7 +213,7 @@ class AsyncClient:
                 failed.append(exc)
                 raise
 
-        if isinstance(content, bytes | bytearray | memoryview) and len(content) <= CHUNK:
+        if isinstance(content, bytes | bytearray | memoryview) and _nbytes(content) <= CHUNK:
             whole = pb.AppendRequest(content=bytes(content), commit=True)  # the whole append, one message
             whole.MergeFrom(first)
             call = self._append_whole(endpoint)(whole, timeout=timeout)
@@ -586,6 +589,11 @@ class Reader:
                 yield chunk
         finally:
             await asyncio.to_thread(src.close)
+
+
+def _nbytes(content: bytes | bytearray | memoryview) -> int:
+    """Bytes, not items: a memoryview of wider items is longer than its len()."""
+    return content.nbytes if isinstance(content, memoryview) else len(content)
 
 
 async def chunks(content: Content) -> AsyncIterator[bytes]:
