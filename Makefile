@@ -9,7 +9,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check --upgrade pip
-	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev]'
+	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev,spark]'
 	touch $@
 
 # etcd from Debian's etcd-server package, only when no etcd binary is on PATH.
@@ -26,12 +26,12 @@ demo: install
 
 test: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff format --check src tests bench
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff format --check src tests bench
 
 # Regenerate the committed protobuf code (tests/test_protocol_generated.py checks it is current).
 proto: $(STAMP)

@@ -47,6 +47,8 @@ class ReadUncommitted:
     * `message_type` - what messages decode into (dicts for JSON, payload bytes for protobuf by default).
     * `block` - tail the journals (True) or stop at their write heads (False).
     * `on_garbage` - called with (journal, Garbage) for every undecodable range.
+    * `end_offsets` - stop reading a journal named here at this offset (a fixed range, as a Spark
+      partition reads: the same messages however far the journal has grown meanwhile).
     """
 
     def __init__(
@@ -58,12 +60,14 @@ class ReadUncommitted:
         message_type: Any = None,
         block: bool = True,
         on_garbage: GarbageHandler | None = None,
+        end_offsets: dict[str, int] | None = None,
     ) -> None:
         self.client = client
         self.journals = [journals] if isinstance(journals, str) else list(journals)
         if not self.journals:
             raise UsageError("read at least one journal")
         self.offsets = {j: (offsets or {}).get(j, 0) for j in self.journals}
+        self.end_offsets = {j: e for j, e in (end_offsets or {}).items() if e}
         self.message_type = message_type
         self.block = block
         self.on_garbage = on_garbage
@@ -104,14 +108,17 @@ class ReadUncommitted:
     async def _batches(self) -> AsyncIterator[list[Envelope]]:
         """Batches of envelopes (one per content chunk), from all journals, each journal in order."""
         if len(self.journals) == 1:
-            async for batch in self._journal_batches(self.journals[0], self.offsets[self.journals[0]]):
+            journal = self.journals[0]
+            async for batch in self._journal_batches(journal, self.offsets[journal], self.end_offsets.get(journal, 0)):
                 yield batch
             return
         queue: asyncio.Queue[list[Envelope] | Exception | None] = asyncio.Queue(maxsize=64)
 
         async def pump(journal: str) -> None:
             try:
-                async for batch in self._journal_batches(journal, self.offsets[journal]):
+                async for batch in self._journal_batches(
+                    journal, self.offsets[journal], self.end_offsets.get(journal, 0)
+                ):
                     await queue.put(batch)
                 await queue.put(None)
             except asyncio.CancelledError:  # the reader stopped: nobody takes from the queue any more
@@ -135,14 +142,16 @@ class ReadUncommitted:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _journal_batches(self, journal: str, offset: int, end_offset: int = 0) -> AsyncIterator[list[Envelope]]:
+    async def _journal_batches(
+        self, journal: str, offset: int, end_offset: int = 0, *, replay: bool = False
+    ) -> AsyncIterator[list[Envelope]]:
         decoder = (await journal_framing(self._aio, journal)).decoder(self.message_type, offset)
         reader = self._aio.reader(journal, offset, block=self.block and not end_offset, end_offset=end_offset)
         async with aclosing(reader):
             async for chunk in reader:
                 batch = self._envelopes_of(journal, decoder.feed_columns(chunk.content, chunk.offset))
                 if batch:
-                    if not end_offset:  # (a replay re-reads an earlier range: it does not move the reader)
+                    if not replay:  # (a replay re-reads an earlier range: it does not move the reader)
                         self.offsets[journal] = batch[-1].end
                     yield batch
         tail = self._envelopes_of(journal, columns_of(decoder.finish()))
@@ -184,7 +193,7 @@ class ReadUncommitted:
     async def read_range(self, journal: str, begin: int, end: int) -> list[Envelope]:
         """Every envelope of `journal` in [begin, end), read again (for a Sequencer replay)."""
         out: list[Envelope] = []
-        async for batch in self._journal_batches(journal, begin, end):
+        async for batch in self._journal_batches(journal, begin, end, replay=True):
             out.extend(batch)
         return out
 
@@ -192,7 +201,8 @@ class ReadUncommitted:
 class ReadCommitted(ReadUncommitted):
     """Committed messages of `journals`, each exactly once; see the module docstring.
 
-    **Parameters** (beyond ReadUncommitted's, whose `offsets` a checkpoint replaces):
+    **Parameters** (beyond ReadUncommitted's; a checkpoint replaces `offsets`; without one, a read
+    starting inside a transaction delivers, at its ACK, only the transaction's messages from there on):
     * `checkpoint` - resume from a `checkpoint()` of an earlier reader.
     * `ring_size` - the Sequencer's ring of pending messages (longer transactions are re-read).
     """
@@ -207,10 +217,21 @@ class ReadCommitted(ReadUncommitted):
         message_type: Any = None,
         block: bool = True,
         on_garbage: GarbageHandler | None = None,
+        offsets: dict[str, int] | None = None,
+        end_offsets: dict[str, int] | None = None,
     ) -> None:
         names = [journals] if isinstance(journals, str) else list(journals)
-        offsets = {j: checkpoint.resume_offset(j) for j in names} if checkpoint is not None else None
-        super().__init__(client, names, offsets=offsets, message_type=message_type, block=block, on_garbage=on_garbage)
+        if checkpoint is not None:
+            offsets = {j: checkpoint.resume_offset(j) for j in names}
+        super().__init__(
+            client,
+            names,
+            offsets=offsets,
+            message_type=message_type,
+            block=block,
+            on_garbage=on_garbage,
+            end_offsets=end_offsets,
+        )
         self.sequencer = Sequencer(ring_size, checkpoint=checkpoint)
 
     def checkpoint(self) -> Checkpoint:

@@ -1,0 +1,32 @@
+"""tidings journals in Apache Spark (PySpark's Python Data Source API).
+
+    import tidings.spark            # or nothing: Spark finds `pyspark_tidings` on its own
+    df = (spark.read.format("tidings")
+          .option("broker", "127.0.0.1:8080")
+          .option("journal", "shop/orders")        # or a comma list, or .option("selector", "topic=orders")
+          .schema("id BIGINT, amount DOUBLE")       # the messages' fields (format json)
+          .load())
+
+Options (Kafka's names where they mean the same): `broker` (any broker; default 127.0.0.1:8080),
+`journal` or `selector`, `startingOffsets` / `endingOffsets` (`earliest`, `latest`, or JSON
+`{"journal": byte offset}` with -2 / -1 for those; defaults earliest / latest), `readCommitted`
+(default true: each committed message once, rolled-back ones never), `format` (`json` with a
+schema, default; or `raw`: `journal`, `offset`, `value` per message as written, read uncommitted),
+`schema` (the messages' fields as DDL, instead of `.schema()`). Columns: see `tidings.spark.schema`.
+
+`register(spark)` registers the source with a session explicitly (a session whose Python workers
+cannot import `pyspark_tidings` needs it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tidings.spark.source import TidingsBatchReader, TidingsDataSource
+
+__all__ = ["TidingsBatchReader", "TidingsDataSource", "register"]
+
+
+def register(spark: Any) -> None:
+    """Register the `tidings` format with a SparkSession."""
+    spark.dataSource.register(TidingsDataSource)

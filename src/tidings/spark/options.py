@@ -1,0 +1,108 @@
+"""The options of the tidings Spark source, parsed once and checked with one-line errors.
+
+Named like the Kafka connector's where they mean the same (`startingOffsets`, `endingOffsets`,
+`failOnDataLoss`, `maxBytesPerTrigger`). Spark hands options over case-insensitively; offsets are
+the journals' byte offsets (each message's `offset` column), not message counts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from tidings.protocol import validate
+from tidings.protocol.labels import parse_selector
+from tidings.protocol.status import UsageError, ValidationError
+
+DEFAULT_BROKER = "127.0.0.1:8080"
+FORMATS = ("json", "raw")
+
+Offsets = str | dict[str, int]  # "earliest", "latest", or {journal: offset}
+
+
+class OptionError(UsageError):
+    """An option of the tidings source is missing or wrong; the message names it and says what to give."""
+
+    def __init__(self, option: str, problem: str) -> None:
+        super().__init__(f"tidings source: option {option!r} {problem}")
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    broker: str
+    journals: tuple[str, ...]  # named journals, or () with a selector
+    selector: str | None
+    starting: Offsets
+    ending: Offsets
+    read_committed: bool
+    format: str
+    fail_on_data_loss: bool
+    schema: str | None  # DDL of the messages' fields (format json), when not given with .schema()
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> SourceOptions:
+        lower = {k.lower(): v for k, v in options.items()}
+
+        def get(name: str, default: str | None = None) -> str | None:
+            value = lower.get(name.lower())
+            return default if value is None or value == "" else value
+
+        journals = tuple(j.strip() for j in (get("journal") or "").split(",") if j.strip())
+        selector = get("selector")
+        if journals and selector:
+            raise OptionError("journal", "and option 'selector' exclude each other: give one of them")
+        if not journals and not selector:
+            raise OptionError("journal", "is missing: give a journal name (or a comma list), or option 'selector'")
+        if selector:
+            try:
+                validate.selector(parse_selector(selector))
+            except ValidationError as exc:
+                raise OptionError("selector", f"is not a label selector ({exc}); e.g. 'topic=clicks,!tmp'") from None
+        fmt = (get("format", "json") or "json").lower()
+        if fmt not in FORMATS:
+            raise OptionError("format", f"is {fmt!r}: give 'json' (with a schema) or 'raw'")
+        read_committed = _bool(get("readCommitted", "true"), "readCommitted")
+        if fmt == "raw" and read_committed:
+            raise OptionError(
+                "readCommitted",
+                "must be false with format 'raw' (raw rows are the messages as written); "
+                "use format 'json' to read committed messages",
+            )
+        return cls(
+            broker=get("broker", DEFAULT_BROKER) or DEFAULT_BROKER,
+            journals=journals,
+            selector=selector,
+            starting=_offsets(get("startingOffsets", "earliest"), "startingOffsets"),
+            ending=_offsets(get("endingOffsets", "latest"), "endingOffsets"),
+            read_committed=read_committed,
+            format=fmt,
+            fail_on_data_loss=_bool(get("failOnDataLoss", "true"), "failOnDataLoss"),
+            schema=get("schema"),
+        )
+
+
+def _bool(text: str | None, option: str) -> bool:
+    value = (text or "").strip().lower()
+    if value not in ("true", "false"):
+        raise OptionError(option, f"is {text!r}: give true or false")
+    return value == "true"
+
+
+def _offsets(text: str | None, option: str) -> Offsets:
+    value = (text or "").strip()
+    if value.lower() in ("earliest", "latest"):
+        return value.lower()
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= -2 for k, v in parsed.items()
+    ):
+        raise OptionError(
+            option,
+            f"is {text!r}: give earliest, latest, or a JSON object of byte offsets such as "
+            '{"shop/orders": 1024} (-2: earliest, -1: latest)',
+        )
+    return parsed

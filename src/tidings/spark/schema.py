@@ -1,0 +1,178 @@
+"""Rows of the tidings source: the metadata columns, message fields decoded by msgspec, Arrow batches.
+
+With `format` json a DataFrame's columns are, by name: the metadata columns `journal`, `offset`
+(the message's byte offset), `uuid`, `producer` (12 hex digits) and `clock` (the UUID's clock),
+`_corrupt` (the text of a message that did not decode, as Spark's JSON reader's corrupt-record
+column: its other fields are then null), and every other column is a field of the messages' JSON
+objects, decoded with msgspec straight into typed values (a value of the wrong type makes the
+message corrupt rather than guessing). With `format` raw: `journal`, `offset`, `value` (the
+message's bytes as written: the JSON line without its newline, or a fixed frame's payload).
+"""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import functools
+import json
+from collections.abc import Callable, Sequence
+from operator import attrgetter
+from typing import Annotated, Any
+
+import msgspec
+import pyarrow as pa
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    BooleanType,
+    ByteType,
+    DataType,
+    DateType,
+    DecimalType,
+    DoubleType,
+    FloatType,
+    IntegerType,
+    LongType,
+    MapType,
+    ShortType,
+    StringType,
+    StructType,
+    TimestampNTZType,
+    TimestampType,
+)
+
+from tidings.message.uuid import get_clock, get_producer_id, uuid_to_str
+from tidings.protocol.status import UsageError
+
+METADATA_DDL = "journal STRING NOT NULL, offset BIGINT NOT NULL, uuid STRING, producer STRING, clock BIGINT"
+METADATA = ("journal", "offset", "uuid", "producer", "clock")
+CORRUPT = "_corrupt"
+RAW_DDL = "journal STRING NOT NULL, offset BIGINT NOT NULL, value BINARY NOT NULL"
+
+_INT_RANGES = {ByteType: 8, ShortType: 16, IntegerType: 32, LongType: 64}
+_BUILTINS = (datetime.datetime, datetime.date, decimal.Decimal, bytes, bytearray)
+
+
+def arrow_schema(schema: StructType) -> pa.Schema:
+    """The Arrow schema Spark checks our batches against (nullability included)."""
+    return to_arrow_schema(schema, timezone="UTC")
+
+
+def _field_type(dt: DataType, where: str) -> Any:
+    """The msgspec type that decodes a JSON value into what the Spark type `dt` holds (None allowed)."""
+    t: Any
+    if isinstance(dt, StringType):
+        t = str
+    elif type(dt) in _INT_RANGES:
+        bits = _INT_RANGES[type(dt)]
+        t = Annotated[int, msgspec.Meta(ge=-(1 << (bits - 1)), le=(1 << (bits - 1)) - 1)]
+    elif isinstance(dt, FloatType | DoubleType):
+        t = float
+    elif isinstance(dt, BooleanType):
+        t = bool
+    elif isinstance(dt, BinaryType):
+        t = bytes  # base64 in JSON
+    elif isinstance(dt, DecimalType):
+        t = decimal.Decimal
+    elif isinstance(dt, TimestampType | TimestampNTZType):
+        t = datetime.datetime
+    elif isinstance(dt, DateType):
+        t = datetime.date
+    elif isinstance(dt, ArrayType):
+        t = list[_field_type(dt.elementType, f"{where}[]")]  # type: ignore[misc]
+    elif isinstance(dt, MapType) and isinstance(dt.keyType, StringType):
+        t = dict[str, _field_type(dt.valueType, f"{where}{{}}")]  # type: ignore[misc]
+    elif isinstance(dt, StructType):
+        t = _struct_type(dt, where)
+    else:
+        raise UsageError(
+            f"tidings source: column {where!r} has type {dt.simpleString()}, which JSON messages cannot hold; use "
+            "string, integer types, float, double, boolean, binary, decimal, date, timestamp, array, "
+            "map<string, …> or struct"
+        )
+    return t | None
+
+
+def _struct_type(schema: StructType, where: str = "", with_uuid: bool = False) -> type:
+    """A msgspec Struct decoding a JSON object into the fields of `schema` (f0, f1, … renamed to the
+    columns' names, which need not be Python identifiers); unknown keys are ignored."""
+    fields: list[tuple[str, Any, Any]] = [
+        (f"f{i}", _field_type(f.dataType, f"{where}{f.name}"), None) for i, f in enumerate(schema.fields)
+    ]
+    rename = {f"f{i}": f.name for i, f in enumerate(schema.fields)}
+    if with_uuid:
+        fields.append(("uuid", str | None, None))
+    return msgspec.defstruct("Message", fields, rename=rename, frozen=True, gc=False)
+
+
+def _needs_builtins(dt: DataType) -> bool:
+    if isinstance(dt, StructType):
+        return True
+    if isinstance(dt, ArrayType):
+        return _needs_builtins(dt.elementType)
+    if isinstance(dt, MapType):
+        return _needs_builtins(dt.valueType)
+    return False
+
+
+class RowBuilder:
+    """Turns envelopes (and corrupt messages) into RecordBatches of a DataFrame's schema."""
+
+    def __init__(self, schema: StructType) -> None:
+        self.schema = schema
+        self.arrow = arrow_schema(schema)
+        names = schema.fieldNames()
+        self.body = StructType([f for f in schema.fields if f.name not in METADATA and f.name != CORRUPT])
+        self.message_type = _struct_type(self.body, with_uuid=True)
+        body_index = {f.name: i for i, f in enumerate(self.body.fields)}
+        self._columns: list[Callable[[Sequence[Any]], list[Any]]] = []
+        for name, field in zip(names, schema.fields, strict=True):
+            self._columns.append(self._column(name, field.dataType, body_index.get(name)))
+
+    def _column(self, name: str, dt: DataType, body_at: int | None) -> Callable[[Sequence[Any]], list[Any]]:
+        if name == "journal":
+            return lambda envs: [e.journal for e in envs]
+        if name == "offset":
+            return lambda envs: [e.begin for e in envs]
+        if name == "uuid":
+            return lambda envs: [None if e.uuid is None else uuid_to_str(e.uuid) for e in envs]
+        if name == "producer":
+            return lambda envs: [None if e.uuid is None else bytes(get_producer_id(e.uuid)).hex() for e in envs]
+        if name == "clock":
+            return lambda envs: [None if e.uuid is None else get_clock(e.uuid) for e in envs]
+        if name == CORRUPT:
+            return lambda envs: [None] * len(envs)
+        assert body_at is not None
+        get = attrgetter(f"f{body_at}")
+        if _needs_builtins(dt):
+            return lambda envs: msgspec.to_builtins([get(e.message) for e in envs], builtin_types=_BUILTINS)
+        return lambda envs: [get(e.message) for e in envs]
+
+    def batch(self, envelopes: Sequence[Any]) -> pa.RecordBatch:
+        """A RecordBatch of decoded messages (Envelopes whose message is of `message_type`)."""
+        arrays = [
+            pa.array(col(envelopes), type=field.type)
+            for col, field in zip(self._columns, self.arrow, strict=True)  # type: ignore[arg-type]
+        ]
+        return pa.RecordBatch.from_arrays(arrays, schema=self.arrow)
+
+    def corrupt(self, rows: Sequence[tuple[str, int, str]]) -> pa.RecordBatch:
+        """A RecordBatch of messages that did not decode: (journal, offset, text); other columns null."""
+        arrays = []
+        for field in self.arrow:
+            if field.name == "journal":
+                arrays.append(pa.array([r[0] for r in rows], type=field.type))
+            elif field.name == "offset":
+                arrays.append(pa.array([r[1] for r in rows], type=field.type))
+            elif field.name == CORRUPT:
+                arrays.append(pa.array([r[2] for r in rows], type=field.type))
+            else:
+                arrays.append(pa.nulls(len(rows), type=field.type))
+        return pa.RecordBatch.from_arrays(arrays, schema=self.arrow)
+
+
+@functools.lru_cache(maxsize=16)
+def row_builder(schema_json: str) -> RowBuilder:
+    """One RowBuilder per schema per process (building the msgspec types is not free)."""
+    return RowBuilder(StructType.fromJson(json.loads(schema_json)))

@@ -1,0 +1,220 @@
+"""The tidings Spark source on a real local Spark (local[2]) against real brokers (child processes).
+
+Journals hold hand-made JSON lines with UUIDs built for each case (duplicates, a committed and a
+rolled-back transaction, one left open), then many messages from a Publisher, so the committed
+read is checked against `tidings journals read --committed` (the CLI) over several chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support.cluster import create_local_journal
+from tidings.client import AppendService, AsyncClient, Client
+from tidings.message import Publisher
+from tidings.message.uuid import ACK_TXN, CONTINUE_TXN, OUTSIDE_TXN, build_uuid, uuid_to_str
+
+NDJSON = {"labels": {"content-type": "application/x-ndjson"}}
+P1, P2, P3, P4 = (bytes([0x01, 0, 0, 0, 0, n]) for n in (1, 2, 3, 4))
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator:
+    """A local[2] session on loopback, stopped with its JVM (by PID) whatever happens."""
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("tidings-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.sql.shuffle.partitions", "2")
+        .getOrCreate()
+    )
+    proc = SparkContext._gateway.proc  # type: ignore[union-attr]
+    try:
+        yield session
+    finally:
+        session.stop()
+        SparkContext._gateway.shutdown()  # type: ignore[union-attr]
+        proc.kill()
+        proc.wait(30)
+
+
+def line(producer: bytes, clock: int, flags: int, **fields: object) -> bytes:
+    return json.dumps({**fields, "uuid": uuid_to_str(build_uuid(producer, clock, flags))}).encode() + b"\n"
+
+
+CASES = b"".join(
+    [
+        line(P1, 1, OUTSIDE_TXN, id=1, name="one"),
+        line(P1, 1, OUTSIDE_TXN, id=1, name="one"),  # a duplicate: delivered once
+        line(P3, 2, OUTSIDE_TXN, id=7, name="seven"),
+        line(P2, 1, CONTINUE_TXN, id=2, name="two"),
+        line(P3, 5, CONTINUE_TXN, id=4, name="rolled back"),
+        line(P2, 2, CONTINUE_TXN, id=3, name="three"),
+        line(P2, 2, ACK_TXN),  # commits ids 2 and 3
+        line(P3, 3, ACK_TXN),  # P3 restarted from its checkpoint (clock 3): id 4 rolls back
+        line(P4, 1, CONTINUE_TXN, id=5, name="open"),  # never acknowledged: not delivered
+        line(P1, 2, OUTSIDE_TXN, id=6, name="six"),
+    ]
+)
+
+
+async def fill(endpoint: str, journal: str, published: int) -> None:
+    async with AsyncClient(endpoint) as c:
+        await c.append(journal, CASES)
+        service = AppendService(c)
+        pub = Publisher(service)
+        msgs = [{"id": 100 + i, "name": f"m{i}"} for i in range(published)]
+        for at in range(0, len(msgs), 1000):
+            await (await pub.publish_committed(journal, *msgs[at : at + 1000]))
+        await service.aclose()
+
+
+def read_df(spark, lc, journal: str, schema: str = "id BIGINT, name STRING", **options: str):
+    reader = spark.read.format("tidings").option("broker", lc.endpoints[0]).option("journal", journal)
+    for k, v in options.items():
+        reader = reader.option(k, v)
+    return reader.schema(schema).load() if schema else reader.load()
+
+
+def cli_committed(endpoint: str, journal: str) -> list[dict]:
+    out = subprocess.run(
+        [sys.executable, "-m", "tidings.cli", "journals", "read", journal, "--committed", "--broker", endpoint],
+        capture_output=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    return [json.loads(x) for x in out.splitlines()]
+
+
+def test_batch_read_committed_equals_the_cli(spark, local_cluster) -> None:
+    journal = "spark/committed"
+    asyncio.run(create_local_journal(local_cluster, journal, 3, **NDJSON))
+    asyncio.run(fill(local_cluster.endpoints[0], journal, 20_000))
+
+    df = read_df(spark, local_cluster, journal, "journal STRING, offset BIGINT, uuid STRING, id BIGINT, name STRING")
+    rows = df.orderBy("offset").collect()
+    expected = cli_committed(local_cluster.endpoints[1], journal)
+    assert [(r.id, r.name, r.uuid) for r in rows] == [(m["id"], m["name"], m["uuid"]) for m in expected]
+    assert [r.id for r in rows[:5]] == [1, 7, 2, 3, 6]  # once, committed only, in journal order per producer
+    assert len(rows) == 5 + 20_000 and {r.journal for r in rows} == {journal}
+
+    # Read uncommitted: every message as written (the duplicate, the rolled-back and the open one too).
+    uncommitted = read_df(spark, local_cluster, journal, "offset BIGINT, id BIGINT", readCommitted="false")
+    raw_ids = [r.id for r in uncommitted.orderBy("offset").limit(10).collect()]
+    assert raw_ids == [1, 1, 7, 2, 4, 3, None, None, 5, 6]  # (the two ACKs have no id)
+
+
+def test_metadata_columns_by_option_schema_and_offsets(spark, local_cluster) -> None:
+    journal = "spark/offsets"
+    asyncio.run(create_local_journal(local_cluster, journal, 1, **NDJSON))
+    asyncio.run(fill(local_cluster.endpoints[0], journal, 10))
+    df = (
+        spark.read.format("tidings")
+        .option("broker", local_cluster.endpoints[0])
+        .option("journal", journal)
+        .option("schema", "id BIGINT")
+        .load()
+    )
+    assert df.columns == ["journal", "offset", "uuid", "producer", "clock", "id", "_corrupt"]
+    rows = df.orderBy("offset").collect()
+    assert rows[0].producer == P1.hex() and rows[0].clock > 0 and rows[0]._corrupt is None
+
+    # A range [start, end) in byte offsets, as the offset column gives them.
+    start, end = rows[2].offset, rows[5].offset
+    part = read_df(
+        spark,
+        local_cluster,
+        journal,
+        "offset BIGINT, id BIGINT",
+        startingOffsets=json.dumps({journal: start}),
+        endingOffsets=json.dumps({journal: end}),
+    ).collect()
+    # From id 2's line to the first published one: P2's transaction and id 6 commit, id 4 rolls back.
+    assert sorted(r.id for r in part) == [2, 3, 6]
+
+
+def test_undecodable_messages_become_corrupt_rows(spark, local_cluster) -> None:
+    journal = "spark/corrupt"
+    asyncio.run(create_local_journal(local_cluster, journal, 1, **NDJSON))
+    bad_type = line(P1, 2, OUTSIDE_TXN, id="not a number", name="x")
+    with Client(local_cluster.endpoints[0]) as c:
+        c.append(journal, line(P1, 1, OUTSIDE_TXN, id=1, name="one") + bad_type + b"{not json\n")
+        c.append(journal, line(P1, 3, OUTSIDE_TXN, id=3, name="three"))
+    rows = read_df(spark, local_cluster, journal, "offset BIGINT, id BIGINT, name STRING, _corrupt STRING")
+    got = [(r.id, r.name, r._corrupt) for r in rows.orderBy("offset").collect()]
+    assert got == [
+        (1, "one", None),
+        (None, None, bad_type.decode().rstrip("\n")),
+        (None, None, "{not json"),
+        (3, "three", None),
+    ]
+
+
+def test_raw_rows_are_the_messages_as_written(spark, local_cluster) -> None:
+    journal = "spark/raw"
+    asyncio.run(create_local_journal(local_cluster, journal, 1, **NDJSON))
+    with Client(local_cluster.endpoints[0]) as c:
+        c.append(journal, CASES)
+    df = read_df(spark, local_cluster, journal, schema="", format="raw", readCommitted="false")
+    assert df.columns == ["journal", "offset", "value"]
+    rows = df.orderBy("offset").collect()
+    assert b"\n".join(bytes(r.value) for r in rows) + b"\n" == CASES
+    assert rows[1].offset == len(CASES.split(b"\n")[0]) + 1
+
+
+def test_a_selector_reads_every_matching_journal(spark, local_cluster) -> None:
+    for name in ("spark/sel-a", "spark/sel-b", "spark/other"):
+        labels = {**NDJSON["labels"], "topic": "sel" if "sel" in name else "other"}
+        asyncio.run(create_local_journal(local_cluster, name, 1, labels=labels))
+        with Client(local_cluster.endpoints[0]) as c:
+            c.append(name, line(P1, 1, OUTSIDE_TXN, id=1, name=name))
+    df = (
+        spark.read.format("tidings")
+        .option("broker", local_cluster.endpoints[0])
+        .option("selector", "topic=sel")
+        .option("schema", "name STRING")
+        .load()
+    )
+    assert sorted((r.journal, r.name) for r in df.collect()) == [("spark/sel-a",) * 2, ("spark/sel-b",) * 2]
+    assert df.rdd.getNumPartitions() == 2  # a partition per journal
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"journal": "spark/nope"}, "journal 'spark/nope' does not exist"),
+        ({"journal": "spark/bad-input", "broker": "127.0.0.1:9"}, "broker 127.0.0.1:9 is unreachable"),
+        ({"journal": "spark/bad-input", "startingOffsets": "first"}, "option 'startingOffsets' is 'first'"),
+        ({"journal": "spark/bad-input", "format": "avro"}, "option 'format' is 'avro'"),
+        ({"selector": "=clicks"}, "option 'selector' is not a label selector"),
+        ({}, "option 'journal' is missing"),
+    ],
+)
+def test_bad_input_fails_the_query_with_one_line_naming_it(spark, local_cluster, options, says) -> None:
+    asyncio.run(create_local_journal(local_cluster, "spark/bad-input", 1, **NDJSON))
+    reader = spark.read.format("tidings").option("broker", local_cluster.endpoints[0])
+    for k, v in options.items():
+        reader = reader.option(k, v)
+    with pytest.raises(Exception) as err:
+        reader.schema("id BIGINT").load().collect()
+    assert says in str(err.value)
+
+
+def test_json_without_a_schema_says_how_to_give_one(spark, local_cluster) -> None:
+    with pytest.raises(Exception) as err:
+        spark.read.format("tidings").option("broker", local_cluster.endpoints[0]).option("journal", "x").load()
+    assert "format json needs the messages' fields" in str(err.value)
