@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -33,6 +35,34 @@ def moto_s3() -> Iterator[MotoS3]:
     """A real S3 endpoint (moto's server) on a free loopback port, stopped by PID at the end of the session."""
     with MotoS3() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator:
+    """One local[2] Spark session (its JVM a child process on loopback) for every Spark test; stopped,
+    and its JVM killed by PID, at the end of the run whatever happens."""
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("tidings-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.sql.shuffle.partitions", "2")
+        .getOrCreate()
+    )
+    proc = SparkContext._gateway.proc  # type: ignore[union-attr]
+    try:
+        yield session
+    finally:
+        session.stop()
+        SparkContext._gateway.shutdown()  # type: ignore[union-attr]
+        proc.kill()
+        proc.wait(30)
 
 
 @pytest.fixture

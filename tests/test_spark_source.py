@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 
@@ -23,33 +21,6 @@ from tidings.message.uuid import ACK_TXN, CONTINUE_TXN, OUTSIDE_TXN, build_uuid,
 
 NDJSON = {"labels": {"content-type": "application/x-ndjson"}}
 P1, P2, P3, P4 = (bytes([0x01, 0, 0, 0, 0, n]) for n in (1, 2, 3, 4))
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator:
-    """A local[2] session on loopback, stopped with its JVM (by PID) whatever happens."""
-    from pyspark import SparkContext
-    from pyspark.sql import SparkSession
-
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("tidings-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.sql.shuffle.partitions", "2")
-        .getOrCreate()
-    )
-    proc = SparkContext._gateway.proc  # type: ignore[union-attr]
-    try:
-        yield session
-    finally:
-        session.stop()
-        SparkContext._gateway.shutdown()  # type: ignore[union-attr]
-        proc.kill()
-        proc.wait(30)
 
 
 def line(producer: bytes, clock: int, flags: int, **fields: object) -> bytes:

@@ -11,7 +11,7 @@ that checkpoint resumes without loss or duplicates.
 Both iterate asynchronously with an `AsyncClient` (``async for``) and synchronously with a
 `Client` (``for``). Several journals are read concurrently, each in order. Bytes that decode to
 no message (a bad JSON line, an invalid ``uuid`` value, a broken frame) are reported with their
-journal and offsets (logged, counted in `garbage`, passed to `on_garbage`) and skipped. A
+journal and offsets (counted in `garbage`; passed to `on_garbage`, or logged without one) and skipped. A
 blocking iterator tails its journals forever; a non-blocking one ends at their write heads.
 """
 
@@ -46,7 +46,7 @@ class ReadUncommitted:
     * `offsets` - where to start per journal (0 for those not named).
     * `message_type` - what messages decode into (dicts for JSON, payload bytes for protobuf by default).
     * `block` - tail the journals (True) or stop at their write heads (False).
-    * `on_garbage` - called with (journal, Garbage) for every undecodable range.
+    * `on_garbage` - called with (journal, Garbage) for every undecodable range (instead of a warning in the log).
     * `end_offsets` - stop reading a journal named here at this offset (a fixed range, as a Spark
       partition reads: the same messages however far the journal has grown meanwhile).
     """
@@ -185,10 +185,11 @@ class ReadUncommitted:
 
     def _report(self, journal: str, garbage: Garbage) -> None:
         self.garbage += 1
-        log.warning("journal %s: skipped undecodable bytes [%d, %d): %s", journal, garbage.begin, garbage.end,
-                    garbage.error)  # fmt: skip
         if self.on_garbage is not None:
             self.on_garbage(journal, garbage)
+        else:
+            log.warning("journal %s: skipped undecodable bytes [%d, %d): %s", journal, garbage.begin, garbage.end,
+                        garbage.error)  # fmt: skip
 
     async def read_range(self, journal: str, begin: int, end: int) -> list[Envelope]:
         """Every envelope of `journal` in [begin, end), read again (for a Sequencer replay)."""

@@ -12,7 +12,8 @@ Options (Kafka's names where they mean the same): `broker` (any broker; default 
 `{"journal": byte offset}` with -2 / -1 for those; defaults earliest / latest), `readCommitted`
 (default true: each committed message once, rolled-back ones never), `format` (`json` with a
 schema, default; or `raw`: `journal`, `offset`, `value` per message as written, read uncommitted),
-`schema` (the messages' fields as DDL, instead of `.schema()`). Columns: see `tidings.spark.schema`.
+`schema` (the messages' fields as DDL, instead of `.schema()`), and for `readStream`
+`maxBytesPerTrigger` (see `tidings.spark.stream`). Columns: see `tidings.spark.schema`.
 
 `register(spark)` registers the source with a session explicitly (a session whose Python workers
 cannot import `pyspark_tidings` needs it).

@@ -39,6 +39,7 @@ class SourceOptions:
     format: str
     fail_on_data_loss: bool
     schema: str | None  # DDL of the messages' fields (format json), when not given with .schema()
+    max_bytes_per_trigger: int | None  # streaming: bytes per micro-batch (all journals together)
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SourceOptions:
@@ -79,7 +80,20 @@ class SourceOptions:
             format=fmt,
             fail_on_data_loss=_bool(get("failOnDataLoss", "true"), "failOnDataLoss"),
             schema=get("schema"),
+            max_bytes_per_trigger=_positive(get("maxBytesPerTrigger"), "maxBytesPerTrigger"),
         )
+
+
+def _positive(text: str | None, option: str) -> int | None:
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise OptionError(option, f"is {text!r}: give a positive number of bytes")
+    return value
 
 
 def _bool(text: str | None, option: str) -> bool:

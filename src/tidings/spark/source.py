@@ -21,11 +21,11 @@ from typing import Any, TypeVar
 
 import msgspec
 import pyarrow as pa
-from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, InputPartition
 from pyspark.sql.types import StructType
 
 from tidings.client import Client
-from tidings.message import ReadCommitted, ReadUncommitted
+from tidings.message import Checkpoint, JournalCheckpoint, ReadCommitted, ReadUncommitted
 from tidings.message.framing import NDJSON, Garbage, columns_of, framing_for
 from tidings.message.publisher import content_type_of
 from tidings.protocol import protocol_pb2 as pb
@@ -42,14 +42,28 @@ PLANNING_RETRIES = 3  # a driver that cannot reach its broker fails the query so
 
 
 class JournalRange(InputPartition):
-    """What one Spark task reads: journal bytes [begin, end) and how to decode them."""
+    """What one Spark task reads: the messages of journal bytes [begin, end) and how to decode them.
 
-    def __init__(self, journal: str, content_type: str, begin: int, end: int) -> None:
+    `producers` (a streaming micro-batch's start) are the journal's producer states at `begin`, as
+    a Sequencer checkpoint holds them: the read then starts at the first pending transaction's
+    offset, so a transaction whose ACK is in this range is delivered whole, and nothing before
+    `begin` is delivered again.
+    """
+
+    def __init__(
+        self,
+        journal: str,
+        content_type: str,
+        begin: int,
+        end: int,
+        producers: dict[str, dict[str, int]] | None = None,
+    ) -> None:
         super().__init__((journal, begin, end))
         self.journal = journal
         self.content_type = content_type
         self.begin = begin
         self.end = end
+        self.producers = producers
 
 
 def _one_line(fn: Callable[..., T]) -> Callable[..., T]:
@@ -90,6 +104,12 @@ class TidingsDataSource(DataSource):
     def reader(self, schema: StructType) -> DataSourceReader:
         return TidingsBatchReader(SourceOptions.parse(self.options), schema)
 
+    @_one_line
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        from tidings.spark.stream import TidingsStreamReader
+
+        return TidingsStreamReader(SourceOptions.parse(self.options), schema)
+
 
 class TidingsBatchReader(DataSourceReader):
     def __init__(self, options: SourceOptions, schema: StructType) -> None:
@@ -111,14 +131,18 @@ class TidingsBatchReader(DataSourceReader):
         return ranges or [JournalRange("", NDJSON, 0, 0)]
 
     def read(self, partition: JournalRange) -> Iterator[pa.RecordBatch]:  # type: ignore[override]
-        if partition.begin >= partition.end:
-            return
-        opts = self.options
-        with Client(opts.broker) as c:
-            if opts.format == "raw":
-                yield from _read_raw(c, partition)
-            else:
-                yield from _read_json(c, partition, opts.read_committed, self.schema_json)
+        return read_partition(self.options, self.schema_json, partition)
+
+
+def read_partition(opts: SourceOptions, schema_json: str, partition: JournalRange) -> Iterator[pa.RecordBatch]:
+    """A task's rows (on an executor): the partition's messages as RecordBatches of the query's schema."""
+    if partition.begin >= partition.end:
+        return
+    with Client(opts.broker) as c:
+        if opts.format == "raw":
+            yield from _read_raw(c, partition)
+        else:
+            yield from _read_json(c, partition, opts.read_committed, schema_json)
 
 
 def planning_client(broker: str) -> Client:
@@ -143,7 +167,14 @@ def resolve_journals(c: Client, opts: SourceOptions) -> list[pb.JournalSpec]:
             f"tidings source: journal {missing[0]!r} does not exist (broker {opts.broker}); "
             "check option 'journal', or create it with `tidings journals apply`"
         )
-    return [specs[j] for j in opts.journals]
+    chosen = [specs[j] for j in opts.journals]
+    for spec in chosen:
+        if opts.format == "json" and content_type_of(spec) != NDJSON:
+            raise UsageError(
+                f"tidings source: journal {spec.name!r} holds {content_type_of(spec)} messages; format json "
+                f"reads {NDJSON} journals: use format raw for it"
+            )
+    return chosen
 
 
 def start_offset(c: Client, journal: str, offsets: str | dict[str, int], default: str) -> int:
@@ -160,16 +191,26 @@ def start_offset(c: Client, journal: str, offsets: str | dict[str, int], default
 def _read_json(c: Client, part: JournalRange, committed: bool, schema_json: str) -> Iterator[pa.RecordBatch]:
     builder = row_builder(schema_json)
     garbage: list[Garbage] = []
-    kind = ReadCommitted if committed else ReadUncommitted
-    reader: Any = kind(
-        c,
-        part.journal,
-        offsets={part.journal: part.begin},
-        end_offsets={part.journal: part.end},
-        message_type=builder.message_type,
-        block=False,
-        on_garbage=lambda _j, g: garbage.append(g),
-    )
+
+    def on_garbage(_journal: str, g: Garbage) -> None:
+        if g.begin >= part.begin:  # (a resumed read re-reads pending transactions before `begin`)
+            garbage.append(g)
+
+    options: dict[str, Any] = {
+        "end_offsets": {part.journal: part.end},
+        "message_type": builder.message_type,
+        "block": False,
+        "on_garbage": on_garbage,
+    }
+    reader: Any
+    if not committed:
+        reader = ReadUncommitted(c, part.journal, offsets={part.journal: part.begin}, **options)
+    elif part.producers is not None:
+        start = msgspec.convert({part.journal: {"read_through": part.begin, "producers": part.producers}},
+                                dict[str, JournalCheckpoint])  # fmt: skip
+        reader = ReadCommitted(c, part.journal, checkpoint=Checkpoint(start), **options)
+    else:
+        reader = ReadCommitted(c, part.journal, offsets={part.journal: part.begin}, **options)
 
     def corrupt() -> pa.RecordBatch:
         rows = [(part.journal, g.begin, _text_of(c, part.journal, g)) for g in garbage]

@@ -1,0 +1,213 @@
+"""The tidings streaming source: journals as Structured Streaming inputs, exactly once.
+
+An offset is a Sequencer checkpoint: per journal its read-through offset and its producers' states
+(`{"journals": {name: {"read_through": n, "producers": {id: {"last_ack": c, "begin": o}}}}}`).
+`latestOffset` (on the driver) finds the next end, then runs a Sequencer from the start offset's
+states over the new bytes, decoding only the UUIDs, to get the producer states at that end. A
+task then reads its journal from the start's states to the end and delivers exactly what a single
+reader would between those two checkpoints: a transaction whose messages and ACK fall in
+different micro-batches is delivered once, in the batch of its ACK; a batch Spark replays after a
+crash reads the same (start, end) and yields the same rows. The cost: the driver reads each new
+byte once more (UUIDs only), and re-reads an open transaction's bytes at every batch until its
+ACK (measured in bench/README.md).
+
+`latestOffset` is polled about every 10 ms when idle: write heads are asked for at most every
+HEAD_TTL seconds per journal and the journal list (for a selector; new journals start at their
+beginning) every JOURNALS_TTL, so an idle query costs little. `maxBytesPerTrigger` caps a batch's
+new bytes over all journals (split evenly; at least one whole message each); Trigger.AvailableNow
+reads up to the write heads it found when the query started.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pyarrow as pa
+from pyspark.sql.datasource import DataSourceStreamReader
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxBytes,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import StructType
+
+from tidings.client import Client
+from tidings.message import Checkpoint, JournalCheckpoint, ReadCommitted, ReadUncommitted
+from tidings.message.framing import Garbage
+from tidings.message.publisher import content_type_of
+from tidings.protocol import protocol_pb2 as pb
+from tidings.spark.options import SourceOptions
+from tidings.spark.schema import row_builder
+from tidings.spark.source import (
+    JournalRange,
+    _one_line,
+    planning_client,
+    read_partition,
+    resolve_journals,
+    start_offset,
+)
+
+log = logging.getLogger(__name__)
+
+HEAD_TTL = 0.1  # seconds a journal's write head is reused by latestOffset
+JOURNALS_TTL = 1.0  # seconds the journal list is reused
+
+
+class _Uuid(msgspec.Struct, gc=False):
+    """What the driver decodes of a message: its UUID alone (msgspec skips the other fields)."""
+
+    uuid: str | None = None
+
+
+class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    def __init__(self, options: SourceOptions, schema: StructType) -> None:
+        self.options = options
+        self.schema_json = schema.json()
+        if options.format == "json":
+            row_builder(self.schema_json)  # unsupported column types fail the query here
+        self._client: Client | None = None
+        self._specs: tuple[float, dict[str, pb.JournalSpec]] = (0.0, {})
+        self._heads: dict[str, tuple[float, int]] = {}
+        self._target: dict[str, int] | None = None  # Trigger.AvailableNow's write heads
+
+    # -- the driver's cluster view (cached: latestOffset runs every few ms) -------------------
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            self._client = planning_client(self.options.broker)
+        return self._client
+
+    def _journals(self) -> dict[str, pb.JournalSpec]:
+        at, specs = self._specs
+        if time.monotonic() - at > JOURNALS_TTL or not specs:
+            specs = {s.name: s for s in resolve_journals(self.client, self.options)}
+            self._specs = (time.monotonic(), specs)
+        return specs
+
+    def _head(self, journal: str) -> int:
+        at, head = self._heads.get(journal, (0.0, 0))
+        if time.monotonic() - at > HEAD_TTL:
+            head = self.client.write_head(journal)
+            self._heads[journal] = (time.monotonic(), head)
+        return head
+
+    # -- Spark's calls ----------------------------------------------------------------------------
+
+    @_one_line
+    def initialOffset(self) -> dict:
+        journals = {}
+        for name in self._journals():
+            journals[name] = {"read_through": start_offset(self.client, name, self.options.starting, "earliest")}
+        return _offset(Checkpoint(msgspec.convert(journals, dict[str, JournalCheckpoint])))
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        n = self.options.max_bytes_per_trigger
+        return ReadMaxBytes(n) if n else ReadAllAvailable()
+
+    @_one_line
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = {name: self.client.write_head(name) for name in self._journals()}
+
+    @_one_line
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        begun = _checkpoint(start)
+        heads = {}
+        for name in self._journals():
+            head = self._head(name) if self._target is None else self._target.get(name, 0)
+            if head > _read_through(begun, name):
+                heads[name] = head
+        if not heads:
+            return start
+        cap = limit.max_bytes // len(heads) if isinstance(limit, ReadMaxBytes) else None
+        if cap is None and not self.options.read_committed:  # plain offsets: up to the heads, no scan
+            journals = dict(begun.journals)
+            journals.update({n: JournalCheckpoint(h, {}) for n, h in heads.items()})
+            return _offset(Checkpoint(journals))
+        ends = {n: h if cap is None else min(h, _read_through(begun, n) + max(cap, 1)) for n, h in heads.items()}
+        reached = self._scan(begun, ends, heads)
+        while stuck := [n for n in heads if reached.journals[n].read_through == _read_through(begun, n)]:
+            for n in stuck:  # a message longer than the cap: widen until it is whole
+                rt = _read_through(begun, n)
+                ends[n] = min(heads[n], rt + 2 * (ends[n] - rt))
+            reached = self._scan(begun, ends, heads)
+        journals = dict(begun.journals)
+        journals.update({n: reached.journals[n] for n in heads})
+        return _offset(Checkpoint(journals))
+
+    def _scan(self, begun: Checkpoint, ends: dict[str, int], heads: dict[str, int]) -> Checkpoint:
+        """The journals' states at `ends` (each cut back to its last whole message unless it is the
+        write head, where appends end), from `begun`'s."""
+        names = sorted(ends)
+        starts = {n: begun.journals.get(n, JournalCheckpoint(0)) for n in names}
+        common: dict[str, Any] = {
+            "end_offsets": ends,
+            "message_type": _Uuid,
+            "block": False,
+            "on_garbage": _cut_or_garbage,  # (a cut at `ends` splits a message: not worth a warning)
+        }
+        if self.options.read_committed:
+            reader: Any = ReadCommitted(self.client, names, checkpoint=Checkpoint(starts), **common)
+        else:
+            reader = ReadUncommitted(
+                self.client, names, offsets={n: s.read_through for n, s in starts.items()}, **common
+            )
+        for _ in reader.batches():
+            pass
+        found = reader.checkpoint().journals if self.options.read_committed else {}
+        out = {}
+        for n in names:
+            whole = reader.offsets[n] >= ends[n] or ends[n] == heads[n]
+            through = ends[n] if whole else reader.offsets[n]
+            jc = found.get(n, JournalCheckpoint(0, {}))
+            out[n] = JournalCheckpoint(max(through, starts[n].read_through), jc.producers if found else {})
+        return Checkpoint(out)
+
+    @_one_line
+    def partitions(self, start: dict, end: dict) -> list[JournalRange]:
+        begun, reached = _checkpoint(start), _checkpoint(end)
+        specs = self._journals()
+        ranges = []
+        for name, jc in sorted(reached.journals.items()):
+            was = begun.journals.get(name, JournalCheckpoint(0, {}))
+            if jc.read_through <= was.read_through or name not in specs:
+                continue
+            producers = msgspec.to_builtins(was.producers) if self.options.read_committed else None
+            ranges.append(
+                JournalRange(name, content_type_of(specs[name]), was.read_through, jc.read_through, producers)
+            )
+        return ranges
+
+    def read(self, partition: JournalRange) -> Iterator[pa.RecordBatch]:  # type: ignore[override]
+        return read_partition(self.options, self.schema_json, partition)
+
+    def commit(self, end: dict) -> None:
+        pass  # nothing to clean up: offsets live in Spark's checkpoint, the bytes in the journals
+
+    def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def _cut_or_garbage(journal: str, garbage: Garbage) -> None:
+    log.debug("journal %s: bytes [%d, %d) are no whole message here: %s", journal, garbage.begin, garbage.end,
+              garbage.error)  # fmt: skip
+
+
+def _checkpoint(offset: dict) -> Checkpoint:
+    return msgspec.convert(offset, Checkpoint)
+
+
+def _offset(cp: Checkpoint) -> dict:
+    return msgspec.to_builtins(cp)
+
+
+def _read_through(cp: Checkpoint, journal: str) -> int:
+    jc = cp.journals.get(journal)
+    return 0 if jc is None else jc.read_through

@@ -1,0 +1,100 @@
+"""The tidings streaming source on a real local Spark against real brokers: transactions across
+micro-batches delivered once in the batch of their ACK, restarts from Spark's checkpoint, and a
+selector that picks up a journal created while the query runs."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.support.cluster import create_local_journal
+from tests.support.waiting import wait_until_sync
+from tests.test_spark_source import CASES, NDJSON, P4, line
+from tidings.client import Client
+from tidings.message.uuid import ACK_TXN, OUTSIDE_TXN
+
+
+def run_available_now(spark, lc, journal: str, checkpoint: str, **options: str) -> list[tuple[int, int | None]]:
+    """One Trigger.AvailableNow run from `checkpoint`: [(batch id, message id)] in delivery order."""
+    got: list[tuple[int, int | None]] = []
+
+    def collect(df, batch_id: int) -> None:
+        got.extend((batch_id, r.id) for r in df.orderBy("offset").collect())
+
+    reader = spark.readStream.format("tidings").option("broker", lc.endpoints[0]).option("journal", journal)
+    for k, v in options.items():
+        reader = reader.option(k, v)
+    query = (
+        reader.schema("offset BIGINT, id BIGINT")
+        .load()
+        .writeStream.foreachBatch(collect)
+        .option("checkpointLocation", checkpoint)
+        .trigger(availableNow=True)
+        .start()
+    )
+    try:
+        query.awaitTermination(120)
+    finally:
+        query.stop()
+    assert query.exception() is None
+    return got
+
+
+def test_a_transaction_across_micro_batches_is_delivered_once_in_the_batch_of_its_ack(
+    spark, local_cluster, tmp_path
+) -> None:
+    journal = "spark/stream-txn"
+    asyncio.run(create_local_journal(local_cluster, journal, 3, **NDJSON))
+    with Client(local_cluster.endpoints[0]) as c:
+        c.append(journal, CASES)
+    line_size = max(len(x) for x in CASES.split(b"\n")) + 1
+    got = run_available_now(spark, local_cluster, journal, str(tmp_path / "cp"), maxBytesPerTrigger=str(line_size))
+    assert [i for _, i in got] == [1, 7, 2, 3, 6]
+    batches = len(list((tmp_path / "cp" / "offsets").iterdir()))
+    assert batches >= len(CASES.split(b"\n")) - 1  # about a line per micro-batch
+    batch_of = {i: b for b, i in got}
+    # P2's transaction began two lines after id 7 and its ACK came three lines later: delivered whole,
+    # in a later batch than id 7's.
+    assert batch_of[2] == batch_of[3] >= batch_of[7] + 3
+
+    # A cap below one message: each batch takes one whole message, the deliveries are the same.
+    tiny = run_available_now(spark, local_cluster, journal, str(tmp_path / "cp-tiny"), maxBytesPerTrigger="10")
+    assert [i for _, i in tiny] == [1, 7, 2, 3, 6]
+
+    # The open transaction of P4 commits later: a restart from the checkpoint delivers it, and nothing again.
+    with Client(local_cluster.endpoints[0]) as c:
+        c.append(journal, line(P4, 1, ACK_TXN) + line(P4, 2, OUTSIDE_TXN, id=8, name="eight"))
+    again = run_available_now(spark, local_cluster, journal, str(tmp_path / "cp"))
+    assert [i for _, i in again] == [5, 8]
+
+
+def test_a_selector_picks_up_a_journal_created_while_the_query_runs(spark, local_cluster, tmp_path) -> None:
+    labels = {**NDJSON["labels"], "topic": "live"}
+    asyncio.run(create_local_journal(local_cluster, "spark/live-a", 1, labels=labels))
+    with Client(local_cluster.endpoints[0]) as c:
+        c.append("spark/live-a", line(P4, 1, OUTSIDE_TXN, id=1))
+    query = (
+        spark.readStream.format("tidings")
+        .option("broker", local_cluster.endpoints[0])
+        .option("selector", "topic=live")
+        .option("schema", "id BIGINT")
+        .load()
+        .writeStream.format("memory")
+        .queryName("live")
+        .option("checkpointLocation", str(tmp_path / "cp"))
+        .trigger(processingTime="200 milliseconds")
+        .start()
+    )
+    try:
+
+        def rows() -> list[tuple[str, int]]:
+            return sorted((r.journal, r.id) for r in spark.sql("select journal, id from live").collect())
+
+        wait_until_sync(lambda: rows() == [("spark/live-a", 1)], 60)
+        asyncio.run(create_local_journal(local_cluster, "spark/live-b", 1, labels=labels))
+        with Client(local_cluster.endpoints[0]) as c:
+            c.append("spark/live-b", line(P4, 1, OUTSIDE_TXN, id=2))
+            c.append("spark/live-a", line(P4, 2, OUTSIDE_TXN, id=3))
+        wait_until_sync(lambda: rows() == [("spark/live-a", 1), ("spark/live-a", 3), ("spark/live-b", 2)], 60)
+        assert query.exception() is None
+    finally:
+        query.stop()
