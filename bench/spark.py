@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Spark batch reads of a journal (local[2]) beside `spark.read.json` on the same bytes in a file.
+
+Starts a cluster (private etcd + 3 brokers), publishes `--messages` committed 200-byte JSON
+messages to one journal (R=3), then times, `--rounds` times each and interleaved, a query that
+decodes every row (count, sum and max over the fields) through the tidings source (read
+committed, and read uncommitted) and through Spark's own JSON reader on a file holding the
+journal's bytes. Prints one JSON line per round and a summary line per reader (best round).
+
+  bench/spark.py                          # 1M messages, 3 rounds (~2 min)
+  bench/spark.py --messages 200000 --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+from _common import create_journal, emit
+
+from tidings.client import AppendService, AsyncClient, Client
+from tidings.cluster import LocalCluster
+from tidings.message import Publisher
+
+SCHEMA = "id BIGINT, user STRING, amount DOUBLE, note STRING"
+JOURNAL = "bench/spark"
+
+
+async def fill(lc: LocalCluster, n: int) -> None:
+    async with AsyncClient(lc.endpoints[0]) as c:
+        await create_journal(c, lc, JOURNAL, 3, {"content-type": "application/x-ndjson"})
+        service = AppendService(c)
+        pub = Publisher(service)
+        note = "x" * 90  # with the uuid field, about 200 bytes a line
+        for at in range(0, n, 10_000):
+            msgs = [
+                {"id": i, "user": f"user-{i % 1000}", "amount": i * 0.25, "note": note}
+                for i in range(at, min(n, at + 10_000))
+            ]
+            await (await pub.publish_committed(JOURNAL, *msgs))
+        await service.aclose()
+
+
+def session():
+    from pyspark.sql import SparkSession
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    return (
+        SparkSession.builder.master("local[2]")
+        .appName("tidings-bench")
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.sql.shuffle.partitions", "2")
+        .getOrCreate()
+    )
+
+
+def timed(df) -> tuple[float, int]:
+    from pyspark.sql import functions as F
+
+    t = time.perf_counter()
+    row = df.agg(F.count("*").alias("n"), F.sum("amount"), F.max("id"), F.max("user"), F.max("note")).collect()[0]
+    return time.perf_counter() - t, row["n"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--messages", type=int, default=1_000_000)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    from pyspark import SparkContext
+
+    with tempfile.TemporaryDirectory(prefix="tidings-bench-") as tmp:
+        lc = LocalCluster(brokers=3, zones=3, data_dir=tmp)
+        lc.extra = ["--log-level", "warning"]
+        with lc:
+            asyncio.run(fill(lc, args.messages))
+            path = os.path.join(tmp, "journal.ndjson")
+            with Client(lc.endpoints[0]) as c, open(path, "wb") as f:
+                for chunk in c.read(JOURNAL):
+                    f.write(chunk.content)
+            size = os.path.getsize(path)
+            spark = session()
+            proc = SparkContext._gateway.proc  # type: ignore[union-attr]
+            try:
+                base = spark.read.format("tidings").option("broker", lc.endpoints[0]).option("journal", JOURNAL)
+                readers = {
+                    "tidings_committed": lambda: base.schema(SCHEMA).load(),
+                    "tidings_uncommitted": lambda: base.option("readCommitted", "false").schema(SCHEMA).load(),
+                    "spark_read_json": lambda: spark.read.schema(SCHEMA).json(path),
+                }
+                for make in readers.values():
+                    timed(make())  # warm up: the session, Python workers, the JIT
+                results: dict[str, list[float]] = {k: [] for k in readers}
+                for r in range(args.rounds):
+                    for name, make in readers.items():
+                        seconds, rows = timed(make())
+                        assert rows == args.messages, (name, rows)
+                        results[name].append(seconds)
+                        emit({"test": "spark_batch_read", "reader": name, "round": r, "rows": rows,
+                              "seconds": round(seconds, 3), "rows_per_s": round(rows / seconds),
+                              "mb_per_s": round(size / seconds / 1e6, 1)})  # fmt: skip
+                for name, secs in results.items():
+                    best = min(secs)
+                    emit({"test": "spark_batch_read_best", "reader": name, "rows": args.messages,
+                          "rows_per_s": round(args.messages / best),
+                          "median_rows_per_s": round(args.messages / statistics.median(secs)),
+                          "bytes": size, "master": "local[2]"})  # fmt: skip
+            finally:
+                spark.stop()
+                SparkContext._gateway.shutdown()  # type: ignore[union-attr]
+                proc.kill()
+                proc.wait(30)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
