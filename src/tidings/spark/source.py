@@ -21,7 +21,14 @@ from typing import Any, TypeVar
 
 import msgspec
 import pyarrow as pa
-from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, InputPartition
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    DataSourceStreamWriter,
+    DataSourceWriter,
+    InputPartition,
+)
 from pyspark.sql.types import StructType
 
 from tidings.client import Client
@@ -109,6 +116,18 @@ class TidingsDataSource(DataSource):
         from tidings.spark.stream import TidingsStreamReader
 
         return TidingsStreamReader(SourceOptions.parse(self.options), schema)
+
+    @_one_line
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        from tidings.spark.sink import SinkOptions, TidingsWriter
+
+        return TidingsWriter(SinkOptions.parse(self.options, schema, streaming=False))
+
+    @_one_line
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
+        from tidings.spark.sink import SinkOptions, TidingsStreamWriter
+
+        return TidingsStreamWriter(SinkOptions.parse(self.options, schema, streaming=True))
 
 
 class TidingsBatchReader(DataSourceReader):

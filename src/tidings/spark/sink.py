@@ -1,0 +1,185 @@
+"""The tidings sink: DataFrames written to journals as messages, exactly once.
+
+Each row becomes one message whose fields are the row's columns (a JSON object per line in an
+ndjson journal); the sink adds its UUID. Rows go to the journal named by option `journal`, or,
+without it, by each row's `journal` column (not written into the message).
+
+Exactly once, as a consumer shard commits (gazette-exactly-once.txt): a task publishes its rows
+*uncommitted* under a producer of its own (a new one per task attempt) and returns its ACK
+intents; only the driver's `commit` writes ACKs. A failed or speculative attempt's rows are never
+acknowledged, so read-committed readers never see them. For a stream, `commit(messages,
+batchId)` first records the batch's intents under `<checkpointLocation>/tidings-sink/<batchId>`
+(fsspec: any store Spark's checkpoint can be on), and only then writes them. Spark calls
+`commit` again for a batch it re-runs after a crash (its commit log is written after our
+commit); a commit that finds intents recorded for its batchId writes those again (ACKs are
+idempotent) and ignores the new attempts' producers, whose rows were published again. So a crash
+at any point, between the ACK writes and Spark's commit log included, delivers each row once.
+
+Unacknowledged rows (failed attempts, re-runs) stay in the journal as pending messages of
+producers that never commit; readers skip them, and forget those producers after the Sequencer's
+producer horizon.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+from pyspark.sql.datasource import DataSourceStreamWriter, DataSourceWriter, WriterCommitMessage
+from pyspark.sql.types import StringType, StructType
+
+from tidings.client import AppendService, Client
+from tidings.message import AckIntent, Publisher
+from tidings.spark.options import DEFAULT_BROKER, OptionError
+
+log = logging.getLogger(__name__)
+
+ROWS_PER_PUBLISH = 2000  # rows handed to the Publisher at a time
+INTENTS_KEPT = 100  # batches whose recorded intents are kept (Spark keeps 100 batches of metadata)
+
+
+@dataclass(frozen=True)
+class SinkOptions:
+    broker: str
+    journal: str | None  # None: each row's `journal` column
+    checkpoint: str | None  # the query's checkpointLocation (streams)
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str], schema: StructType, streaming: bool) -> SinkOptions:
+        lower = {k.lower(): v for k, v in options.items() if v}
+        journal = lower.get("journal")
+        if journal is None:
+            field = next((f for f in schema.fields if f.name == "journal"), None)
+            if field is None or not isinstance(field.dataType, StringType):
+                raise OptionError("journal", "is missing and the rows have no string column 'journal': give one")
+        checkpoint = lower.get("checkpointlocation")
+        if streaming and checkpoint is None:
+            raise OptionError("checkpointLocation", "is missing: the exactly-once sink records its ACKs there")
+        return cls(lower.get("broker", DEFAULT_BROKER), journal, checkpoint)
+
+
+@dataclass(frozen=True)
+class Acks(WriterCommitMessage):
+    """A task's ACK intents: what the driver writes to commit its rows."""
+
+    intents: list[tuple[str, bytes]]
+
+
+def publish_rows(opts: SinkOptions, rows: Iterator[Any]) -> Acks:
+    """Publish a task's rows uncommitted under a new producer; return the ACK intents that commit them."""
+    with Client(opts.broker) as c:
+        service = AppendService(c.aio)
+        pub = Publisher(service)
+        pending = []
+        try:
+            chunk: list[Any] = []
+            for row in rows:
+                chunk.append(row)
+                if len(chunk) >= ROWS_PER_PUBLISH:
+                    pending.append(c.run(_publish(pub, opts.journal, chunk)))
+                    chunk = []
+            if chunk:
+                pending.append(c.run(_publish(pub, opts.journal, chunk)))
+            for futures in pending:
+                c.run(_wait(futures))
+            intents = pub.build_ack_intents()
+        finally:
+            c.run(service.aclose())
+    return Acks([(i.journal, i.content) for i in intents])
+
+
+async def _publish(pub: Publisher, journal: str | None, rows: list[Any]) -> list[Any]:
+    if journal is not None:
+        return [await pub.publish_uncommitted(journal, *(r.asDict(recursive=True) for r in rows))]
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        d = r.asDict(recursive=True)
+        target = d.pop("journal")
+        if not target:
+            raise OptionError("journal", "column holds an empty journal name in a row; every row needs one")
+        groups.setdefault(target, []).append(d)
+    return [await pub.publish_uncommitted(j, *msgs) for j, msgs in groups.items()]
+
+
+async def _wait(futures: list[Any]) -> None:
+    for f in futures:
+        await f
+
+
+def write_acks(opts: SinkOptions, intents: list[tuple[str, bytes]]) -> None:
+    """Append the ACKs (retried on transient failures: an ACK written twice commits nothing twice)."""
+    if not intents:
+        return
+    with Client(opts.broker) as c:
+
+        async def write() -> None:
+            service = AppendService(c.aio)
+            try:
+                pub = Publisher(service)
+                await (await pub.write_ack_intents([AckIntent(j, content) for j, content in intents]))
+            finally:
+                await service.aclose()
+
+        c.run(write())
+
+
+def _intents_of(messages: list[WriterCommitMessage | None]) -> list[tuple[str, bytes]]:
+    out: list[tuple[str, bytes]] = []
+    for m in messages:
+        if isinstance(m, Acks):
+            out.extend(m.intents)
+    return out
+
+
+class TidingsWriter(DataSourceWriter):
+    """`df.write.format("tidings")`: rows published by the tasks, acknowledged once the job commits."""
+
+    def __init__(self, options: SinkOptions) -> None:
+        self.options = options
+
+    def write(self, iterator: Iterator[Any]) -> Acks:
+        return publish_rows(self.options, iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:  # type: ignore[override]
+        write_acks(self.options, _intents_of(messages))
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:  # type: ignore[override]
+        log.warning("write to tidings aborted: its rows stay unacknowledged (never read committed)")
+
+
+class TidingsStreamWriter(DataSourceStreamWriter):
+    """`writeStream.format("tidings")`: see the module docstring for how a batch commits once."""
+
+    def __init__(self, options: SinkOptions) -> None:
+        self.options = options
+
+    def write(self, iterator: Iterator[Any]) -> Acks:
+        return publish_rows(self.options, iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # type: ignore[override]
+        assert self.options.checkpoint is not None
+        fs, root = fsspec.core.url_to_fs(self.options.checkpoint.rstrip("/") + "/tidings-sink")
+        path = f"{root}/{batchId}.json"
+        if fs.exists(path):  # this batch committed before (Spark re-runs it after a crash): its intents, not ours
+            with fs.open(path, "rb") as f:
+                intents = [(j, bytes.fromhex(h)) for j, h in json.load(f)]
+            log.info("batch %d: ACKs recorded by an earlier commit are written again", batchId)
+        else:
+            intents = _intents_of(messages)
+            fs.makedirs(root, exist_ok=True)
+            tmp = f"{root}/.{batchId}.json.tmp"
+            with fs.open(tmp, "wb") as f:
+                f.write(json.dumps([(j, content.hex()) for j, content in intents]).encode())
+            fs.mv(tmp, path)  # recorded whole, or not at all
+        write_acks(self.options, intents)
+        for old in fs.glob(f"{root}/*.json"):
+            name = old.rsplit("/", 1)[-1].removesuffix(".json")
+            if name.isdigit() and int(name) < batchId - INTENTS_KEPT:
+                fs.rm(old)
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # type: ignore[override]
+        log.warning("batch %d aborted: its rows stay unacknowledged (never read committed)", batchId)
