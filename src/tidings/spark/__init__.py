@@ -15,6 +15,10 @@ schema, default; or `raw`: `journal`, `offset`, `value` per message as written, 
 `schema` (the messages' fields as DDL, instead of `.schema()`), and for `readStream`
 `maxBytesPerTrigger` (see `tidings.spark.stream`). Columns: see `tidings.spark.schema`.
 
+Writing (`df.write` / `df.writeStream` `.format("tidings")`): options `broker`, `journal` (or a
+`journal` column per row) and, for streams, `checkpointLocation`; exactly once, see
+`tidings.spark.sink`.
+
 `register(spark)` registers the source with a session explicitly (a session whose Python workers
 cannot import `pyspark_tidings` needs it).
 """
