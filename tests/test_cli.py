@@ -185,3 +185,16 @@ def test_cluster_up_serves_then_sigterm_leaves_nothing_running(tmp_path: Path) -
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_demo_runs_the_pipeline_and_checks_it(tmp_path: Path) -> None:
+    """`make demo`'s command, shortened: producers, Spark streaming, the sink, the exact check."""
+    env = {**os.environ, "TIDINGS_DEMO_TXNS": "10", "TIDINGS_DEMO_PACE": "0.05"}
+    r = subprocess.run(
+        [sys.executable, "-m", "tidings.cli", "demo", "--data-dir", str(tmp_path / "demo")],
+        capture_output=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout.decode()[-3000:] + r.stderr.decode()[-3000:]
+    assert b"exactly once" in r.stdout and b"stopped Spark, the brokers and etcd" in r.stdout

@@ -512,7 +512,8 @@ def journals_reset_head(journal: str, broker: BrokerOpt = DEFAULT_BROKER) -> Non
 def demo(
     data_dir: Annotated[Path, typer.Option(envvar="TIDINGS_DATA_DIR")] = Path("data/demo"),
 ) -> None:
-    """Start etcd + 3 brokers, create a journal at R=3, append and read back, stop everything."""
+    """The pipeline: etcd + 3 brokers, transactional producers, a Spark streaming aggregation written exactly
+    once to a journal and a table, checked against what was committed; then stops everything."""
     from tidings.cli.demo import run_demo
 
     run_demo(data_dir, out)
