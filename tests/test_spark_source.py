@@ -189,3 +189,14 @@ def test_json_without_a_schema_says_how_to_give_one(spark, local_cluster) -> Non
     with pytest.raises(Exception) as err:
         spark.read.format("tidings").option("broker", local_cluster.endpoints[0]).option("journal", "x").load()
     assert "format json needs the messages' fields" in str(err.value)
+
+
+def test_a_value_arrow_refuses_makes_a_corrupt_row_not_a_failed_task(spark, local_cluster) -> None:
+    journal = "spark/decimal"
+    asyncio.run(create_local_journal(local_cluster, journal, 1, **NDJSON))
+    with Client(local_cluster.endpoints[0]) as c:
+        c.append(journal, b"".join(line(P1, n, OUTSIDE_TXN, id=n, price=p) for n, p in ((1, 2.5), (2, 1.005), (3, 7))))
+    df = read_df(spark, local_cluster, journal, "offset BIGINT, id BIGINT, price DECIMAL(10,2), _corrupt STRING")
+    rows = df.orderBy("offset").collect()
+    assert [(r.id, None if r.price is None else float(r.price)) for r in rows] == [(1, 2.5), (None, None), (3, 7.0)]
+    assert rows[1]._corrupt.startswith('{"id":2,"price":"1.005"') and rows[0]._corrupt is None

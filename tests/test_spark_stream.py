@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from tests.support.cluster import create_local_journal
 from tests.support.waiting import wait_until_sync
 from tests.test_spark_source import CASES, NDJSON, P4, line
@@ -98,3 +100,27 @@ def test_a_selector_picks_up_a_journal_created_while_the_query_runs(spark, local
         assert query.exception() is None
     finally:
         query.stop()
+
+
+def test_a_journal_created_again_below_the_querys_offset_fails_the_query_naming_it(
+    spark, local_cluster, tmp_path
+) -> None:
+    from tidings.protocol import protocol_pb2 as pb
+
+    journal = "spark/recreated"
+    asyncio.run(create_local_journal(local_cluster, journal, 1, **NDJSON))
+    with Client(local_cluster.endpoints[0]) as c:
+        c.append(journal, CASES)
+    assert len(run_available_now(spark, local_cluster, journal, str(tmp_path / "cp"))) == 5
+    with Client(local_cluster.endpoints[0]) as c:
+        rev = next(j.mod_revision for j in c.list().journals if j.spec.name == journal)
+        c.apply([pb.ApplyRequest.Change(delete=journal, expect_mod_revision=rev)])
+    fresh_store = {"stores": [local_cluster.store_url.rstrip("/") + "/elsewhere/"]}  # (the old one has its fragments)
+    asyncio.run(create_local_journal(local_cluster, journal, 1, fragment=fresh_store, **NDJSON))
+    with Client(local_cluster.endpoints[0]) as c:
+        c.append(journal, line(P4, 9, OUTSIDE_TXN, id=9))
+    with pytest.raises(Exception) as err:
+        run_available_now(spark, local_cluster, journal, str(tmp_path / "cp"))
+    assert f"journal '{journal}' ends at" in str(err.value) and "failOnDataLoss=false" in str(err.value)
+    again = run_available_now(spark, local_cluster, journal, str(tmp_path / "cp"), failOnDataLoss="false")
+    assert [i for _, i in again] == [9]

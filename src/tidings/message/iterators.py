@@ -206,6 +206,9 @@ class ReadCommitted(ReadUncommitted):
     starting inside a transaction delivers, at its ACK, only the transaction's messages from there on):
     * `checkpoint` - resume from a `checkpoint()` of an earlier reader.
     * `ring_size` - the Sequencer's ring of pending messages (longer transactions are re-read).
+    * `reread_pending` - resume a checkpoint at its producers' first pending offsets (True), or at
+      its read-through offsets, re-reading a pending transaction only when its ACK comes (False:
+      a transaction that never commits then costs nothing, as in Gazette).
     """
 
     def __init__(
@@ -220,10 +223,13 @@ class ReadCommitted(ReadUncommitted):
         on_garbage: GarbageHandler | None = None,
         offsets: dict[str, int] | None = None,
         end_offsets: dict[str, int] | None = None,
+        reread_pending: bool = True,
     ) -> None:
         names = [journals] if isinstance(journals, str) else list(journals)
-        if checkpoint is not None:
+        if checkpoint is not None and reread_pending:
             offsets = {j: checkpoint.resume_offset(j) for j in names}
+        elif checkpoint is not None:
+            offsets = {j: jc.read_through for j, jc in checkpoint.journals.items() if j in names}
         super().__init__(
             client,
             names,

@@ -149,8 +149,27 @@ class RowBuilder:
             return lambda envs: msgspec.to_builtins([get(e.message) for e in envs], builtin_types=_BUILTINS)
         return lambda envs: [get(e.message) for e in envs]
 
-    def batch(self, envelopes: Sequence[Any]) -> pa.RecordBatch:
-        """A RecordBatch of decoded messages (Envelopes whose message is of `message_type`)."""
+    def batches(self, envelopes: Sequence[Any]) -> list[pa.RecordBatch]:
+        """RecordBatches of decoded messages (Envelopes whose message is of `message_type`).
+
+        A value Arrow refuses (a decimal that needs rounding or overflows its precision, say)
+        makes its message a corrupt row rather than failing the task, which every retry of it
+        would do again."""
+        try:
+            return [self._batch(envelopes)]
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError):
+            pass
+        good, bad = [], []
+        for env in envelopes:
+            try:
+                self._batch([env])
+                good.append(env)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError) as exc:
+                text = msgspec.json.encode(env.message).decode()
+                bad.append((env.journal, env.begin, f"{text} ({type(exc).__name__}: {exc})"))
+        return [self._batch(good), self.corrupt(bad)]
+
+    def _batch(self, envelopes: Sequence[Any]) -> pa.RecordBatch:
         arrays = [
             pa.array(col(envelopes), type=field.type)
             for col, field in zip(self._columns, self.arrow, strict=True)  # type: ignore[arg-type]

@@ -179,7 +179,14 @@ def resolve_journals(c: Client, opts: SourceOptions) -> list[pb.JournalSpec]:
         ) from None
     specs = {j.spec.name: j.spec for j in resp.journals}
     if opts.selector:
-        return [specs[n] for n in sorted(specs)]
+        chosen = []
+        for name in sorted(specs):
+            if opts.format == "json" and content_type_of(specs[name]) != NDJSON:
+                log.warning("journal %s matches the selector but holds %s messages: format json skips it", name,
+                            content_type_of(specs[name]))  # fmt: skip
+                continue
+            chosen.append(specs[name])
+        return chosen
     missing = [j for j in opts.journals if j not in specs]
     if missing:
         raise UsageError(
@@ -227,7 +234,7 @@ def _read_json(c: Client, part: JournalRange, committed: bool, schema_json: str)
     elif part.producers is not None:
         start = msgspec.convert({part.journal: {"read_through": part.begin, "producers": part.producers}},
                                 dict[str, JournalCheckpoint])  # fmt: skip
-        reader = ReadCommitted(c, part.journal, checkpoint=Checkpoint(start), **options)
+        reader = ReadCommitted(c, part.journal, checkpoint=Checkpoint(start), reread_pending=False, **options)
     else:
         reader = ReadCommitted(c, part.journal, offsets={part.journal: part.begin}, **options)
 
@@ -241,12 +248,12 @@ def _read_json(c: Client, part: JournalRange, committed: bool, schema_json: str)
         pending.extend(batch)
         if garbage or len(pending) >= ROWS_PER_BATCH:
             if pending:
-                yield builder.batch(pending)
+                yield from builder.batches(pending)
                 pending = []
             if garbage:
                 yield corrupt()
     if pending:
-        yield builder.batch(pending)
+        yield from builder.batches(pending)
     if garbage:  # (a partial message at the range's end is reported after the last batch)
         yield corrupt()
 

@@ -7,9 +7,10 @@ states over the new bytes, decoding only the UUIDs, to get the producer states a
 task then reads its journal from the start's states to the end and delivers exactly what a single
 reader would between those two checkpoints: a transaction whose messages and ACK fall in
 different micro-batches is delivered once, in the batch of its ACK; a batch Spark replays after a
-crash reads the same (start, end) and yields the same rows. The cost: the driver reads each new
-byte once more (UUIDs only), and re-reads an open transaction's bytes at every batch until its
-ACK (measured in bench/README.md).
+crash reads the same (start, end) and yields the same rows. Both read from the start's
+read-through offset and re-read an earlier transaction's messages only when its ACK arrives (as
+Gazette's readers do), so a transaction that never commits (a failed sink task's, say) costs
+nothing. The cost: the driver reads each new byte once more, decoding only the UUIDs.
 
 `latestOffset` is polled about every 10 ms when idle: write heads are asked for at most every
 HEAD_TTL seconds per journal and the journal list (for a selector; new journals start at their
@@ -41,6 +42,8 @@ from tidings.message import Checkpoint, JournalCheckpoint, ReadCommitted, ReadUn
 from tidings.message.framing import Garbage
 from tidings.message.publisher import content_type_of
 from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.labels import parse_selector
+from tidings.protocol.status import UsageError
 from tidings.spark.options import SourceOptions
 from tidings.spark.schema import row_builder
 from tidings.spark.source import (
@@ -120,6 +123,8 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         heads = {}
         for name in self._journals():
             head = self._head(name) if self._target is None else self._target.get(name, 0)
+            if head < _read_through(begun, name):
+                begun = self._lost(begun, name, head)
             if head > _read_through(begun, name):
                 heads[name] = head
         if not heads:
@@ -140,6 +145,21 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         journals.update({n: reached.journals[n] for n in heads})
         return _offset(Checkpoint(journals))
 
+    def _lost(self, begun: Checkpoint, journal: str, head: int) -> Checkpoint:
+        """A write head below our offset: the journal was reset or deleted and created again."""
+        was = _read_through(begun, journal)
+        if self.options.fail_on_data_loss:
+            raise UsageError(
+                f"tidings source: journal {journal!r} ends at {head}, before this query's offset {was}: it was "
+                "reset or created again, and what it held after that may be lost; start the query on a new "
+                "checkpointLocation, or set failOnDataLoss=false to go on from its beginning"
+            )
+        log.warning("journal %s ends at %d, before this query's offset %d: reading it from its beginning", journal,
+                    head, was)  # fmt: skip
+        journals = dict(begun.journals)
+        journals[journal] = JournalCheckpoint(0, {})
+        return Checkpoint(journals)
+
     def _scan(self, begun: Checkpoint, ends: dict[str, int], heads: dict[str, int]) -> Checkpoint:
         """The journals' states at `ends` (each cut back to its last whole message unless it is the
         write head, where appends end), from `begun`'s."""
@@ -152,7 +172,9 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             "on_garbage": _cut_or_garbage,  # (a cut at `ends` splits a message: not worth a warning)
         }
         if self.options.read_committed:
-            reader: Any = ReadCommitted(self.client, names, checkpoint=Checkpoint(starts), **common)
+            reader: Any = ReadCommitted(
+                self.client, names, checkpoint=Checkpoint(starts), reread_pending=False, **common
+            )
         else:
             reader = ReadUncommitted(
                 self.client, names, offsets={n: s.read_through for n, s in starts.items()}, **common
@@ -175,13 +197,27 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         ranges = []
         for name, jc in sorted(reached.journals.items()):
             was = begun.journals.get(name, JournalCheckpoint(0, {}))
-            if jc.read_through <= was.read_through or name not in specs:
+            if jc.read_through < was.read_through:  # latestOffset found the journal reset (failOnDataLoss=false)
+                was = JournalCheckpoint(0, {})
+            if jc.read_through <= was.read_through:
+                continue
+            spec = specs.get(name) or self._spec_by_name(name)  # (a selector may no longer match it: read it)
+            if spec is None:
+                if self.options.fail_on_data_loss:
+                    raise UsageError(
+                        f"tidings source: journal {name!r} was deleted before its messages up to offset "
+                        f"{jc.read_through} were read; set failOnDataLoss=false to go on without them"
+                    )
+                log.warning("journal %s was deleted before [%d, %d) was read: skipped", name, was.read_through,
+                            jc.read_through)  # fmt: skip
                 continue
             producers = msgspec.to_builtins(was.producers) if self.options.read_committed else None
-            ranges.append(
-                JournalRange(name, content_type_of(specs[name]), was.read_through, jc.read_through, producers)
-            )
+            ranges.append(JournalRange(name, content_type_of(spec), was.read_through, jc.read_through, producers))
         return ranges
+
+    def _spec_by_name(self, name: str) -> pb.JournalSpec | None:
+        resp = self.client.list(parse_selector(f"name={name}"))
+        return next((j.spec for j in resp.journals if j.spec.name == name), None)
 
     def read(self, partition: JournalRange) -> Iterator[pa.RecordBatch]:  # type: ignore[override]
         return read_partition(self.options, self.schema_json, partition)
