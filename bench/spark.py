@@ -26,6 +26,7 @@ from _common import create_journal, emit
 from tidings.client import AppendService, AsyncClient, Client
 from tidings.cluster import LocalCluster
 from tidings.message import Publisher
+from tidings.spark.local import local_session
 
 SCHEMA = "id BIGINT, user STRING, amount DOUBLE, note STRING"
 JOURNAL = "bench/spark"
@@ -46,22 +47,6 @@ async def fill(lc: LocalCluster, n: int) -> None:
         await service.aclose()
 
 
-def session():
-    from pyspark.sql import SparkSession
-
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    return (
-        SparkSession.builder.master("local[2]")
-        .appName("tidings-bench")
-        .config("spark.ui.enabled", "false")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.sql.shuffle.partitions", "2")
-        .getOrCreate()
-    )
-
-
 def timed(df) -> tuple[float, int]:
     from pyspark.sql import functions as F
 
@@ -75,8 +60,6 @@ def main() -> None:
     p.add_argument("--messages", type=int, default=1_000_000)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
-    from pyspark import SparkContext
-
     with tempfile.TemporaryDirectory(prefix="tidings-bench-") as tmp:
         lc = LocalCluster(brokers=3, zones=3, data_dir=tmp)
         lc.extra = ["--log-level", "warning"]
@@ -87,37 +70,34 @@ def main() -> None:
                 for chunk in c.read(JOURNAL):
                     f.write(chunk.content)
             size = os.path.getsize(path)
-            spark = session()
-            proc = SparkContext._gateway.proc  # type: ignore[union-attr]
-            try:
-                base = spark.read.format("tidings").option("broker", lc.endpoints[0]).option("journal", JOURNAL)
-                readers = {
-                    "tidings_committed": lambda: base.schema(SCHEMA).load(),
-                    "tidings_uncommitted": lambda: base.option("readCommitted", "false").schema(SCHEMA).load(),
-                    "spark_read_json": lambda: spark.read.schema(SCHEMA).json(path),
-                }
-                for make in readers.values():
-                    timed(make())  # warm up: the session, Python workers, the JIT
-                results: dict[str, list[float]] = {k: [] for k in readers}
-                for r in range(args.rounds):
-                    for name, make in readers.items():
-                        seconds, rows = timed(make())
-                        assert rows == args.messages, (name, rows)
-                        results[name].append(seconds)
-                        emit({"test": "spark_batch_read", "reader": name, "round": r, "rows": rows,
-                              "seconds": round(seconds, 3), "rows_per_s": round(rows / seconds),
-                              "mb_per_s": round(size / seconds / 1e6, 1)})  # fmt: skip
-                for name, secs in results.items():
-                    best = min(secs)
-                    emit({"test": "spark_batch_read_best", "reader": name, "rows": args.messages,
-                          "rows_per_s": round(args.messages / best),
-                          "median_rows_per_s": round(args.messages / statistics.median(secs)),
-                          "bytes": size, "master": "local[2]"})  # fmt: skip
-            finally:
-                spark.stop()
-                SparkContext._gateway.shutdown()  # type: ignore[union-attr]
-                proc.kill()
-                proc.wait(30)
+            with local_session("tidings-bench") as spark:
+                measure(spark, lc, path, size, args)
+
+
+def measure(spark, lc: LocalCluster, path: str, size: int, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
+    base = spark.read.format("tidings").option("broker", lc.endpoints[0]).option("journal", JOURNAL)
+    readers = {
+        "tidings_committed": lambda: base.schema(SCHEMA).load(),
+        "tidings_uncommitted": lambda: base.option("readCommitted", "false").schema(SCHEMA).load(),
+        "spark_read_json": lambda: spark.read.schema(SCHEMA).json(path),
+    }
+    for make in readers.values():
+        timed(make())  # warm up: the session, Python workers
+    results: dict[str, list[float]] = {k: [] for k in readers}
+    for r in range(args.rounds):
+        for name, make in readers.items():
+            seconds, rows = timed(make())
+            assert rows == args.messages, (name, rows)
+            results[name].append(seconds)
+            emit({"test": "spark_batch_read", "reader": name, "round": r, "rows": rows,
+                  "seconds": round(seconds, 3), "rows_per_s": round(rows / seconds),
+                  "mb_per_s": round(size / seconds / 1e6, 1)})  # fmt: skip
+    for name, secs in results.items():
+        best = min(secs)
+        emit({"test": "spark_batch_read_best", "reader": name, "rows": args.messages,
+              "rows_per_s": round(args.messages / best),
+              "median_rows_per_s": round(args.messages / statistics.median(secs)),
+              "bytes": size, "master": "local[2]"})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -39,30 +37,11 @@ def moto_s3() -> Iterator[MotoS3]:
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator:
-    """One local[2] Spark session (its JVM a child process on loopback) for every Spark test; stopped,
-    and its JVM killed by PID, at the end of the run whatever happens."""
-    from pyspark import SparkContext
-    from pyspark.sql import SparkSession
+    """One local[2] Spark session (its JVM a child process on loopback) for every Spark test."""
+    from tidings.spark.local import local_session
 
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("tidings-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.sql.shuffle.partitions", "2")
-        .getOrCreate()
-    )
-    proc = SparkContext._gateway.proc  # type: ignore[union-attr]
-    try:
+    with local_session("tidings-tests") as session:
         yield session
-    finally:
-        session.stop()
-        SparkContext._gateway.shutdown()  # type: ignore[union-attr]
-        proc.kill()
-        proc.wait(30)
 
 
 @pytest.fixture

@@ -5,26 +5,13 @@ attempts that never commit are never read committed."""
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import sys
 
 from pyspark.sql import Row
 
 from tests.support.cluster import create_local_journal
-from tests.test_spark_source import NDJSON
+from tests.test_spark_source import NDJSON, cli_committed
 from tidings.client import Client
 from tidings.spark.sink import SinkOptions, TidingsStreamWriter, publish_rows
-
-
-def committed(endpoint: str, journal: str) -> list[dict]:
-    out = subprocess.run(
-        [sys.executable, "-m", "tidings.cli", "journals", "read", journal, "--committed", "--broker", endpoint],
-        capture_output=True,
-        check=True,
-        timeout=120,
-    ).stdout
-    return [json.loads(x) for x in out.splitlines()]
 
 
 def test_batch_write_publishes_each_row_as_a_committed_message(spark, local_cluster) -> None:
@@ -34,7 +21,7 @@ def test_batch_write_publishes_each_row_as_a_committed_message(spark, local_clus
     df = spark.createDataFrame([(i, f"n{i}", "spark/out-a" if i % 3 else "spark/out-b") for i in range(1000)],
                                "id BIGINT, name STRING, journal STRING").repartition(3)  # fmt: skip
     df.write.format("tidings").option("broker", ep).mode("append").save()
-    a, b = committed(ep, "spark/out-a"), committed(ep, "spark/out-b")
+    a, b = cli_committed(ep, "spark/out-a"), cli_committed(ep, "spark/out-b")
     assert sorted(m["id"] for m in a + b) == list(range(1000))
     assert all(m["id"] % 3 for m in a) and not any(m["id"] % 3 for m in b)
     assert set(a[0]) == {"id", "name", "uuid"}  # the routing column is not part of the message
@@ -55,7 +42,7 @@ def test_a_batch_committed_again_acknowledges_the_first_commits_rows_only(local_
     again = [publish_rows(opts, iter(rows[:25])), publish_rows(opts, iter(rows[25:]))]
     writer.commit(again, 7)  # the re-run: its attempts' rows must not be acknowledged
     writer.commit(again, 7)  # (and again)
-    assert sorted(m["id"] for m in committed(ep, journal)) == list(range(50))
+    assert sorted(m["id"] for m in cli_committed(ep, journal)) == list(range(50))
     assert lost.intents and again[0].intents != first[0].intents
     with Client(ep) as c:  # every attempt's rows are in the journal, uncommitted
         assert c.read_all(journal).count(b'"id":3,') == 3  # the first, the lost and the re-run attempt

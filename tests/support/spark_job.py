@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 from pathlib import Path
 
 from pyspark.sql.datasource import DataSourceStreamWriter
 
 from tidings.spark import TidingsDataSource
+from tidings.spark.local import local_session
 from tidings.spark.sink import SinkOptions, TidingsStreamWriter
 
 
@@ -50,20 +50,12 @@ def main() -> None:
     p.add_argument("--sink", required=True)
     p.add_argument("--checkpoint", required=True)
     args = p.parse_args()
-    os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["TIDINGS_TEST_JOB_PGID"] = str(os.getpgid(0))  # the driver's and its JVM's, for DyingWriter
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    from pyspark.sql import SparkSession
+    with local_session("tidings-kill-test") as spark:
+        run(spark, args)
 
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .appName("tidings-kill-test")
-        .config("spark.ui.enabled", "false")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.sql.shuffle.partitions", "2")
-        .getOrCreate()
-    )
+
+def run(spark, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
     spark.sparkContext.setLogLevel("ERROR")
     spark.dataSource.register(DyingSource)
     query = (

@@ -13,7 +13,6 @@ import asyncio
 import os
 import random
 import shutil
-import sys
 import threading
 import time
 from collections import Counter
@@ -30,6 +29,7 @@ from tidings.cluster import LocalCluster
 from tidings.message import AckIntent, Publisher, read_committed
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import spec_from_dict
+from tidings.spark.local import local_session
 
 INPUTS = ("demo/orders-0", "demo/orders-1")
 TOTALS = "demo/totals"
@@ -57,16 +57,10 @@ def run_demo(data_dir: Path, out: Console) -> None:
         out.print(f"started etcd at {lc.etcd_endpoint} and 3 brokers: {', '.join(lc.endpoints)}")
         uvloop.run(_create_journals(lc))
         out.print(f"created journals {', '.join(INPUTS)} (topic=orders) and {TOTALS}, replication 3")
-        spark, jvm = _spark(out)
-        try:
+        out.print("starting Spark (local[2])…")
+        with local_session("tidings-demo") as spark:
+            spark.sparkContext.setLogLevel("ERROR")
             _pipeline(spark, lc, data_dir, out)
-        finally:
-            spark.stop()
-            from pyspark import SparkContext
-
-            SparkContext._gateway.shutdown()  # type: ignore[union-attr]
-            jvm.kill()
-            jvm.wait(30)
     out.print(f"stopped Spark, the brokers and etcd; done in {time.monotonic() - t0:.0f}s")
 
 
@@ -81,27 +75,6 @@ async def _create_journals(lc: LocalCluster) -> None:
         await c.apply([pb.ApplyRequest.Change(upsert=s) for s in specs])
         for s in specs:
             await c.append(s.name, b"")  # a zero-byte barrier: returns once the journal has its primary
-
-
-def _spark(out: Console) -> tuple[Any, Any]:
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    from pyspark import SparkContext
-    from pyspark.sql import SparkSession
-
-    out.print("starting Spark (local[2])…")
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .appName("tidings-demo")
-        .config("spark.ui.enabled", "false")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.ui.showConsoleProgress", "false")  # (the demo shows its own)
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
-    return spark, SparkContext._gateway.proc  # type: ignore[union-attr]
 
 
 def _pipeline(spark: Any, lc: LocalCluster, data_dir: Path, out: Console) -> None:
