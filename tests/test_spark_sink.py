@@ -5,13 +5,23 @@ attempts that never commit are never read committed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 from pyspark.sql import Row
 
 from tests.support.cluster import create_local_journal
-from tests.test_spark_source import NDJSON, cli_committed
+from tests.test_spark_source import NDJSON, P1, cli_committed, line
 from tidings.client import Client
+from tidings.message.uuid import OUTSIDE_TXN
 from tidings.spark.sink import SinkOptions, TidingsStreamWriter, publish_rows
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_batch_write_publishes_each_row_as_a_committed_message(spark, local_cluster) -> None:
@@ -46,3 +56,27 @@ def test_a_batch_committed_again_acknowledges_the_first_commits_rows_only(local_
     assert lost.intents and again[0].intents != first[0].intents
     with Client(ep) as c:  # every attempt's rows are in the journal, uncommitted
         assert c.read_all(journal).count(b'"id":3,') == 3  # the first, the lost and the re-run attempt
+
+
+def test_the_source_and_sink_on_separate_executor_processes(local_cluster, tmp_path) -> None:
+    """Spark's local-cluster master: executors are JVMs of their own (as on a real cluster), with the
+    package imported by their Python workers; a journal is read through the source and written
+    through the sink there. The job runs in its own process group, stopped by PID however it ends."""
+    ep = local_cluster.endpoints[0]
+    for j in ("spark/lc-in", "spark/lc-out"):
+        asyncio.run(create_local_journal(local_cluster, j, 3, **NDJSON))
+    with Client(ep) as c:
+        c.append("spark/lc-in", b"".join(line(P1, n, OUTSIDE_TXN, id=n) for n in range(1, 201)))
+    cmd = [sys.executable, "-m", "tests.support.spark_cluster_job", "--broker", ep,
+           "--source", "spark/lc-in", "--sink", "spark/lc-out"]  # fmt: skip
+    job = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = job.communicate(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)  # (the driver, its JVM and the executors' JVMs)
+        job.wait()
+    assert job.returncode == 0, err.decode()[-3000:]
+    report = json.loads(out.splitlines()[-1])
+    assert report["rows"] == 200 and len(report["executor_pids"]) == 2
+    assert sorted(m["id"] for m in cli_committed(ep, "spark/lc-out")) == list(range(1, 201))
