@@ -199,4 +199,22 @@ def test_a_value_arrow_refuses_makes_a_corrupt_row_not_a_failed_task(spark, loca
     df = read_df(spark, local_cluster, journal, "offset BIGINT, id BIGINT, price DECIMAL(10,2), _corrupt STRING")
     rows = df.orderBy("offset").collect()
     assert [(r.id, None if r.price is None else float(r.price)) for r in rows] == [(1, 2.5), (None, None), (3, 7.0)]
-    assert rows[1]._corrupt.startswith('{"id":2,"price":"1.005"') and rows[0]._corrupt is None
+    assert rows[1]._corrupt.startswith('{"id": 2, "price": 1.005,') and rows[0]._corrupt is None  # the line as written
+
+
+def test_a_line_that_does_not_fit_the_schema_is_corrupt_only_if_committed(spark, local_cluster) -> None:
+    """Read committed: a rolled-back or never-acknowledged message is not a row, corrupt or not."""
+    journal = "spark/corrupt-committed"
+    asyncio.run(create_local_journal(local_cluster, journal, 1, **NDJSON))
+    with Client(local_cluster.endpoints[0]) as c:
+        c.append(journal, b"".join([
+            line(P2, 1, OUTSIDE_TXN, id=1),
+            line(P2, 5, CONTINUE_TXN, id="rolled back, and of the wrong type"),
+            line(P2, 3, ACK_TXN),  # rolls back clock 5
+            line(P4, 1, CONTINUE_TXN, id="never acknowledged"),
+            line(P2, 6, OUTSIDE_TXN, id="committed, of the wrong type"),
+        ]))  # fmt: skip
+    df = read_df(spark, local_cluster, journal, "offset BIGINT, id BIGINT, _corrupt STRING")
+    rows = df.orderBy("offset").collect()
+    assert [r.id for r in rows] == [1, None]
+    assert '"committed, of the wrong type"' in rows[1]._corrupt

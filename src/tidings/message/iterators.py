@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import aclosing
 from itertools import repeat
 from typing import Any
+from uuid import UUID
 
 from tidings.client import AsyncClient, Client
 from tidings.message.framing import Columns, Garbage, columns_of, get_uuid, uuid_getter
@@ -49,6 +50,9 @@ class ReadUncommitted:
     * `on_garbage` - called with (journal, Garbage) for every undecodable range (instead of a warning in the log).
     * `end_offsets` - stop reading a journal named here at this offset (a fixed range, as a Spark
       partition reads: the same messages however far the journal has grown meanwhile).
+    * `uuids_of` - the UUIDs of a list of decoded messages (raising ValueError for an invalid one),
+      for message types that do not carry theirs as a field: e.g. `msgspec.Raw` lines, whose bodies
+      are decoded later, only for the messages delivered.
     """
 
     def __init__(
@@ -61,6 +65,7 @@ class ReadUncommitted:
         block: bool = True,
         on_garbage: GarbageHandler | None = None,
         end_offsets: dict[str, int] | None = None,
+        uuids_of: Callable[[list[Any]], list[UUID | None]] | None = None,
     ) -> None:
         self.client = client
         self.journals = [journals] if isinstance(journals, str) else list(journals)
@@ -68,6 +73,7 @@ class ReadUncommitted:
             raise UsageError("read at least one journal")
         self.offsets = {j: (offsets or {}).get(j, 0) for j in self.journals}
         self.end_offsets = {j: e for j, e in (end_offsets or {}).items() if e}
+        self.uuids_of = uuids_of
         self.message_type = message_type
         self.block = block
         self.on_garbage = on_garbage
@@ -149,36 +155,40 @@ class ReadUncommitted:
         reader = self._aio.reader(journal, offset, block=self.block and not end_offset, end_offset=end_offset)
         async with aclosing(reader):
             async for chunk in reader:
-                batch = self._envelopes_of(journal, decoder.feed_columns(chunk.content, chunk.offset))
+                batch = self._envelopes_of(journal, decoder.feed_columns(chunk.content, chunk.offset), replay)
                 if batch:
                     if not replay:  # (a replay re-reads an earlier range: it does not move the reader)
                         self.offsets[journal] = batch[-1].end
                     yield batch
-        tail = self._envelopes_of(journal, columns_of(decoder.finish()))
+        tail = self._envelopes_of(journal, columns_of(decoder.finish()), replay)
         if tail:
             yield tail
 
-    def _envelopes_of(self, journal: str, columns: Columns) -> list[Envelope]:
-        """Envelopes of decoded messages, built by C-level maps (per-message work is what limits a reader)."""
-        for garbage in columns.garbage:
-            self._report(journal, garbage)
+    def _envelopes_of(self, journal: str, columns: Columns, replay: bool = False) -> list[Envelope]:
+        """Envelopes of decoded messages, built by C-level maps (per-message work is what limits a reader).
+        Garbage is reported once: not again when a replay re-reads it."""
+        if not replay:
+            for garbage in columns.garbage:
+                self._report(journal, garbage)
         values = columns.values
         if not values:
             return []
-        getter = uuid_getter(type(values[0]))
         try:
-            uuids = list(map(getter, values))
+            uuids = (
+                self.uuids_of(values) if self.uuids_of is not None else list(map(uuid_getter(type(values[0])), values))
+            )
         except (ValueError, TypeError):  # an invalid uuid somewhere: sort the good from the bad one by one
-            return self._envelopes_one_by_one(journal, columns)
+            return self._envelopes_one_by_one(journal, columns, replay)
         return list(map(Envelope, repeat(journal), columns.begins, columns.ends, uuids, values))
 
-    def _envelopes_one_by_one(self, journal: str, columns: Columns) -> list[Envelope]:
+    def _envelopes_one_by_one(self, journal: str, columns: Columns, replay: bool) -> list[Envelope]:
         out = []
         for begin, end, value in zip(columns.begins, columns.ends, columns.values, strict=True):
             try:
-                u = get_uuid(value)
+                u = self.uuids_of([value])[0] if self.uuids_of is not None else get_uuid(value)
             except (ValueError, TypeError) as exc:
-                self._report(journal, Garbage(begin, end, f"invalid uuid: {exc}"))
+                if not replay:
+                    self._report(journal, Garbage(begin, end, f"invalid uuid: {exc}"))
                 continue
             out.append(Envelope(journal, begin, end, u, value))
         return out
@@ -224,6 +234,7 @@ class ReadCommitted(ReadUncommitted):
         offsets: dict[str, int] | None = None,
         end_offsets: dict[str, int] | None = None,
         reread_pending: bool = True,
+        uuids_of: Callable[[list[Any]], list[UUID | None]] | None = None,
     ) -> None:
         names = [journals] if isinstance(journals, str) else list(journals)
         if checkpoint is not None and reread_pending:
@@ -238,6 +249,7 @@ class ReadCommitted(ReadUncommitted):
             block=block,
             on_garbage=on_garbage,
             end_offsets=end_offsets,
+            uuids_of=uuids_of,
         )
         self.sequencer = Sequencer(ring_size, checkpoint=checkpoint)
 

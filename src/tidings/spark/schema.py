@@ -18,6 +18,7 @@ import json
 from collections.abc import Callable, Sequence
 from operator import attrgetter
 from typing import Annotated, Any
+from uuid import UUID
 
 import msgspec
 import pyarrow as pa
@@ -42,7 +43,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from tidings.message.uuid import get_clock, get_producer_id, uuid_to_str
+from tidings.message.uuid import get_clock, get_producer_id, uuid_from_str, uuid_to_str
 from tidings.protocol.status import UsageError
 
 METADATA_DDL = "journal STRING NOT NULL, offset BIGINT NOT NULL, uuid STRING, producer STRING, clock BIGINT"
@@ -106,6 +107,20 @@ def _struct_type(schema: StructType, where: str = "", with_uuid: bool = False) -
     return msgspec.defstruct("Message", fields, rename=rename, frozen=True, gc=False)
 
 
+class _Decoded:
+    """An envelope whose message is decoded (what the column getters read), keeping its line."""
+
+    __slots__ = ("begin", "journal", "line", "message", "uuid")
+
+    def __init__(self, env: Any, message: Any) -> None:
+        self.journal, self.begin, self.uuid, self.message, self.line = (
+            env.journal, env.begin, env.uuid, message, env.message)  # fmt: skip
+
+
+def _text(line: Any) -> str:
+    return bytes(line).decode("utf-8", errors="replace")
+
+
 def _needs_builtins(dt: DataType) -> bool:
     if isinstance(dt, StructType):
         return True
@@ -116,15 +131,41 @@ def _needs_builtins(dt: DataType) -> bool:
     return False
 
 
+class _Uuid(msgspec.Struct, gc=False):
+    uuid: str | None = None
+
+
+_UUIDS = msgspec.json.Decoder(list[_Uuid])
+
+
+def line_uuids(lines: list[Any]) -> list[UUID | None]:
+    """The UUIDs of JSON lines (`msgspec.Raw`), decoded in one call; ValueError for an invalid one."""
+    try:
+        found = _UUIDS.decode(b"[" + b",".join(lines) + b"]")
+    except msgspec.DecodeError as exc:
+        raise ValueError(str(exc)) from None
+    return [None if u.uuid is None else uuid_from_str(u.uuid) for u in found]
+
+
 class RowBuilder:
-    """Turns envelopes (and corrupt messages) into RecordBatches of a DataFrame's schema."""
+    """Turns envelopes of JSON lines (and corrupt messages) into RecordBatches of a DataFrame's schema.
+
+    Lines are read as `msgspec.Raw` and sequenced by their UUIDs alone (`line_uuids`); only the
+    messages delivered are decoded into the schema's types, in one call per batch. So a line whose
+    fields do not fit the schema is a `_corrupt` row only if its message is delivered (committed),
+    with its exact text.
+    """
+
+    message_type = msgspec.Raw
 
     def __init__(self, schema: StructType) -> None:
         self.schema = schema
         self.arrow = arrow_schema(schema)
         names = schema.fieldNames()
         self.body = StructType([f for f in schema.fields if f.name not in METADATA and f.name != CORRUPT])
-        self.message_type = _struct_type(self.body, with_uuid=True)
+        self.struct = _struct_type(self.body, with_uuid=True)
+        self._decode_all = msgspec.json.Decoder(list[self.struct]).decode  # type: ignore[name-defined]
+        self._decode_one = msgspec.json.Decoder(self.struct).decode
         body_index = {f.name: i for i, f in enumerate(self.body.fields)}
         self._columns: list[Callable[[Sequence[Any]], list[Any]]] = []
         for name, field in zip(names, schema.fields, strict=True):
@@ -150,24 +191,40 @@ class RowBuilder:
         return lambda envs: [get(e.message) for e in envs]
 
     def batches(self, envelopes: Sequence[Any]) -> list[pa.RecordBatch]:
-        """RecordBatches of decoded messages (Envelopes whose message is of `message_type`).
+        """RecordBatches of delivered messages (Envelopes of `msgspec.Raw` lines), decoded now.
 
-        A value Arrow refuses (a decimal that needs rounding or overflows its precision, say)
-        makes its message a corrupt row rather than failing the task, which every retry of it
-        would do again."""
+        A line that does not fit the schema, or a value Arrow refuses (a decimal that needs
+        rounding, say), makes its message a corrupt row rather than failing the task, which every
+        retry of it would do again."""
+        decoded, bad = self._decoded(envelopes)
         try:
-            return [self._batch(envelopes)]
+            return [self._batch(decoded), *([self.corrupt(bad)] if bad else [])]
         except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError):
             pass
-        good, bad = [], []
-        for env in envelopes:
+        good = []
+        for env in decoded:
             try:
                 self._batch([env])
                 good.append(env)
             except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError) as exc:
-                text = msgspec.json.encode(env.message).decode()
-                bad.append((env.journal, env.begin, f"{text} ({type(exc).__name__}: {exc})"))
+                bad.append((env.journal, env.begin, f"{_text(env.line)} ({type(exc).__name__}: {exc})"))
         return [self._batch(good), self.corrupt(bad)]
+
+    def _decoded(self, envelopes: Sequence[Any]) -> tuple[list[Any], list[tuple[str, int, str]]]:
+        """Envelopes with their lines decoded into the schema's Struct; the lines that do not fit, as text."""
+        lines = [e.message for e in envelopes]
+        try:
+            structs = self._decode_all(b"[" + b",".join(lines) + b"]")
+            return [_Decoded(e, m) for e, m in zip(envelopes, structs, strict=True)], []
+        except msgspec.DecodeError:
+            pass
+        good, bad = [], []
+        for e in envelopes:
+            try:
+                good.append(_Decoded(e, self._decode_one(e.message)))
+            except msgspec.DecodeError:
+                bad.append((e.journal, e.begin, _text(e.message)))
+        return good, bad
 
     def _batch(self, envelopes: Sequence[Any]) -> pa.RecordBatch:
         arrays = [

@@ -39,7 +39,7 @@ from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.labels import parse_selector
 from tidings.protocol.status import TidingsError, TransportError, UsageError
 from tidings.spark.options import SourceOptions
-from tidings.spark.schema import CORRUPT, METADATA_DDL, RAW_DDL, row_builder
+from tidings.spark.schema import CORRUPT, METADATA_DDL, RAW_DDL, line_uuids, row_builder
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -224,7 +224,8 @@ def _read_json(c: Client, part: JournalRange, committed: bool, schema_json: str)
 
     options: dict[str, Any] = {
         "end_offsets": {part.journal: part.end},
-        "message_type": builder.message_type,
+        "message_type": builder.message_type,  # lines, decoded by the builder once delivered
+        "uuids_of": line_uuids,
         "block": False,
         "on_garbage": on_garbage,
     }
