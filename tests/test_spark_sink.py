@@ -80,3 +80,21 @@ def test_the_source_and_sink_on_separate_executor_processes(local_cluster, tmp_p
     report = json.loads(out.splitlines()[-1])
     assert report["rows"] == 200 and len(report["executor_pids"]) == 2
     assert sorted(m["id"] for m in cli_committed(ep, "spark/lc-out")) == list(range(1, 201))
+
+
+def test_timestamps_are_written_as_the_instant_spark_meant(monkeypatch) -> None:
+    """PySpark gives a worker TIMESTAMP values as naive local times; the sink writes them as UTC
+    instants (the source reads naive times as UTC), so a round trip keeps the instant."""
+    import datetime
+    import time
+
+    from tidings.spark.sink import _message
+
+    monkeypatch.setenv("TZ", "Etc/GMT+5")  # (five hours west of UTC)
+    time.tzset()
+    try:
+        msg = _message(Row(at=datetime.datetime(2026, 1, 1, 10, 0), n=1), ("at",))
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert msg == {"at": datetime.datetime(2026, 1, 1, 15, 0, tzinfo=datetime.UTC), "n": 1}

@@ -7,6 +7,9 @@ column: its other fields are then null), and every other column is a field of th
 objects, decoded with msgspec straight into typed values (a value of the wrong type makes the
 message corrupt rather than guessing). With `format` raw: `journal`, `offset`, `value` (the
 message's bytes as written: the JSON line without its newline, or a fixed frame's payload).
+
+TIMESTAMP fields are RFC 3339 strings; one without a UTC offset is taken as UTC (the sink writes
+Spark's timestamps with their offset). NaN and infinities have no JSON form: the sink writes null.
 """
 
 from __future__ import annotations

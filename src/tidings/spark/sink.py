@@ -22,6 +22,7 @@ producer horizon.
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 from collections.abc import Iterator, Mapping
@@ -30,7 +31,7 @@ from typing import Any
 
 import fsspec
 from pyspark.sql.datasource import DataSourceStreamWriter, DataSourceWriter, WriterCommitMessage
-from pyspark.sql.types import StringType, StructType
+from pyspark.sql.types import StringType, StructType, TimestampType
 
 from tidings.client import AppendService, Client
 from tidings.message import AckIntent, Publisher
@@ -47,6 +48,7 @@ class SinkOptions:
     broker: str
     journal: str | None  # None: each row's `journal` column
     checkpoint: str | None  # the query's checkpointLocation (streams)
+    timestamps: tuple[str, ...] = ()  # top-level TIMESTAMP columns, written as UTC
 
     @classmethod
     def parse(cls, options: Mapping[str, str], schema: StructType, streaming: bool) -> SinkOptions:
@@ -59,7 +61,8 @@ class SinkOptions:
         checkpoint = lower.get("checkpointlocation")
         if streaming and checkpoint is None:
             raise OptionError("checkpointLocation", "is missing: the exactly-once sink records its ACKs there")
-        return cls(lower.get("broker", DEFAULT_BROKER), journal, checkpoint)
+        timestamps = tuple(f.name for f in schema.fields if isinstance(f.dataType, TimestampType))
+        return cls(lower.get("broker", DEFAULT_BROKER), journal, checkpoint, timestamps)
 
 
 @dataclass(frozen=True)
@@ -80,10 +83,10 @@ def publish_rows(opts: SinkOptions, rows: Iterator[Any]) -> Acks:
             for row in rows:
                 chunk.append(row)
                 if len(chunk) >= ROWS_PER_PUBLISH:
-                    pending.append(c.run(_publish(pub, opts.journal, chunk)))
+                    pending.append(c.run(_publish(pub, opts, chunk)))
                     chunk = []
             if chunk:
-                pending.append(c.run(_publish(pub, opts.journal, chunk)))
+                pending.append(c.run(_publish(pub, opts, chunk)))
             for futures in pending:
                 c.run(_wait(futures))
             intents = pub.build_ack_intents()
@@ -92,12 +95,25 @@ def publish_rows(opts: SinkOptions, rows: Iterator[Any]) -> Acks:
     return Acks([(i.journal, i.content) for i in intents])
 
 
-async def _publish(pub: Publisher, journal: str | None, rows: list[Any]) -> list[Any]:
+def _message(row: Any, timestamps: tuple[str, ...]) -> dict:
+    """A row as a message. PySpark hands TIMESTAMP values over as naive local times: they are
+    written with their UTC offset (RFC 3339), so the source, which reads naive times as UTC, gets
+    the same instant back."""
+    d = row.asDict(recursive=True)
+    for name in timestamps:
+        t = d.get(name)
+        if t is not None and t.tzinfo is None:
+            d[name] = t.astimezone(datetime.UTC)
+    return d
+
+
+async def _publish(pub: Publisher, opts: SinkOptions, rows: list[Any]) -> list[Any]:
+    journal, timestamps = opts.journal, opts.timestamps
     if journal is not None:
-        return [await pub.publish_uncommitted(journal, *(r.asDict(recursive=True) for r in rows))]
+        return [await pub.publish_uncommitted(journal, *(_message(r, timestamps) for r in rows))]
     groups: dict[str, list[dict]] = {}
     for r in rows:
-        d = r.asDict(recursive=True)
+        d = _message(r, timestamps)
         target = d.pop("journal")
         if not target:
             raise OptionError("journal", "column holds an empty journal name in a row; every row needs one")
