@@ -45,7 +45,7 @@ from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.labels import parse_selector
 from tidings.protocol.status import UsageError
 from tidings.spark.options import SourceOptions
-from tidings.spark.schema import row_builder
+from tidings.spark.schema import line_uuids, row_builder
 from tidings.spark.source import (
     JournalRange,
     _one_line,
@@ -59,12 +59,6 @@ log = logging.getLogger(__name__)
 
 HEAD_TTL = 0.1  # seconds a journal's write head is reused by latestOffset
 JOURNALS_TTL = 1.0  # seconds the journal list is reused
-
-
-class _Uuid(msgspec.Struct, gc=False):
-    """What the driver decodes of a message: its UUID alone (msgspec skips the other fields)."""
-
-    uuid: str | None = None
 
 
 class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -167,7 +161,8 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         starts = {n: begun.journals.get(n, JournalCheckpoint(0)) for n in names}
         common: dict[str, Any] = {
             "end_offsets": ends,
-            "message_type": _Uuid,
+            "message_type": msgspec.Raw,  # (as the tasks read: the same UUIDs, the same garbage)
+            "uuids_of": line_uuids,
             "block": False,
             "on_garbage": _cut_or_garbage,  # (a cut at `ends` splits a message: not worth a warning)
         }
