@@ -23,6 +23,15 @@ NDJSON = {"labels": {"content-type": "application/x-ndjson"}}
 P1, P2, P3, P4 = (bytes([0x01, 0, 0, 0, 0, n]) for n in (1, 2, 3, 4))
 
 
+def ndjson_journal(lc, name: str, content: bytes = b"", replication: int = 1, **fields) -> None:
+    """Create an ndjson journal on the cluster (extra `labels` merged in) and append `content` to it."""
+    labels = {**NDJSON["labels"], **fields.pop("labels", {})}
+    asyncio.run(create_local_journal(lc, name, replication, labels=labels, **fields))
+    if content:
+        with Client(lc.endpoints[0]) as c:
+            c.append(name, content)
+
+
 def line(producer: bytes, clock: int, flags: int, **fields: object) -> bytes:
     return json.dumps({**fields, "uuid": uuid_to_str(build_uuid(producer, clock, flags))}).encode() + b"\n"
 
@@ -137,9 +146,7 @@ def test_undecodable_messages_become_corrupt_rows(spark, local_cluster) -> None:
 
 def test_raw_rows_are_the_messages_as_written(spark, local_cluster) -> None:
     journal = "spark/raw"
-    asyncio.run(create_local_journal(local_cluster, journal, 1, **NDJSON))
-    with Client(local_cluster.endpoints[0]) as c:
-        c.append(journal, CASES)
+    ndjson_journal(local_cluster, journal, CASES)
     df = read_df(spark, local_cluster, journal, schema="", format="raw", readCommitted="false")
     assert df.columns == ["journal", "offset", "value"]
     rows = df.orderBy("offset").collect()
@@ -150,9 +157,7 @@ def test_raw_rows_are_the_messages_as_written(spark, local_cluster) -> None:
 def test_a_selector_reads_every_matching_journal(spark, local_cluster) -> None:
     for name in ("spark/sel-a", "spark/sel-b", "spark/other"):
         labels = {**NDJSON["labels"], "topic": "sel" if "sel" in name else "other"}
-        asyncio.run(create_local_journal(local_cluster, name, 1, labels=labels))
-        with Client(local_cluster.endpoints[0]) as c:
-            c.append(name, line(P1, 1, OUTSIDE_TXN, id=1, name=name))
+        ndjson_journal(local_cluster, name, line(P1, 1, OUTSIDE_TXN, id=1, name=name), labels=labels)
     df = (
         spark.read.format("tidings")
         .option("broker", local_cluster.endpoints[0])
@@ -193,9 +198,11 @@ def test_json_without_a_schema_says_how_to_give_one(spark, local_cluster) -> Non
 
 def test_a_value_arrow_refuses_makes_a_corrupt_row_not_a_failed_task(spark, local_cluster) -> None:
     journal = "spark/decimal"
-    asyncio.run(create_local_journal(local_cluster, journal, 1, **NDJSON))
-    with Client(local_cluster.endpoints[0]) as c:
-        c.append(journal, b"".join(line(P1, n, OUTSIDE_TXN, id=n, price=p) for n, p in ((1, 2.5), (2, 1.005), (3, 7))))
+    ndjson_journal(
+        local_cluster,
+        journal,
+        b"".join(line(P1, n, OUTSIDE_TXN, id=n, price=p) for n, p in ((1, 2.5), (2, 1.005), (3, 7))),
+    )
     df = read_df(spark, local_cluster, journal, "offset BIGINT, id BIGINT, price DECIMAL(10,2), _corrupt STRING")
     rows = df.orderBy("offset").collect()
     assert [(r.id, None if r.price is None else float(r.price)) for r in rows] == [(1, 2.5), (None, None), (3, 7.0)]

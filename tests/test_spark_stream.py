@@ -4,13 +4,10 @@ selector that picks up a journal created while the query runs."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from tests.support.cluster import create_local_journal
 from tests.support.waiting import wait_until_sync
-from tests.test_spark_source import CASES, NDJSON, P4, line
+from tests.test_spark_source import CASES, NDJSON, P4, line, ndjson_journal
 from tidings.client import Client
 from tidings.message.uuid import ACK_TXN, OUTSIDE_TXN
 
@@ -45,9 +42,7 @@ def test_a_transaction_across_micro_batches_is_delivered_once_in_the_batch_of_it
     spark, local_cluster, tmp_path
 ) -> None:
     journal = "spark/stream-txn"
-    asyncio.run(create_local_journal(local_cluster, journal, 3, **NDJSON))
-    with Client(local_cluster.endpoints[0]) as c:
-        c.append(journal, CASES)
+    ndjson_journal(local_cluster, journal, CASES, replication=3)
     line_size = max(len(x) for x in CASES.split(b"\n")) + 1
     got = run_available_now(spark, local_cluster, journal, str(tmp_path / "cp"), maxBytesPerTrigger=str(line_size))
     assert [i for _, i in got] == [1, 7, 2, 3, 6]
@@ -71,9 +66,7 @@ def test_a_transaction_across_micro_batches_is_delivered_once_in_the_batch_of_it
 
 def test_a_selector_picks_up_a_journal_created_while_the_query_runs(spark, local_cluster, tmp_path) -> None:
     labels = {**NDJSON["labels"], "topic": "live"}
-    asyncio.run(create_local_journal(local_cluster, "spark/live-a", 1, labels=labels))
-    with Client(local_cluster.endpoints[0]) as c:
-        c.append("spark/live-a", line(P4, 1, OUTSIDE_TXN, id=1))
+    ndjson_journal(local_cluster, "spark/live-a", line(P4, 1, OUTSIDE_TXN, id=1), labels=labels)
     query = (
         spark.readStream.format("tidings")
         .option("broker", local_cluster.endpoints[0])
@@ -92,9 +85,8 @@ def test_a_selector_picks_up_a_journal_created_while_the_query_runs(spark, local
             return sorted((r.journal, r.id) for r in spark.sql("select journal, id from live").collect())
 
         wait_until_sync(lambda: rows() == [("spark/live-a", 1)], 60)
-        asyncio.run(create_local_journal(local_cluster, "spark/live-b", 1, labels=labels))
+        ndjson_journal(local_cluster, "spark/live-b", line(P4, 1, OUTSIDE_TXN, id=2), labels=labels)
         with Client(local_cluster.endpoints[0]) as c:
-            c.append("spark/live-b", line(P4, 1, OUTSIDE_TXN, id=2))
             c.append("spark/live-a", line(P4, 2, OUTSIDE_TXN, id=3))
         wait_until_sync(lambda: rows() == [("spark/live-a", 1), ("spark/live-a", 3), ("spark/live-b", 2)], 60)
         assert query.exception() is None
@@ -108,17 +100,13 @@ def test_a_journal_created_again_below_the_querys_offset_fails_the_query_naming_
     from tidings.protocol import protocol_pb2 as pb
 
     journal = "spark/recreated"
-    asyncio.run(create_local_journal(local_cluster, journal, 1, **NDJSON))
-    with Client(local_cluster.endpoints[0]) as c:
-        c.append(journal, CASES)
+    ndjson_journal(local_cluster, journal, CASES)
     assert len(run_available_now(spark, local_cluster, journal, str(tmp_path / "cp"))) == 5
     with Client(local_cluster.endpoints[0]) as c:
         rev = next(j.mod_revision for j in c.list().journals if j.spec.name == journal)
         c.apply([pb.ApplyRequest.Change(delete=journal, expect_mod_revision=rev)])
     fresh_store = {"stores": [local_cluster.store_url.rstrip("/") + "/elsewhere/"]}  # (the old one has its fragments)
-    asyncio.run(create_local_journal(local_cluster, journal, 1, fragment=fresh_store, **NDJSON))
-    with Client(local_cluster.endpoints[0]) as c:
-        c.append(journal, line(P4, 9, OUTSIDE_TXN, id=9))
+    ndjson_journal(local_cluster, journal, line(P4, 9, OUTSIDE_TXN, id=9), fragment=fresh_store)
     with pytest.raises(Exception) as err:
         run_available_now(spark, local_cluster, journal, str(tmp_path / "cp"))
     assert f"journal '{journal}' ends at" in str(err.value) and "failOnDataLoss=false" in str(err.value)

@@ -144,8 +144,8 @@ class TidingsBatchReader(DataSourceReader):
             journals = resolve_journals(c, opts)
             ranges = []
             for spec in journals:
-                begin = start_offset(c, spec.name, opts.starting, "earliest")
-                end = start_offset(c, spec.name, opts.ending, "latest")
+                begin = offset_for(c, spec.name, opts.starting, "earliest")
+                end = offset_for(c, spec.name, opts.ending, "latest")
                 ranges.append(JournalRange(spec.name, content_type_of(spec), begin, max(begin, end)))
         return ranges or [JournalRange("", NDJSON, 0, 0)]
 
@@ -203,7 +203,7 @@ def resolve_journals(c: Client, opts: SourceOptions) -> list[pb.JournalSpec]:
     return chosen
 
 
-def start_offset(c: Client, journal: str, offsets: str | dict[str, int], default: str) -> int:
+def offset_for(c: Client, journal: str, offsets: str | dict[str, int], default: str) -> int:
     """A journal's offset for `offsets` (earliest, latest, or a JSON object where -2/-1 mean those)."""
     which: str | int = offsets if isinstance(offsets, str) else offsets.get(journal, default)
     if which in ("earliest", -2):

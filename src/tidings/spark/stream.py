@@ -49,10 +49,10 @@ from tidings.spark.schema import line_uuids, row_builder
 from tidings.spark.source import (
     JournalRange,
     _one_line,
+    offset_for,
     planning_client,
     read_partition,
     resolve_journals,
-    start_offset,
 )
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def initialOffset(self) -> dict:
         journals = {}
         for name in self._journals():
-            journals[name] = {"read_through": start_offset(self.client, name, self.options.starting, "earliest")}
+            journals[name] = {"read_through": offset_for(self.client, name, self.options.starting, "earliest")}
         return _offset(Checkpoint(msgspec.convert(journals, dict[str, JournalCheckpoint])))
 
     def getDefaultReadLimit(self) -> ReadLimit:
