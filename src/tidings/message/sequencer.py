@@ -114,10 +114,12 @@ class Replay(msgspec.Struct, frozen=True):
 
 
 class ProducerState(msgspec.Struct, frozen=True):
-    """A producer's state in one journal: the clock of its last ACK, and its first pending offset or -1."""
+    """A producer's state in one journal: the clock of its last ACK, its first pending offset or -1,
+    and the newest clock seen of it (for the producer horizon; -1 in older checkpoints: last_ack)."""
 
     last_ack: int
     begin: int = -1
+    newest: int = -1
 
 
 class JournalCheckpoint(msgspec.Struct):
@@ -204,16 +206,22 @@ class SequencerStatistics:
 class _Partial:
     """A (journal, producer)'s sequencing state; ring_start..ring_stop link its pending envelopes in the ring."""
 
-    __slots__ = ("begin", "journal", "max_clock", "min_clock", "producer", "ring_start", "ring_stop")
+    __slots__ = ("begin", "journal", "max_clock", "min_clock", "producer", "restored", "ring_start", "ring_stop")
 
-    def __init__(self, journal: str, producer: int, last_ack: int, begin: int = -1) -> None:
+    def __init__(self, journal: str, producer: int, last_ack: int, begin: int = -1, restored: int = -1) -> None:
         self.journal = journal
         self.producer = producer
         self.min_clock = last_ack  # exclusive lower bound: the last acknowledged (or delivered) clock
         self.max_clock = last_ack  # inclusive upper bound: the largest pending clock, or the committing ACK's
         self.begin = begin
+        self.restored = restored  # the newest clock a checkpoint knew (its pending messages may not be re-read)
         self.ring_start = -1
         self.ring_stop = -1
+
+    @property
+    def newest(self) -> int:
+        """The newest clock seen of this producer: what the producer horizon judges it by."""
+        return max(self.max_clock, self.restored)
 
     def reset(self, last_ack: int) -> None:
         self.min_clock = self.max_clock = last_ack
@@ -292,7 +300,9 @@ class Sequencer:
                     producer = -1
                 if len(hex_id) != 12 or producer < 0:
                     raise ValidationError(f"journals.{journal}.producers", f"{hex_id!r} is not a 12-digit hex id")
-                self._partials[(journal, producer)] = _Partial(journal, producer, state.last_ack, state.begin)
+                self._partials[(journal, producer)] = _Partial(
+                    journal, producer, state.last_ack, state.begin, state.newest
+                )
 
     # --- Queueing ----------------------------------------------------------------------------------------------
 
@@ -624,7 +634,10 @@ class Sequencer:
         journals = {journal: JournalCheckpoint(offset, {}) for journal, offset in self._offsets.items()}
         for (journal, producer), p in self._partials.items():
             jc = journals.setdefault(journal, JournalCheckpoint(0, {}))  # (every queued journal has an offset)
-            jc.producers[f"{producer:012x}"] = ProducerState(p.min_clock, p.begin)
+            newest = p.newest  # (recorded only when it says more than last_ack)
+            jc.producers[f"{producer:012x}"] = ProducerState(
+                p.min_clock, p.begin, -1 if newest == p.min_clock else newest
+            )
         return Checkpoint(journals)
 
     def prune(self) -> int:
@@ -639,7 +652,7 @@ class Sequencer:
         stale = [
             key
             for key, p in self._partials.items()
-            if p is not self._emit and p.max_clock < newest.get(p.journal, 0) - horizon
+            if p is not self._emit and p.newest < newest.get(p.journal, 0) - horizon
         ]
         for key in stale:
             del self._partials[key]
