@@ -25,6 +25,8 @@ from itertools import repeat
 from typing import Any
 from uuid import UUID
 
+import msgspec
+
 from tidings.client import AsyncClient, Client
 from tidings.message.framing import Columns, Garbage, columns_of, get_uuid, uuid_getter
 from tidings.message.publisher import journal_framing
@@ -173,6 +175,8 @@ class ReadUncommitted:
         values = columns.values
         if not values:
             return []
+        if self.message_type is msgspec.Raw:  # views into the chunk: one kept in a Sequencer's ring would pin it
+            values = columns.values = list(map(msgspec.Raw.copy, values))
         try:
             uuids = (
                 self.uuids_of(values) if self.uuids_of is not None else list(map(uuid_getter(type(values[0])), values))

@@ -147,7 +147,7 @@ def line_uuids(lines: list[Any]) -> list[UUID | None]:
         found = _UUIDS.decode(b"[" + b",".join(lines) + b"]")
     except msgspec.DecodeError as exc:
         raise ValueError(str(exc)) from None
-    return [None if u.uuid is None else uuid_from_str(u.uuid) for u in found]
+    return [uuid_from_str(u.uuid) if u.uuid else None for u in found]  # ("" is no UUID, as for other readers)
 
 
 class RowBuilder:
