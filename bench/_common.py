@@ -28,15 +28,20 @@ def emit(rec: dict, **defaults: Any) -> dict:
 
 
 async def create_journal(
-    c: AsyncClient, lc: LocalCluster, name: str, replication: int, labels: dict[str, str] | None = None
+    c: AsyncClient,
+    lc: LocalCluster,
+    name: str,
+    replication: int,
+    labels: dict[str, str] | None = None,
+    fragment_length: str = "256MiB",
 ) -> None:
-    """Create a journal with 256 MiB fragments and return once it takes appends."""
+    """Create a journal (256 MiB fragments unless told) and return once it takes appends."""
     spec = spec_from_dict(
         {
             "name": name,
             "replication": replication,
             "labels": labels or {},
-            "fragment": {"length": "256MiB", "stores": [lc.store_url]},
+            "fragment": {"length": fragment_length, "stores": [lc.store_url]},
         }
     )
     await c.apply([pb.ApplyRequest.Change(upsert=spec)])

@@ -5,7 +5,9 @@ Starts a cluster (private etcd + 3 brokers), publishes `--messages` committed 20
 messages to one journal (R=3), then times, `--rounds` times each and interleaved, a query that
 decodes every row (count, sum and max over the fields) through the tidings source (read
 committed, and read uncommitted) and through Spark's own JSON reader on a file holding the
-journal's bytes. Prints one JSON line per round and a summary line per reader (best round).
+journal's bytes. The journal has 8 MiB fragments, so the source reads it in partitions of whole
+fragments (two of 1M messages' 195 MB, as Spark splits the file), read committed also in one.
+Prints one JSON line per round and a summary line per reader (best round).
 
   bench/spark.py                          # 1M messages, 3 rounds (~2 min)
   bench/spark.py --messages 200000 --rounds 1
@@ -32,9 +34,9 @@ SCHEMA = "id BIGINT, user STRING, amount DOUBLE, note STRING"
 JOURNAL = "bench/spark"
 
 
-async def fill(lc: LocalCluster, n: int) -> None:
+async def fill(lc: LocalCluster, n: int, fragment: str = "8MiB") -> None:
     async with AsyncClient(lc.endpoints[0]) as c:
-        await create_journal(c, lc, JOURNAL, 3, {"content-type": "application/x-ndjson"})
+        await create_journal(c, lc, JOURNAL, 3, {"content-type": "application/x-ndjson"}, fragment)
         service = AppendService(c)
         pub = Publisher(service)
         note = "x" * 90  # with the uuid field, about 200 bytes a line
@@ -47,10 +49,12 @@ async def fill(lc: LocalCluster, n: int) -> None:
         await service.aclose()
 
 
-def timed(df) -> tuple[float, int]:
+def timed(make) -> tuple[float, int]:  # type: ignore[no-untyped-def]
+    """Seconds to build the DataFrame (Spark may plan the source's partitions there) and run the query."""
     from pyspark.sql import functions as F
 
     t = time.perf_counter()
+    df = make()
     row = df.agg(F.count("*").alias("n"), F.sum("amount"), F.max("id"), F.max("user"), F.max("note")).collect()[0]
     return time.perf_counter() - t, row["n"]
 
@@ -59,12 +63,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--messages", type=int, default=1_000_000)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--fragment", default="8MiB", help="the journal's fragment length (splits fall between fragments)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="tidings-bench-") as tmp:
         lc = LocalCluster(brokers=3, zones=3, data_dir=tmp)
         lc.extra = ["--log-level", "warning"]
         with lc:
-            asyncio.run(fill(lc, args.messages))
+            asyncio.run(fill(lc, args.messages, args.fragment))
             path = os.path.join(tmp, "journal.ndjson")
             with Client(lc.endpoints[0]) as c, open(path, "wb") as f:
                 for chunk in c.read(JOURNAL):
@@ -78,15 +83,16 @@ def measure(spark, lc: LocalCluster, path: str, size: int, args: argparse.Namesp
     base = spark.read.format("tidings").option("broker", lc.endpoints[0]).option("journal", JOURNAL)
     readers = {
         "tidings_committed": lambda: base.schema(SCHEMA).load(),
+        "tidings_committed_one_partition": lambda: base.option("bytesPerPartition", 2 * size).schema(SCHEMA).load(),
         "tidings_uncommitted": lambda: base.option("readCommitted", "false").schema(SCHEMA).load(),
         "spark_read_json": lambda: spark.read.schema(SCHEMA).json(path),
     }
     for make in readers.values():
-        timed(make())  # warm up: the session, Python workers
+        timed(make)  # warm up: the session, Python workers
     results: dict[str, list[float]] = {k: [] for k in readers}
     for r in range(args.rounds):
         for name, make in readers.items():
-            seconds, rows = timed(make())
+            seconds, rows = timed(make)
             assert rows == args.messages, (name, rows)
             results[name].append(seconds)
             emit({"test": "spark_batch_read", "reader": name, "round": r, "rows": rows,

@@ -176,6 +176,7 @@ def test_a_selector_reads_every_matching_journal(spark, local_cluster) -> None:
         ({"journal": "spark/bad-input", "broker": "127.0.0.1:9"}, "broker 127.0.0.1:9 is unreachable"),
         ({"journal": "spark/bad-input", "startingOffsets": "first"}, "option 'startingOffsets' is 'first'"),
         ({"journal": "spark/bad-input", "format": "avro"}, "option 'format' is 'avro'"),
+        ({"journal": "spark/bad-input", "minPartitions": "0"}, "option 'minPartitions' is '0'"),
         ({"selector": "=clicks"}, "option 'selector' is not a label selector"),
         ({}, "option 'journal' is missing"),
     ],
@@ -225,3 +226,98 @@ def test_a_line_that_does_not_fit_the_schema_is_corrupt_only_if_committed(spark,
     rows = df.orderBy("offset").collect()
     assert [r.id for r in rows] == [1, None]
     assert '"committed, of the wrong type"' in rows[1]._corrupt
+
+
+PAD = "p" * 1100  # a line this long fills a 1 KiB fragment: each append below is a fragment of its own
+FRAGMENTED = [
+    line(P1, 1, OUTSIDE_TXN, id=1, name="one", pad=PAD)
+    + line(P3, 2, OUTSIDE_TXN, id=8, name="eight")
+    + line(P2, 1, CONTINUE_TXN, id=2, name="two"),
+    line(P1, 1, OUTSIDE_TXN, id=1, name="one", pad=PAD)  # a duplicate of a message two partitions back
+    + line(P2, 2, CONTINUE_TXN, id=3, name="three")
+    + line(P3, 5, CONTINUE_TXN, id=4, name="rolled back"),
+    line(P2, 2, ACK_TXN, pad=PAD)  # commits ids 2 and 3, whose messages are in earlier partitions
+    + line(P3, 3, ACK_TXN)  # rolls id 4 back
+    + line(P4, 1, CONTINUE_TXN, id=5, name="open"),
+    line(P1, 2, OUTSIDE_TXN, id=6, name="six", pad=PAD) + line(P2, 2, ACK_TXN),  # a duplicate ACK: nothing
+    b'{"id": 7, "name": "seven", "pad": "' + PAD.encode(),  # a raw append that ends mid-line...
+    b'", "uuid": "' + uuid_to_str(build_uuid(P1, 3, OUTSIDE_TXN)).encode() + b'"}\n' + PAD.encode() + b"\n",
+    line(P4, 1, ACK_TXN, pad=PAD),  # ...so the next fragment starts inside it; then garbage; P4 commits id 5
+]
+
+
+def test_a_journal_of_many_fragments_is_read_in_several_partitions_each_message_once(spark, local_cluster) -> None:
+    """Partitions of whole fragments, read from the store: a transaction spanning partitions is
+    delivered once, a duplicate in a later partition is not delivered again, and the rows equal a
+    single reader's (the CLI's), committed and uncommitted."""
+    from tests.support.waiting import wait_until
+    from tidings.fragment.store import store_for
+
+    journal = "spark/fragments"
+    ndjson_journal(local_cluster, journal, fragment={"length": "1KiB"})
+    with Client(local_cluster.endpoints[0]) as c:
+        for content in FRAGMENTED:
+            c.append(journal, content)
+    store = store_for(local_cluster.store_url)
+    asyncio.run(wait_until(lambda: len(store.list(journal)) >= len(FRAGMENTED) - 1, 30))
+
+    schema = "offset BIGINT, id BIGINT, name STRING, _corrupt STRING"
+    split = read_df(spark, local_cluster, journal, schema, minPartitions="100")
+    assert split.rdd.getNumPartitions() >= 5
+    rows = split.collect()
+    expected = [(m.get("id"), m.get("name")) for m in cli_committed(local_cluster.endpoints[0], journal)]
+    assert sorted((r.id, r.name) for r in rows if r._corrupt is None) == sorted(expected)
+    assert sorted(r[0] for r in expected) == [1, 2, 3, 5, 6, 7, 8]
+    assert [r._corrupt for r in rows if r._corrupt is not None] == [PAD]  # the garbage line, once
+    whole = read_df(spark, local_cluster, journal, schema)
+    assert whole.rdd.getNumPartitions() == 1
+    assert sorted(whole.collect()) == sorted(split.collect())
+
+    # Uncommitted: every message as written, the line cut by an append whole, the garbage once.
+    split_raw = read_df(spark, local_cluster, journal, schema, minPartitions="100", readCommitted="false")
+    whole_raw = read_df(spark, local_cluster, journal, schema, readCommitted="false")
+    assert split_raw.rdd.getNumPartitions() >= 5
+    assert sorted(split_raw.collect()) == sorted(whole_raw.collect())
+    assert [r.id for r in whole_raw.orderBy("offset").collect()] == [
+        1,
+        8,
+        2,
+        1,
+        3,
+        4,
+        None,
+        None,
+        5,
+        6,
+        None,
+        7,
+        None,
+        None,
+    ]
+
+
+def test_line_uuids_reads_every_form_a_reader_accepts() -> None:
+    """The fast path (msgspec's own UUIDs) and the forms it refuses give the UUIDs every reader gives."""
+    from uuid import UUID
+
+    from tidings.spark.schema import line_uuids
+
+    u = UUID("abcdef01-1234-1234-8234-123456789abc")
+    forms = [f'"{u}"', f'"{str(u).upper()}"', f'"{u.hex}"', f'"{{{u}}}"', f'"urn:uuid:{u}"']
+    lines = [f'{{"id": 1, "uuid": {form}}}'.encode() for form in forms]
+    assert line_uuids(lines[:3]) == [u, u, u]
+    assert line_uuids(lines) == [u] * len(forms)
+    assert line_uuids([b'{"uuid": ""}', b'{"id": 2}', b'{"uuid": null}', lines[0]]) == [None, None, None, u]
+    with pytest.raises(ValueError):
+        line_uuids([lines[0], b'{"uuid": "not a uuid"}'])
+    with pytest.raises(ValueError):
+        line_uuids([b'{"uuid": 7}'])
+
+
+@pytest.mark.parametrize(("schema", "column"), [("id BIGINT NOT NULL", "id"), ("s STRUCT<a: INT NOT NULL>", "s.a")])
+def test_a_not_null_message_column_is_refused_naming_it(spark, local_cluster, schema, column) -> None:
+    """A message may lack a field or not decode, so its columns must take null (Spark trusts the declared schema)."""
+    ndjson_journal(local_cluster, "spark/not-null", line(P1, 1, OUTSIDE_TXN, id=1))
+    with pytest.raises(Exception) as err:
+        read_df(spark, local_cluster, "spark/not-null", f"journal STRING NOT NULL, {schema}").collect()
+    assert f"column {column!r} is declared NOT NULL" in str(err.value)

@@ -55,6 +55,8 @@ class ReadUncommitted:
     * `uuids_of` - the UUIDs of a list of decoded messages (raising ValueError for an invalid one),
       for message types that do not carry theirs as a field: e.g. `msgspec.Raw` lines, whose bodies
       are decoded later, only for the messages delivered.
+    * `direct` - read persisted fragments straight from their store (fsspec), not through a broker
+      (as a Spark task does, so the executors rather than the brokers move the bytes).
     """
 
     def __init__(
@@ -68,8 +70,10 @@ class ReadUncommitted:
         on_garbage: GarbageHandler | None = None,
         end_offsets: dict[str, int] | None = None,
         uuids_of: Callable[[list[Any]], list[UUID | None]] | None = None,
+        direct: bool = False,
     ) -> None:
         self.client = client
+        self.direct = direct
         self.journals = [journals] if isinstance(journals, str) else list(journals)
         if not self.journals:
             raise UsageError("read at least one journal")
@@ -154,7 +158,9 @@ class ReadUncommitted:
         self, journal: str, offset: int, end_offset: int = 0, *, replay: bool = False
     ) -> AsyncIterator[list[Envelope]]:
         decoder = (await journal_framing(self._aio, journal)).decoder(self.message_type, offset)
-        reader = self._aio.reader(journal, offset, block=self.block and not end_offset, end_offset=end_offset)
+        reader = self._aio.reader(
+            journal, offset, block=self.block and not end_offset, end_offset=end_offset, direct=self.direct
+        )
         async with aclosing(reader):
             async for chunk in reader:
                 batch = self._envelopes_of(journal, decoder.feed_columns(chunk.content, chunk.offset), replay)
@@ -239,6 +245,7 @@ class ReadCommitted(ReadUncommitted):
         end_offsets: dict[str, int] | None = None,
         reread_pending: bool = True,
         uuids_of: Callable[[list[Any]], list[UUID | None]] | None = None,
+        direct: bool = False,
     ) -> None:
         names = [journals] if isinstance(journals, str) else list(journals)
         if checkpoint is not None and reread_pending:
@@ -254,6 +261,7 @@ class ReadCommitted(ReadUncommitted):
             on_garbage=on_garbage,
             end_offsets=end_offsets,
             uuids_of=uuids_of,
+            direct=direct,
         )
         self.sequencer = Sequencer(ring_size, checkpoint=checkpoint)
 

@@ -12,7 +12,10 @@ Options (Kafka's names where they mean the same): `broker` (any broker; default 
 `{"journal": byte offset}` with -2 / -1 for those; defaults earliest / latest), `readCommitted`
 (default true: each committed message once, rolled-back ones never), `format` (`json` with a
 schema, default; or `raw`: `journal`, `offset`, `value` per message as written, read uncommitted),
-`schema` (the messages' fields as DDL, instead of `.schema()`), and for `readStream`
+`schema` (the messages' fields as DDL, instead of `.schema()`), `bytesPerPartition` and
+`minPartitions` (batch reads: a journal splits at fragment boundaries into partitions of at most
+about 128 MiB by default, and at least this many; see `tidings.spark.source`),
+and for `readStream`
 `maxBytesPerTrigger` (see `tidings.spark.stream`). Columns: see `tidings.spark.schema`.
 
 Writing (`df.write` / `df.writeStream` `.format("tidings")`): options `broker`, `journal` (or a

@@ -16,6 +16,7 @@ from tidings.protocol.labels import parse_selector
 from tidings.protocol.status import UsageError, ValidationError
 
 DEFAULT_BROKER = "127.0.0.1:8080"
+DEFAULT_BYTES_PER_PARTITION = 128 << 20  # as spark.sql.files.maxPartitionBytes
 FORMATS = ("json", "raw")
 
 Offsets = str | dict[str, int]  # "earliest", "latest", or {journal: offset}
@@ -40,6 +41,8 @@ class SourceOptions:
     fail_on_data_loss: bool
     schema: str | None  # DDL of the messages' fields (format json), when not given with .schema()
     max_bytes_per_trigger: int | None  # streaming: bytes per micro-batch (all journals together)
+    bytes_per_partition: int = DEFAULT_BYTES_PER_PARTITION  # batch: at most about this many bytes per task
+    min_partitions: int = 1  # batch: at least this many tasks per journal, as its fragments allow
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SourceOptions:
@@ -81,10 +84,12 @@ class SourceOptions:
             fail_on_data_loss=_bool(get("failOnDataLoss", "true"), "failOnDataLoss"),
             schema=get("schema"),
             max_bytes_per_trigger=_positive(get("maxBytesPerTrigger"), "maxBytesPerTrigger"),
+            bytes_per_partition=_positive(get("bytesPerPartition"), "bytesPerPartition") or DEFAULT_BYTES_PER_PARTITION,
+            min_partitions=_positive(get("minPartitions"), "minPartitions", "number of partitions") or 1,
         )
 
 
-def _positive(text: str | None, option: str) -> int | None:
+def _positive(text: str | None, option: str, what: str = "number of bytes") -> int | None:
     if text is None:
         return None
     try:
@@ -92,7 +97,7 @@ def _positive(text: str | None, option: str) -> int | None:
     except ValueError:
         value = 0
     if value <= 0:
-        raise OptionError(option, f"is {text!r}: give a positive number of bytes")
+        raise OptionError(option, f"is {text!r}: give a positive {what}")
     return value
 
 

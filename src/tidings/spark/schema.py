@@ -25,6 +25,7 @@ from uuid import UUID
 
 import msgspec
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import (
     ArrayType,
@@ -46,7 +47,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from tidings.message.uuid import get_clock, get_producer_id, uuid_from_str, uuid_to_str
+from tidings.message.uuid import get_clock, uuid_from_str, uuid_to_str
 from tidings.protocol.status import UsageError
 
 METADATA_DDL = "journal STRING NOT NULL, offset BIGINT NOT NULL, uuid STRING, producer STRING, clock BIGINT"
@@ -110,16 +111,6 @@ def _struct_type(schema: StructType, where: str = "", with_uuid: bool = False) -
     return msgspec.defstruct("Message", fields, rename=rename, frozen=True, gc=False)
 
 
-class _Decoded:
-    """An envelope whose message is decoded (what the column getters read), keeping its line."""
-
-    __slots__ = ("begin", "journal", "line", "message", "uuid")
-
-    def __init__(self, env: Any, message: Any) -> None:
-        self.journal, self.begin, self.uuid, self.message, self.line = (
-            env.journal, env.begin, env.uuid, message, env.message)  # fmt: skip
-
-
 def _text(line: Any) -> str:
     return bytes(line).decode("utf-8", errors="replace")
 
@@ -134,20 +125,64 @@ def _needs_builtins(dt: DataType) -> bool:
     return False
 
 
+def _not_null(dt: DataType, where: str, nullable: bool) -> str | None:
+    """The first place in a column's type that may not hold null (Spark trusts our batches on it), or None."""
+    if not nullable:
+        return where
+    if isinstance(dt, StructType):
+        return next((w for f in dt.fields if (w := _not_null(f.dataType, f"{where}.{f.name}", f.nullable))), None)
+    if isinstance(dt, ArrayType):
+        return _not_null(dt.elementType, f"{where}[]", dt.containsNull)
+    if isinstance(dt, MapType):
+        return _not_null(dt.valueType, f"{where}{{}}", dt.valueContainsNull)
+    return None
+
+
 class _Uuid(msgspec.Struct, gc=False):
-    uuid: str | None = None
+    uuid: UUID | None = None  # (msgspec decodes it in C: the usual case)
 
 
-_UUIDS = msgspec.json.Decoder(list[_Uuid])
+class _UuidText(msgspec.Struct, gc=False):
+    uuid: str | None = None  # (the rest: "" for no UUID, braces, urn:uuid:)
+
+
+_UUIDS, _UUID_TEXTS = msgspec.json.Decoder(list[_Uuid]), msgspec.json.Decoder(list[_UuidText])
 
 
 def line_uuids(lines: list[Any]) -> list[UUID | None]:
     """The UUIDs of JSON lines (`msgspec.Raw`), decoded in one call; ValueError for an invalid one."""
+    joined = b"[" + b",".join(lines) + b"]"
     try:
-        found = _UUIDS.decode(b"[" + b",".join(lines) + b"]")
+        return [u.uuid for u in _UUIDS.decode(joined)]
+    except msgspec.DecodeError:
+        pass
+    try:
+        found = _UUID_TEXTS.decode(joined)
     except msgspec.DecodeError as exc:
         raise ValueError(str(exc)) from None
     return [uuid_from_str(u.uuid) if u.uuid else None for u in found]  # ("" is no UUID, as for other readers)
+
+
+Column = Callable[[Sequence[Any], Sequence[Any]], Any]  # (envelopes, decoded messages) -> values or an Array
+_BEGIN, _UUID, _MESSAGE = (
+    attrgetter("begin"),
+    attrgetter("uuid"),
+    attrgetter("message"),
+)  # (an envelope's or a Struct's)
+_CANONICAL = "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
+
+
+def _clock_of(u: UUID | None) -> int | None:
+    return None if u is None else get_clock(u)
+
+
+def _uuid_strings(envs: Sequence[Any], msgs: Sequence[Any]) -> pa.Array:
+    """The messages' UUIDs as canonical strings: the lines' own, when they are written so (as every
+    publisher writes them; checked in bulk), else formatted one by one."""
+    written = pa.array(list(map(_UUID, msgs)), pa.string())
+    if written.null_count == 0 and pc.all(pc.match_substring_regex(written, _CANONICAL)).as_py():
+        return written
+    return pa.array([None if e.uuid is None else uuid_to_str(e.uuid) for e in envs], pa.string())
 
 
 class RowBuilder:
@@ -162,6 +197,13 @@ class RowBuilder:
     message_type = msgspec.Raw
 
     def __init__(self, schema: StructType) -> None:
+        for f in schema.fields:
+            where = _not_null(f.dataType, f.name, f.nullable or f.name in ("journal", "offset"))
+            if where is not None:
+                raise UsageError(
+                    f"tidings source: column {where!r} is declared NOT NULL, but a message may lack it or not "
+                    "decode (its fields are then null): declare it nullable, and filter nulls in the query"
+                )
         self.schema = schema
         self.arrow = arrow_schema(schema)
         names = schema.fieldNames()
@@ -170,28 +212,29 @@ class RowBuilder:
         self._decode_all = msgspec.json.Decoder(list[self.struct]).decode  # type: ignore[name-defined]
         self._decode_one = msgspec.json.Decoder(self.struct).decode
         body_index = {f.name: i for i, f in enumerate(self.body.fields)}
-        self._columns: list[Callable[[Sequence[Any]], list[Any]]] = []
+        self._columns: list[Column] = []
         for name, field in zip(names, schema.fields, strict=True):
             self._columns.append(self._column(name, field.dataType, body_index.get(name)))
 
-    def _column(self, name: str, dt: DataType, body_at: int | None) -> Callable[[Sequence[Any]], list[Any]]:
+    def _column(self, name: str, dt: DataType, body_at: int | None) -> Column:
+        """How a column's values come from a batch's envelopes and their decoded messages (one C-level map each)."""
         if name == "journal":
-            return lambda envs: [e.journal for e in envs]
+            return lambda envs, _msgs: pa.array([envs[0].journal] * len(envs) if envs else [], pa.string())
         if name == "offset":
-            return lambda envs: [e.begin for e in envs]
+            return lambda envs, _msgs: list(map(_BEGIN, envs))
         if name == "uuid":
-            return lambda envs: [None if e.uuid is None else uuid_to_str(e.uuid) for e in envs]
+            return lambda envs, msgs: _uuid_strings(envs, msgs)
         if name == "producer":
-            return lambda envs: [None if e.uuid is None else bytes(get_producer_id(e.uuid)).hex() for e in envs]
+            return lambda envs, msgs: pc.utf8_slice_codeunits(_uuid_strings(envs, msgs), 24, 36)
         if name == "clock":
-            return lambda envs: [None if e.uuid is None else get_clock(e.uuid) for e in envs]
+            return lambda envs, _msgs: list(map(_clock_of, map(_UUID, envs)))
         if name == CORRUPT:
-            return lambda envs: [None] * len(envs)
+            return lambda envs, _msgs: pa.nulls(len(envs), pa.string())
         assert body_at is not None
         get = attrgetter(f"f{body_at}")
         if _needs_builtins(dt):
-            return lambda envs: msgspec.to_builtins([get(e.message) for e in envs], builtin_types=_BUILTINS)
-        return lambda envs: [get(e.message) for e in envs]
+            return lambda _envs, msgs: msgspec.to_builtins(list(map(get, msgs)), builtin_types=_BUILTINS)
+        return lambda _envs, msgs: list(map(get, msgs))
 
     def batches(self, envelopes: Sequence[Any]) -> list[pa.RecordBatch]:
         """RecordBatches of delivered messages (Envelopes of `msgspec.Raw` lines), decoded now.
@@ -199,39 +242,39 @@ class RowBuilder:
         A line that does not fit the schema, or a value Arrow refuses (a decimal that needs
         rounding, say), makes its message a corrupt row rather than failing the task, which every
         retry of it would do again."""
-        decoded, bad = self._decoded(envelopes)
+        envs, msgs, bad = self._decoded(envelopes)
         try:
-            return [self._batch(decoded), *([self.corrupt(bad)] if bad else [])]
+            return [self._batch(envs, msgs), *([self.corrupt(bad)] if bad else [])]
         except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError):
             pass
-        good = []
-        for env in decoded:
+        good_envs, good_msgs = [], []
+        for env, msg in zip(envs, msgs, strict=True):
             try:
-                self._batch([env])
-                good.append(env)
+                self._batch([env], [msg])
+                good_envs.append(env)
+                good_msgs.append(msg)
             except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError) as exc:
-                bad.append((env.journal, env.begin, f"{_text(env.line)} ({type(exc).__name__}: {exc})"))
-        return [self._batch(good), self.corrupt(bad)]
+                bad.append((env.journal, env.begin, f"{_text(env.message)} ({type(exc).__name__}: {exc})"))
+        return [self._batch(good_envs, good_msgs), self.corrupt(bad)]
 
-    def _decoded(self, envelopes: Sequence[Any]) -> tuple[list[Any], list[tuple[str, int, str]]]:
-        """Envelopes with their lines decoded into the schema's Struct; the lines that do not fit, as text."""
-        lines = [e.message for e in envelopes]
+    def _decoded(self, envelopes: Sequence[Any]) -> tuple[list[Any], list[Any], list[tuple[str, int, str]]]:
+        """The envelopes whose lines decode into the schema's Struct, those Structs, and the other lines as text."""
         try:
-            structs = self._decode_all(b"[" + b",".join(lines) + b"]")
-            return [_Decoded(e, m) for e, m in zip(envelopes, structs, strict=True)], []
+            return list(envelopes), self._decode_all(b"[" + b",".join(map(_MESSAGE, envelopes)) + b"]"), []
         except msgspec.DecodeError:
             pass
-        good, bad = [], []
+        envs, msgs, bad = [], [], []
         for e in envelopes:
             try:
-                good.append(_Decoded(e, self._decode_one(e.message)))
+                msgs.append(self._decode_one(e.message))
+                envs.append(e)
             except msgspec.DecodeError:
                 bad.append((e.journal, e.begin, _text(e.message)))
-        return good, bad
+        return envs, msgs, bad
 
-    def _batch(self, envelopes: Sequence[Any]) -> pa.RecordBatch:
+    def _batch(self, envs: Sequence[Any], msgs: Sequence[Any]) -> pa.RecordBatch:
         arrays = [
-            pa.array(col(envelopes), type=field.type)
+            pa.array(col(envs, msgs), type=field.type)
             for col, field in zip(self._columns, self.arrow, strict=True)  # type: ignore[arg-type]
         ]
         return pa.RecordBatch.from_arrays(arrays, schema=self.arrow)

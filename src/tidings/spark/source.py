@@ -3,18 +3,31 @@
 Planning (`partitions()`, in a Python process of the driver) lists the journals and fixes each
 one's range [start, end) from `startingOffsets` / `endingOffsets` (end `latest`: the write head at
 planning), so a partition reads the same messages however far the journal grows meanwhile, and
-Spark may re-run it. Reading (`read()`, on executors) streams the range through a broker and
-yields Arrow RecordBatches; with `readCommitted` (the default) a Sequencer delivers each
-committed message once, as `tidings journals read --committed` does, and messages of
-transactions still open at the range's end are not delivered.
+Spark may re-run it. Reading (`read()`, on executors) yields Arrow RecordBatches; with
+`readCommitted` (the default) a Sequencer delivers each committed message once, as `tidings
+journals read --committed` does, and messages of transactions still open at the range's end are
+not delivered.
 
-One partition per journal for now: a transaction may span fragments, and a partition needs the
-producer states at its start to deliver it once (see the Spark issue's notes for what comes next).
+A journal's range is split into partitions of about equal bytes at fragment boundaries: enough
+that none holds much more than `bytesPerPartition` (default 128 MiB, as Spark's
+`spark.sql.files.maxPartitionBytes`), and at least `minPartitions` (Kafka's name; default 1), as
+far as the fragments allow (a fragment is never split). A task
+reads persisted fragments straight from their store (fsspec) and only the unpersisted tail
+through a broker: the executors move the bytes. Fragments end where appends end, so a split never
+cuts a message a publisher wrote (a raw append that ended mid-line keeps its journal unsplit
+there: the planner checks the byte before each cut). Read committed, a partition needs the
+producer states at its start (a transaction may span partitions; a duplicate may repeat a message
+of an earlier one): the driver computes them with one pass over the range that decodes only the
+UUIDs (`scan`), reading the fragments from the store too. A partition then delivers what a single
+reader delivers between its two states: each committed message once, in the partition of its ACK.
+That pass costs the driver about a third of a task's work per byte (bench/README.md); a journal of
+one fragment, or read uncommitted, needs none.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -141,13 +154,32 @@ class TidingsBatchReader(DataSourceReader):
     def partitions(self) -> list[JournalRange]:
         opts = self.options
         with planning_client(opts.broker) as c:
-            journals = resolve_journals(c, opts)
             ranges = []
-            for spec in journals:
+            for spec in resolve_journals(c, opts):
                 begin = offset_for(c, spec.name, opts.starting, "earliest")
-                end = offset_for(c, spec.name, opts.ending, "latest")
-                ranges.append(JournalRange(spec.name, content_type_of(spec), begin, max(begin, end)))
+                end = max(begin, offset_for(c, spec.name, opts.ending, "latest"))
+                ranges.extend(self._split(c, spec, begin, end))
         return ranges or [JournalRange("", NDJSON, 0, 0)]
+
+    def _split(self, c: Client, spec: pb.JournalSpec, begin: int, end: int) -> list[JournalRange]:
+        """A journal's range as partitions of whole fragments, each with the producer states at its start."""
+        name, content_type = spec.name, content_type_of(spec)
+        parts = max(-(-(end - begin) // self.options.bytes_per_partition), self.options.min_partitions)
+        cuts = []
+        if content_type == NDJSON and parts > 1:
+            cuts = fragment_cuts(c.fragments(name), begin, end, parts)
+        if not self.options.read_committed:
+            cuts = [at for at in cuts if c.read_all(name, at - 1, at) == b"\n"]  # (a line cut by a raw append)
+            return [JournalRange(name, content_type, a, b) for a, b in itertools.pairwise([begin, *cuts, end])]
+        ranges = []
+        state, producers = JournalCheckpoint(begin, {}), None
+        for cut in cuts:
+            reached = scan(c, True, Checkpoint({name: state}), {name: cut}, {}).journals[name]
+            if reached.read_through > state.read_through:  # (cut back to its last whole message)
+                ranges.append(JournalRange(name, content_type, state.read_through, reached.read_through, producers))
+                state, producers = reached, msgspec.to_builtins(reached.producers)
+        ranges.append(JournalRange(name, content_type, state.read_through, end, producers))
+        return ranges
 
     def read(self, partition: JournalRange) -> Iterator[pa.RecordBatch]:  # type: ignore[override]
         return read_partition(self.options, self.schema_json, partition)
@@ -162,6 +194,68 @@ def read_partition(opts: SourceOptions, schema_json: str, partition: JournalRang
             yield from _read_raw(c, partition)
         else:
             yield from _read_json(c, partition, opts.read_committed, schema_json)
+
+
+def fragment_cuts(listing: pb.FragmentsResponse, begin: int, end: int, parts: int) -> list[int]:
+    """Offsets in (begin, end) where a reader goes from one fragment to the next, chosen to split the
+    range into `parts` partitions of about equal bytes (fewer when fragments are too few or too big)."""
+    frags = sorted((f.spec.begin, f.spec.end) for f in listing.fragments)
+    bounds: list[int] = []
+    i, at = 0, begin
+    while at < end:
+        reach = at
+        while i < len(frags) and frags[i][0] <= at:  # the fragment reaching furthest from `at`
+            reach = max(reach, frags[i][1])
+            i += 1
+        if reach == at:  # a gap (removed by retention): the next fragment's start
+            if i == len(frags):
+                break
+            reach = frags[i][0]
+        at = reach
+        if at < end:
+            bounds.append(at)
+    cuts: list[int] = []
+    for k in range(1, parts):
+        target = begin + (end - begin) * k // parts
+        nearest = min(bounds, key=lambda b: abs(b - target), default=None)
+        if nearest is not None and nearest > (cuts[-1] if cuts else begin):
+            cuts.append(nearest)
+    return cuts
+
+
+def scan(c: Client, committed: bool, begun: Checkpoint, ends: dict[str, int], heads: dict[str, int]) -> Checkpoint:
+    """The journals' states at `ends` (each cut back to its last whole message unless it is the
+    write head in `heads`, where appends end), from `begun`'s: the driver reads the bytes between
+    (persisted fragments straight from their store) and decodes only the UUIDs."""
+    names = sorted(ends)
+    starts = {n: begun.journals.get(n, JournalCheckpoint(0)) for n in names}
+    common: dict[str, Any] = {
+        "end_offsets": ends,
+        "message_type": msgspec.Raw,  # (as the tasks read: the same UUIDs, the same garbage)
+        "uuids_of": line_uuids,
+        "block": False,
+        "on_garbage": _cut_or_garbage,  # (a cut at `ends` splits a message: not worth a warning)
+        "direct": True,
+    }
+    if committed:
+        reader: Any = ReadCommitted(c, names, checkpoint=Checkpoint(starts), reread_pending=False, **common)
+    else:
+        reader = ReadUncommitted(c, names, offsets={n: s.read_through for n, s in starts.items()}, **common)
+    for _ in reader.batches():
+        pass
+    found = reader.checkpoint().journals if committed else {}
+    out = {}
+    for n in names:
+        whole = reader.offsets[n] >= ends[n] or ends[n] == heads.get(n)
+        through = ends[n] if whole else reader.offsets[n]
+        jc = found.get(n, JournalCheckpoint(0, {}))
+        out[n] = JournalCheckpoint(max(through, starts[n].read_through), jc.producers if found else {})
+    return Checkpoint(out)
+
+
+def _cut_or_garbage(journal: str, garbage: Garbage) -> None:
+    log.debug("journal %s: bytes [%d, %d) are no whole message here: %s", journal, garbage.begin, garbage.end,
+              garbage.error)  # fmt: skip
 
 
 def planning_client(broker: str) -> Client:
@@ -228,6 +322,7 @@ def _read_json(c: Client, part: JournalRange, committed: bool, schema_json: str)
         "uuids_of": line_uuids,
         "block": False,
         "on_garbage": on_garbage,
+        "direct": True,
     }
     reader: Any
     if not committed:
@@ -286,7 +381,7 @@ def _read_raw(c: Client, part: JournalRange) -> Iterator[pa.RecordBatch]:
         offsets.extend(columns.begins)
         values.extend(bytes(v) for v in columns.values)
 
-    for chunk in c.read(part.journal, part.begin, end_offset=part.end):
+    for chunk in c.reader(part.journal, part.begin, block=False, end_offset=part.end, direct=True):
         take(decoder.feed_columns(chunk.content, chunk.offset))
         if len(values) >= ROWS_PER_BATCH:
             yield batch()

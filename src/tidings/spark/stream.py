@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import msgspec
 import pyarrow as pa
@@ -38,14 +37,13 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from tidings.client import Client
-from tidings.message import Checkpoint, JournalCheckpoint, ReadCommitted, ReadUncommitted
-from tidings.message.framing import Garbage
+from tidings.message import Checkpoint, JournalCheckpoint
 from tidings.message.publisher import content_type_of
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.labels import parse_selector
 from tidings.protocol.status import UsageError
 from tidings.spark.options import SourceOptions
-from tidings.spark.schema import line_uuids, row_builder
+from tidings.spark.schema import row_builder
 from tidings.spark.source import (
     JournalRange,
     _one_line,
@@ -53,6 +51,7 @@ from tidings.spark.source import (
     planning_client,
     read_partition,
     resolve_journals,
+    scan,
 )
 
 log = logging.getLogger(__name__)
@@ -129,12 +128,12 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             journals.update({n: JournalCheckpoint(h, {}) for n, h in heads.items()})
             return _offset(Checkpoint(journals))
         ends = {n: h if cap is None else min(h, _read_through(begun, n) + max(cap, 1)) for n, h in heads.items()}
-        reached = self._scan(begun, ends, heads)
+        reached = scan(self.client, self.options.read_committed, begun, ends, heads)
         while stuck := [n for n in heads if reached.journals[n].read_through == _read_through(begun, n)]:
             for n in stuck:  # a message longer than the cap: widen until it is whole
                 rt = _read_through(begun, n)
                 ends[n] = min(heads[n], rt + 2 * (ends[n] - rt))
-            reached = self._scan(begun, ends, heads)
+            reached = scan(self.client, self.options.read_committed, begun, ends, heads)
         journals = dict(begun.journals)
         journals.update({n: reached.journals[n] for n in heads})
         return _offset(Checkpoint(journals))
@@ -153,37 +152,6 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         journals = dict(begun.journals)
         journals[journal] = JournalCheckpoint(0, {})
         return Checkpoint(journals)
-
-    def _scan(self, begun: Checkpoint, ends: dict[str, int], heads: dict[str, int]) -> Checkpoint:
-        """The journals' states at `ends` (each cut back to its last whole message unless it is the
-        write head, where appends end), from `begun`'s."""
-        names = sorted(ends)
-        starts = {n: begun.journals.get(n, JournalCheckpoint(0)) for n in names}
-        common: dict[str, Any] = {
-            "end_offsets": ends,
-            "message_type": msgspec.Raw,  # (as the tasks read: the same UUIDs, the same garbage)
-            "uuids_of": line_uuids,
-            "block": False,
-            "on_garbage": _cut_or_garbage,  # (a cut at `ends` splits a message: not worth a warning)
-        }
-        if self.options.read_committed:
-            reader: Any = ReadCommitted(
-                self.client, names, checkpoint=Checkpoint(starts), reread_pending=False, **common
-            )
-        else:
-            reader = ReadUncommitted(
-                self.client, names, offsets={n: s.read_through for n, s in starts.items()}, **common
-            )
-        for _ in reader.batches():
-            pass
-        found = reader.checkpoint().journals if self.options.read_committed else {}
-        out = {}
-        for n in names:
-            whole = reader.offsets[n] >= ends[n] or ends[n] == heads[n]
-            through = ends[n] if whole else reader.offsets[n]
-            jc = found.get(n, JournalCheckpoint(0, {}))
-            out[n] = JournalCheckpoint(max(through, starts[n].read_through), jc.producers if found else {})
-        return Checkpoint(out)
 
     @_one_line
     def partitions(self, start: dict, end: dict) -> list[JournalRange]:
@@ -224,11 +192,6 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if self._client is not None:
             self._client.close()
             self._client = None
-
-
-def _cut_or_garbage(journal: str, garbage: Garbage) -> None:
-    log.debug("journal %s: bytes [%d, %d) are no whole message here: %s", journal, garbage.begin, garbage.end,
-              garbage.error)  # fmt: skip
 
 
 def _checkpoint(offset: dict) -> Checkpoint:
