@@ -321,3 +321,37 @@ def test_a_not_null_message_column_is_refused_naming_it(spark, local_cluster, sc
     with pytest.raises(Exception) as err:
         read_df(spark, local_cluster, "spark/not-null", f"journal STRING NOT NULL, {schema}").collect()
     assert f"column {column!r} is declared NOT NULL" in str(err.value)
+
+
+def test_bytes_removed_by_retention_fail_the_read_or_are_skipped(spark, local_cluster) -> None:
+    """failOnDataLoss: bytes gone from the middle of a range fail the query (naming them), or are
+    skipped with false; bytes gone from the journal's start are not a loss (earliest is its first byte)."""
+    from tests.support.waiting import wait_until
+    from tidings.fragment.store import store_for
+
+    journal = "spark/retention"
+    ndjson_journal(local_cluster, journal, fragment={"length": "1KiB", "refresh_interval": "1s"})
+    with Client(local_cluster.endpoints[0]) as c:
+        for i in range(1, 5):  # a fragment each
+            c.append(journal, line(P1, i, OUTSIDE_TXN, id=i, pad=PAD))
+        store = store_for(local_cluster.store_url)
+        asyncio.run(wait_until(lambda: len(store.list(journal)) == 4, 30))
+        frags = sorted(store.list(journal), key=lambda f: f.begin)
+        store.remove(frags[0])  # retention, as it goes: the oldest
+        store.remove(frags[2])  # and a gap in the middle
+
+        def forgotten() -> bool:  # (brokers drop their local copies once the store lists them, then relist)
+            held = {(f.spec.begin, f.spec.end) for f in c.fragments(journal).fragments}
+            return not held & {(frags[0].begin, frags[0].end), (frags[2].begin, frags[2].end)}
+
+        asyncio.run(wait_until(forgotten, 30))
+    with pytest.raises(Exception) as err:
+        read_df(spark, local_cluster, journal, "id BIGINT").collect()
+    assert f"journal {journal!r} no longer holds bytes [{frags[2].begin}, {frags[2].end})" in str(err.value)
+    rows = read_df(spark, local_cluster, journal, "id BIGINT", failOnDataLoss="false").collect()
+    assert sorted(r.id for r in rows) == [2, 4]
+    raw = read_df(spark, local_cluster, journal, "", format="raw", readCommitted="false", failOnDataLoss="false")
+    assert sorted(json.loads(r.value)["id"] for r in raw.collect()) == [2, 4]
+    with pytest.raises(Exception) as err:
+        read_df(spark, local_cluster, journal, "", format="raw", readCommitted="false").collect()
+    assert f"no longer holds bytes [{frags[2].begin}, {frags[2].end})" in str(err.value)

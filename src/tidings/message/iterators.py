@@ -18,6 +18,7 @@ blocking iterator tails its journals forever; a non-blocking one ends at their w
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import aclosing
@@ -57,6 +58,9 @@ class ReadUncommitted:
       are decoded later, only for the messages delivered.
     * `direct` - read persisted fragments straight from their store (fsspec), not through a broker
       (as a Spark task does, so the executors rather than the brokers move the bytes).
+    * `on_jump` - called with (journal, from, to) when a journal has no bytes [from, to) to read
+      (removed by retention, say) and the read goes on at `to`; it may raise to stop the read. With
+      it, a read to `end_offsets` also goes past a hole the brokers would wait at (see `_past_hole`).
     """
 
     def __init__(
@@ -71,9 +75,11 @@ class ReadUncommitted:
         end_offsets: dict[str, int] | None = None,
         uuids_of: Callable[[list[Any]], list[UUID | None]] | None = None,
         direct: bool = False,
+        on_jump: Callable[[str, int, int], Any] | None = None,
     ) -> None:
         self.client = client
         self.direct = direct
+        self.on_jump = on_jump
         self.journals = [journals] if isinstance(journals, str) else list(journals)
         if not self.journals:
             raise UsageError("read at least one journal")
@@ -157,20 +163,48 @@ class ReadUncommitted:
     async def _journal_batches(
         self, journal: str, offset: int, end_offset: int = 0, *, replay: bool = False
     ) -> AsyncIterator[list[Envelope]]:
-        decoder = (await journal_framing(self._aio, journal)).decoder(self.message_type, offset)
-        reader = self._aio.reader(
-            journal, offset, block=self.block and not end_offset, end_offset=end_offset, direct=self.direct
-        )
-        async with aclosing(reader):
-            async for chunk in reader:
-                batch = self._envelopes_of(journal, decoder.feed_columns(chunk.content, chunk.offset), replay)
-                if batch:
-                    if not replay:  # (a replay re-reads an earlier range: it does not move the reader)
-                        self.offsets[journal] = batch[-1].end
-                    yield batch
-        tail = self._envelopes_of(journal, columns_of(decoder.finish()), replay)
-        if tail:
-            yield tail
+        framing = await journal_framing(self._aio, journal)
+        on_jump = None if self.on_jump is None else functools.partial(self.on_jump, journal)
+        tries = 0
+        while True:
+            decoder = framing.decoder(self.message_type, offset)
+            reader = self._aio.reader(
+                journal,
+                offset,
+                block=self.block and not end_offset,
+                end_offset=end_offset,
+                direct=self.direct,
+                on_jump=on_jump,
+            )
+            async with aclosing(reader):
+                async for chunk in reader:
+                    batch = self._envelopes_of(journal, decoder.feed_columns(chunk.content, chunk.offset), replay)
+                    if batch:
+                        if not replay:  # (a replay re-reads an earlier range: it does not move the reader)
+                            self.offsets[journal] = batch[-1].end
+                        yield batch
+            tail = self._envelopes_of(journal, columns_of(decoder.finish()), replay)
+            if tail:
+                yield tail
+            if on_jump is None or not end_offset or reader.offset >= end_offset:
+                return
+            offset, tries = await self._past_hole(journal, reader.offset, end_offset, tries, on_jump)
+            if offset >= end_offset:
+                return
+
+    async def _past_hole(
+        self, journal: str, offset: int, end_offset: int, tries: int, on_jump: Callable[[int, int], Any]
+    ) -> tuple[int, int]:
+        """A read of a fixed range stopped short at `offset`: a hole no fragment fills, which brokers
+        move past only once the next fragment is hours old (Gazette's semantics, for a replica that
+        may yet persist it). Where to go on (on_jump is told of the bytes skipped, and may raise);
+        the same offset again, a few times, if a fragment holds it now."""
+        listed = (await self._aio.fragments(journal)).fragments
+        if tries < 3 and any(f.spec.begin <= offset < f.spec.end for f in listed):
+            return offset, tries + 1
+        resume = min((f.spec.begin for f in listed if f.spec.begin > offset), default=end_offset)
+        on_jump(offset, min(resume, end_offset))
+        return resume, 0
 
     def _envelopes_of(self, journal: str, columns: Columns, replay: bool = False) -> list[Envelope]:
         """Envelopes of decoded messages, built by C-level maps (per-message work is what limits a reader).
@@ -246,6 +280,7 @@ class ReadCommitted(ReadUncommitted):
         reread_pending: bool = True,
         uuids_of: Callable[[list[Any]], list[UUID | None]] | None = None,
         direct: bool = False,
+        on_jump: Callable[[str, int, int], Any] | None = None,
     ) -> None:
         names = [journals] if isinstance(journals, str) else list(journals)
         if checkpoint is not None and reread_pending:
@@ -262,6 +297,7 @@ class ReadCommitted(ReadUncommitted):
             end_offsets=end_offsets,
             uuids_of=uuids_of,
             direct=direct,
+            on_jump=on_jump,
         )
         self.sequencer = Sequencer(ring_size, checkpoint=checkpoint)
 

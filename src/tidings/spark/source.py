@@ -46,7 +46,7 @@ from pyspark.sql.types import StructType
 
 from tidings.client import Client
 from tidings.message import Checkpoint, JournalCheckpoint, ReadCommitted, ReadUncommitted
-from tidings.message.framing import NDJSON, Garbage, columns_of, framing_for
+from tidings.message.framing import NDJSON, Garbage
 from tidings.message.publisher import content_type_of
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.labels import parse_selector
@@ -189,11 +189,22 @@ def read_partition(opts: SourceOptions, schema_json: str, partition: JournalRang
     """A task's rows (on an executor): the partition's messages as RecordBatches of the query's schema."""
     if partition.begin >= partition.end:
         return
+    lost = functools.partial(_lost, opts.fail_on_data_loss)
     with Client(opts.broker) as c:
         if opts.format == "raw":
-            yield from _read_raw(c, partition)
+            yield from _read_raw(c, partition, lost)
         else:
-            yield from _read_json(c, partition, opts.read_committed, schema_json)
+            yield from _read_json(c, partition, opts.read_committed, schema_json, lost)
+
+
+def _lost(fail: bool, journal: str, begin: int, end: int) -> None:
+    """A journal has no bytes [begin, end) any more (removed by retention): fail, or skip them (failOnDataLoss)."""
+    if fail:
+        raise UsageError(
+            f"tidings source: journal {journal!r} no longer holds bytes [{begin}, {end}) (removed by retention?), "
+            "which this query was to read; set failOnDataLoss=false to skip them"
+        )
+    log.warning("journal %s no longer holds bytes [%d, %d): skipped (failOnDataLoss=false)", journal, begin, end)
 
 
 def fragment_cuts(listing: pb.FragmentsResponse, begin: int, end: int, parts: int) -> list[int]:
@@ -300,15 +311,17 @@ def resolve_journals(c: Client, opts: SourceOptions) -> list[pb.JournalSpec]:
 def offset_for(c: Client, journal: str, offsets: str | dict[str, int], default: str) -> int:
     """A journal's offset for `offsets` (earliest, latest, or a JSON object where -2/-1 mean those)."""
     which: str | int = offsets if isinstance(offsets, str) else offsets.get(journal, default)
-    if which in ("earliest", -2):
-        return 0
+    if which in ("earliest", -2):  # the first byte it holds (retention may have removed earlier ones), as Kafka's
+        return min((f.spec.begin for f in c.fragments(journal).fragments), default=0)
     if which in ("latest", -1):
         return c.write_head(journal)
     assert isinstance(which, int)
     return which
 
 
-def _read_json(c: Client, part: JournalRange, committed: bool, schema_json: str) -> Iterator[pa.RecordBatch]:
+def _read_json(
+    c: Client, part: JournalRange, committed: bool, schema_json: str, lost: Callable[[str, int, int], None]
+) -> Iterator[pa.RecordBatch]:
     builder = row_builder(schema_json)
     garbage: list[Garbage] = []
 
@@ -323,6 +336,7 @@ def _read_json(c: Client, part: JournalRange, committed: bool, schema_json: str)
         "block": False,
         "on_garbage": on_garbage,
         "direct": True,
+        "on_jump": lost,
     }
     reader: Any
     if not committed:
@@ -363,32 +377,27 @@ def _text_of(c: Client, journal: str, g: Garbage) -> str:
     return data.rstrip(b"\n").decode("utf-8", errors="replace")
 
 
-def _read_raw(c: Client, part: JournalRange) -> Iterator[pa.RecordBatch]:
-    """Each message's bytes as written; undecodable ranges are skipped with a warning."""
-    framing = framing_for(part.content_type)
-    decoder = framing.decoder(msgspec.Raw if part.content_type == NDJSON else None, part.begin)
-    offsets: list[int] = []
-    values: list[bytes] = []
-
-    def batch() -> pa.RecordBatch:
-        return pa.RecordBatch.from_pydict(
-            {"journal": [part.journal] * len(values), "offset": offsets, "value": values}, schema=_RAW_ARROW
-        )
-
-    def take(columns: Any) -> None:
-        for g in columns.garbage:
-            log.warning("journal %s: skipped undecodable bytes [%d, %d): %s", part.journal, g.begin, g.end, g.error)
-        offsets.extend(columns.begins)
-        values.extend(bytes(v) for v in columns.values)
-
-    for chunk in c.reader(part.journal, part.begin, block=False, end_offset=part.end, direct=True):
-        take(decoder.feed_columns(chunk.content, chunk.offset))
-        if len(values) >= ROWS_PER_BATCH:
-            yield batch()
-            offsets, values = [], []
-    take(columns_of(decoder.finish()))
-    if values:
-        yield batch()
+def _read_raw(c: Client, part: JournalRange, lost: Callable[[str, int, int], None]) -> Iterator[pa.RecordBatch]:
+    """Each message's bytes as written (no UUIDs looked at); undecodable ranges are skipped with a warning."""
+    reader = ReadUncommitted(
+        c,
+        part.journal,
+        offsets={part.journal: part.begin},
+        end_offsets={part.journal: part.end},
+        message_type=msgspec.Raw if part.content_type == NDJSON else None,  # (a line; a frame's payload)
+        uuids_of=lambda values: [None] * len(values),
+        block=False,
+        direct=True,
+        on_jump=lost,
+    )
+    for envs in reader.batches():
+        for at in range(0, len(envs), ROWS_PER_BATCH):
+            rows = envs[at : at + ROWS_PER_BATCH]
+            values = [bytes(e.message) for e in rows]
+            yield pa.RecordBatch.from_pydict(
+                {"journal": [part.journal] * len(rows), "offset": [e.begin for e in rows], "value": values},
+                schema=_RAW_ARROW,
+            )
 
 
 _RAW_ARROW = pa.schema(
