@@ -224,6 +224,27 @@ async def test_reader_reads_persisted_fragments_straight_from_the_store(cluster)
         assert reader.direct_reads >= 3
 
 
+async def test_a_store_the_client_cannot_read_is_read_through_the_broker(cluster, monkeypatch) -> None:
+    """A reader without access to the fragment store (no credentials on a Spark executor, say)
+    falls back to the broker, which can read it, rather than failing."""
+    import tidings.client._async as client_async
+
+    await cluster.create_journal("cl/no-store", 1, fragment={"length": "1KiB"})
+    async with cluster.client(0) as c:
+        for i in range(4):
+            await c.append("cl/no-store", bytes([65 + i]) * 700)
+        await wait_until(lambda: len(store_for(cluster.store_url).list("cl/no-store")) >= 2, 20)
+
+        def no_store(url: str):
+            raise PermissionError(f"no credentials for {url}")
+
+        monkeypatch.setattr(client_async, "store_for", no_store)
+        reader = c.reader("cl/no-store", 0, block=False, direct=True)
+        data = b"".join([chunk.content async for chunk in reader])
+        assert data == b"".join(bytes([65 + i]) * 700 for i in range(4))
+        assert reader.direct_reads == 0
+
+
 async def test_sync_client_mirrors_the_async_one(cluster) -> None:
     await cluster.create_journal("cl/sync", 3)
     endpoint = cluster.brokers[0].endpoint

@@ -555,10 +555,14 @@ class Reader:
         """Read the fragment covering our offset: from its store when persisted, else through the broker."""
         until = fragment.end if not self.end_offset else min(fragment.end, self.end_offset)
         if fragment.backing_store:
-            async for chunk in self._read_store(fragment, until):
-                yield chunk
-            self.direct_reads += 1
-            return
+            try:
+                async for chunk in self._read_store(fragment, until):
+                    yield chunk
+                self.direct_reads += 1
+                return
+            except Exception as exc:  # no credentials or route to the store here, say: the broker can read it
+                log.warning("journal %s: reading fragment %s from its store failed (%s: %s); reading through "
+                            "the broker", self.journal, fragment.content_name(), type(exc).__name__, exc)  # fmt: skip
         req = pb.ReadRequest(journal=self.journal, offset=self.offset, end_offset=until)
         stream = self.client.stub(endpoint).Read(req)
         try:

@@ -174,7 +174,7 @@ class TidingsBatchReader(DataSourceReader):
         ranges = []
         state, producers = JournalCheckpoint(begin, {}), None
         for cut in cuts:
-            reached = scan(c, True, Checkpoint({name: state}), {name: cut}, {}).journals[name]
+            reached = scan(c, True, Checkpoint({name: state}), {name: cut}, {}, prune=False).journals[name]
             if reached.read_through > state.read_through:  # (cut back to its last whole message)
                 ranges.append(JournalRange(name, content_type, state.read_through, reached.read_through, producers))
                 state, producers = reached, msgspec.to_builtins(reached.producers)
@@ -225,19 +225,33 @@ def fragment_cuts(listing: pb.FragmentsResponse, begin: int, end: int, parts: in
         at = reach
         if at < end:
             bounds.append(at)
+    parts = min(parts, len(bounds) + 1)  # (a partition holds whole fragments: no more parts than them)
     cuts: list[int] = []
-    for k in range(1, parts):
+    at = 0
+    for k in range(1, parts):  # the boundary nearest each even target, in one pass over them
         target = begin + (end - begin) * k // parts
-        nearest = min(bounds, key=lambda b: abs(b - target), default=None)
-        if nearest is not None and nearest > (cuts[-1] if cuts else begin):
-            cuts.append(nearest)
+        while at + 1 < len(bounds) and abs(bounds[at + 1] - target) <= abs(bounds[at] - target):
+            at += 1
+        if bounds[at] > (cuts[-1] if cuts else begin):
+            cuts.append(bounds[at])
     return cuts
 
 
-def scan(c: Client, committed: bool, begun: Checkpoint, ends: dict[str, int], heads: dict[str, int]) -> Checkpoint:
+def scan(
+    c: Client,
+    committed: bool,
+    begun: Checkpoint,
+    ends: dict[str, int],
+    heads: dict[str, int],
+    *,
+    prune: bool = True,
+) -> Checkpoint:
     """The journals' states at `ends` (each cut back to its last whole message unless it is the
     write head in `heads`, where appends end), from `begun`'s: the driver reads the bytes between
-    (persisted fragments straight from their store) and decodes only the UUIDs."""
+    (persisted fragments straight from their store) and decodes only the UUIDs. With `prune`
+    False every producer is kept (a batch read's partitions must deliver what one reader does,
+    and one reader never forgets a producer; a stream's checkpoints forget quiet ones after the
+    Sequencer's producer horizon, as Gazette's do)."""
     names = sorted(ends)
     starts = {n: begun.journals.get(n, JournalCheckpoint(0)) for n in names}
     common: dict[str, Any] = {
@@ -250,6 +264,8 @@ def scan(c: Client, committed: bool, begun: Checkpoint, ends: dict[str, int], he
     }
     if committed:
         reader: Any = ReadCommitted(c, names, checkpoint=Checkpoint(starts), reread_pending=False, **common)
+        if not prune:
+            reader.sequencer.producer_horizon = None
     else:
         reader = ReadUncommitted(c, names, offsets={n: s.read_through for n, s in starts.items()}, **common)
     for _ in reader.batches():
