@@ -31,7 +31,7 @@ import msgspec
 from tidings.client import AsyncClient, Client
 from tidings.message.framing import Columns, Garbage, columns_of, get_uuid, uuid_getter
 from tidings.message.publisher import journal_framing
-from tidings.message.sequencer import DEFAULT_RING_SIZE, Checkpoint, Envelope, Sequencer
+from tidings.message.sequencer import DEFAULT_PRODUCER_HORIZON, DEFAULT_RING_SIZE, Checkpoint, Envelope, Sequencer
 from tidings.protocol.status import UsageError
 
 __all__ = ["ReadCommitted", "ReadUncommitted", "read_committed", "read_uncommitted"]
@@ -260,6 +260,7 @@ class ReadCommitted(ReadUncommitted):
     starting inside a transaction delivers, at its ACK, only the transaction's messages from there on):
     * `checkpoint` - resume from a `checkpoint()` of an earlier reader.
     * `ring_size` - the Sequencer's ring of pending messages (longer transactions are re-read).
+    * `producer_horizon` - how long a quiet producer stays in `checkpoint()`s (see the Sequencer); None: always.
     * `reread_pending` - resume a checkpoint at its producers' first pending offsets (True), or at
       its read-through offsets, re-reading a pending transaction only when its ACK comes (False:
       a transaction that never commits then costs nothing, as in Gazette).
@@ -272,6 +273,7 @@ class ReadCommitted(ReadUncommitted):
         *,
         checkpoint: Checkpoint | None = None,
         ring_size: int = DEFAULT_RING_SIZE,
+        producer_horizon: float | None = DEFAULT_PRODUCER_HORIZON,
         message_type: Any = None,
         block: bool = True,
         on_garbage: GarbageHandler | None = None,
@@ -299,7 +301,7 @@ class ReadCommitted(ReadUncommitted):
             direct=direct,
             on_jump=on_jump,
         )
-        self.sequencer = Sequencer(ring_size, checkpoint=checkpoint)
+        self.sequencer = Sequencer(ring_size, producer_horizon=producer_horizon, checkpoint=checkpoint)
 
     def checkpoint(self) -> Checkpoint:
         """Where this reader stands: a reader built with it yields exactly the messages not yet yielded."""

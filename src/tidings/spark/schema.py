@@ -163,12 +163,8 @@ def line_uuids(lines: list[Any]) -> list[UUID | None]:
     return [uuid_from_str(u.uuid) if u.uuid else None for u in found]  # ("" is no UUID, as for other readers)
 
 
-Column = Callable[[Sequence[Any], Sequence[Any]], Any]  # (envelopes, decoded messages) -> values or an Array
-_BEGIN, _UUID, _MESSAGE = (
-    attrgetter("begin"),
-    attrgetter("uuid"),
-    attrgetter("message"),
-)  # (an envelope's or a Struct's)
+_JOURNAL, _BEGIN, _MESSAGE = attrgetter("journal"), attrgetter("begin"), attrgetter("message")
+_UUID = attrgetter("uuid")  # (an envelope's UUID, or a Struct's uuid field as written)
 _CANONICAL = "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
 
 
@@ -176,13 +172,23 @@ def _clock_of(u: UUID | None) -> int | None:
     return None if u is None else get_clock(u)
 
 
-def _uuid_strings(envs: Sequence[Any], msgs: Sequence[Any]) -> pa.Array:
-    """The messages' UUIDs as canonical strings: the lines' own, when they are written so (as every
-    publisher writes them; checked in bulk), else formatted one by one."""
-    written = pa.array(list(map(_UUID, msgs)), pa.string())
-    if written.null_count == 0 and pc.all(pc.match_substring_regex(written, _CANONICAL)).as_py():
-        return written
-    return pa.array([None if e.uuid is None else uuid_to_str(e.uuid) for e in envs], pa.string())
+class _Rows:
+    """A batch's delivered envelopes and their decoded Structs, what every column is built from."""
+
+    def __init__(self, envs: Sequence[Any], msgs: Sequence[Any]) -> None:
+        self.envs, self.msgs = envs, msgs
+
+    @functools.cached_property
+    def uuids(self) -> pa.Array:
+        """The UUIDs as canonical strings (for the uuid and producer columns, made once): the lines'
+        own when all are written so (as every publisher writes them; checked in bulk), else formatted."""
+        written = pa.array(list(map(_UUID, self.msgs)), pa.string())
+        if written.null_count == 0 and pc.all(pc.match_substring_regex(written, _CANONICAL)).as_py():
+            return written
+        return pa.array([None if e.uuid is None else uuid_to_str(e.uuid) for e in self.envs], pa.string())
+
+
+Column = Callable[[_Rows], Any]  # a column's values (a list or an Array) from a batch's rows
 
 
 class RowBuilder:
@@ -219,22 +225,22 @@ class RowBuilder:
     def _column(self, name: str, dt: DataType, body_at: int | None) -> Column:
         """How a column's values come from a batch's envelopes and their decoded messages (one C-level map each)."""
         if name == "journal":
-            return lambda envs, _msgs: pa.array([envs[0].journal] * len(envs) if envs else [], pa.string())
+            return lambda rows: list(map(_JOURNAL, rows.envs))
         if name == "offset":
-            return lambda envs, _msgs: list(map(_BEGIN, envs))
+            return lambda rows: list(map(_BEGIN, rows.envs))
         if name == "uuid":
-            return lambda envs, msgs: _uuid_strings(envs, msgs)
+            return lambda rows: rows.uuids
         if name == "producer":
-            return lambda envs, msgs: pc.utf8_slice_codeunits(_uuid_strings(envs, msgs), 24, 36)
+            return lambda rows: pc.utf8_slice_codeunits(rows.uuids, 24, 36)
         if name == "clock":
-            return lambda envs, _msgs: list(map(_clock_of, map(_UUID, envs)))
+            return lambda rows: list(map(_clock_of, map(_UUID, rows.envs)))
         if name == CORRUPT:
-            return lambda envs, _msgs: pa.nulls(len(envs), pa.string())
+            return lambda rows: pa.nulls(len(rows.envs), pa.string())
         assert body_at is not None
         get = attrgetter(f"f{body_at}")
         if _needs_builtins(dt):
-            return lambda _envs, msgs: msgspec.to_builtins(list(map(get, msgs)), builtin_types=_BUILTINS)
-        return lambda _envs, msgs: list(map(get, msgs))
+            return lambda rows: msgspec.to_builtins(list(map(get, rows.msgs)), builtin_types=_BUILTINS)
+        return lambda rows: list(map(get, rows.msgs))
 
     def batches(self, envelopes: Sequence[Any]) -> list[pa.RecordBatch]:
         """RecordBatches of delivered messages (Envelopes of `msgspec.Raw` lines), decoded now.
@@ -273,8 +279,9 @@ class RowBuilder:
         return envs, msgs, bad
 
     def _batch(self, envs: Sequence[Any], msgs: Sequence[Any]) -> pa.RecordBatch:
+        rows = _Rows(envs, msgs)
         arrays = [
-            pa.array(col(envs, msgs), type=field.type)
+            pa.array(col(rows), type=field.type)
             for col, field in zip(self._columns, self.arrow, strict=True)  # type: ignore[arg-type]
         ]
         return pa.RecordBatch.from_arrays(arrays, schema=self.arrow)

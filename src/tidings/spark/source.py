@@ -48,6 +48,7 @@ from tidings.client import Client
 from tidings.message import Checkpoint, JournalCheckpoint, ReadCommitted, ReadUncommitted
 from tidings.message.framing import NDJSON, Garbage
 from tidings.message.publisher import content_type_of
+from tidings.message.sequencer import DEFAULT_PRODUCER_HORIZON
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.labels import parse_selector
 from tidings.protocol.status import TidingsError, TransportError, UsageError
@@ -263,9 +264,10 @@ def scan(
         "direct": True,
     }
     if committed:
-        reader: Any = ReadCommitted(c, names, checkpoint=Checkpoint(starts), reread_pending=False, **common)
-        if not prune:
-            reader.sequencer.producer_horizon = None
+        horizon = DEFAULT_PRODUCER_HORIZON if prune else None
+        reader: Any = ReadCommitted(
+            c, names, checkpoint=Checkpoint(starts), reread_pending=False, producer_horizon=horizon, **common
+        )
     else:
         reader = ReadUncommitted(c, names, offsets={n: s.read_through for n, s in starts.items()}, **common)
     for _ in reader.batches():
