@@ -204,6 +204,43 @@ async def test_a_read_never_skips_a_hole_that_may_still_fill(cluster) -> None:
         assert blocking.jumps == []
 
 
+async def test_a_fixed_range_message_read_waits_at_a_hole_that_may_still_fill(cluster) -> None:
+    """Review 20: a read of [0, end) (a Spark task's) with on_jump and direct store reads waits at a
+    hole whose next fragment is fresh, and delivers every message in order once it fills: it
+    neither skips the hole as lost nor stops short of its end."""
+    import msgspec
+
+    from tidings.message import ReadUncommitted
+
+    lines = [b'{"n":1}\n', b'{"n":2,"p":"' + b"x" * 77 + b'"}\n', b'{"n":3}\n']  # [0, 8), [8, 100), [100, 108)
+    await cluster.create_journal("cl/hole-range", 3)
+    async with cluster.client(0) as c:
+        await c.append("cl/hole-range", lines[0])
+        write_foreign_fragment(cluster, "cl/hole-range", 100, lines[2])  # fresh: [8, 100) may fill
+        await wait_until(lambda: _index_end(cluster, "cl/hole-range") == 108, 20)
+        jumps: list[tuple[str, int, int]] = []
+        got: list[bytes] = []
+        reader = ReadUncommitted(
+            c,
+            "cl/hole-range",
+            end_offsets={"cl/hole-range": 108},
+            message_type=msgspec.Raw,
+            uuids_of=lambda values: [None] * len(values),
+            direct=True,
+            on_jump=lambda *jump: jumps.append(jump),
+        )
+
+        async def read() -> None:
+            async for env in reader:
+                got.append(bytes(env.message) + b"\n")
+
+        task = asyncio.ensure_future(read())
+        await wait_until(lambda: len(got) >= 1, 20)
+        write_foreign_fragment(cluster, "cl/hole-range", 8, lines[1])  # the missing content arrives
+        await asyncio.wait_for(task, 30)
+        assert got == lines and jumps == []
+
+
 async def _collect(reader) -> bytes:
     return b"".join([chunk.content async for chunk in reader])
 

@@ -325,7 +325,13 @@ def test_a_not_null_message_column_is_refused_naming_it(spark, local_cluster, sc
 
 def test_bytes_removed_by_retention_fail_the_read_or_are_skipped(spark, local_cluster) -> None:
     """failOnDataLoss: bytes gone from the middle of a range fail the query (naming them), or are
-    skipped with false; bytes gone from the journal's start are not a loss (earliest is its first byte)."""
+    skipped with false; bytes gone from the journal's start are not a loss (earliest is its first
+    byte). Brokers move past a hole only once the fragment after it is hours old (a younger hole may
+    still fill): the one here is, as retention's are."""
+    import os
+    import time
+    from pathlib import Path
+
     from tests.support.waiting import wait_until
     from tidings.fragment.store import store_for
 
@@ -338,11 +344,14 @@ def test_bytes_removed_by_retention_fail_the_read_or_are_skipped(spark, local_cl
         asyncio.run(wait_until(lambda: len(store.list(journal)) == 4, 30))
         frags = sorted(store.list(journal), key=lambda f: f.begin)
         store.remove(frags[0])  # retention, as it goes: the oldest
-        store.remove(frags[2])  # and a gap in the middle
+        store.remove(frags[2])  # and a gap in the middle, before a fragment persisted a day ago
+        day_ago = time.time() - 86400
+        os.utime(Path(store.url(frags[3]).removeprefix("file://")), (day_ago, day_ago))
 
         def forgotten() -> bool:  # (brokers drop their local copies once the store lists them, then relist)
-            held = {(f.spec.begin, f.spec.end) for f in c.fragments(journal).fragments}
-            return not held & {(frags[0].begin, frags[0].end), (frags[2].begin, frags[2].end)}
+            held = {(f.spec.begin, f.spec.end): f.spec.mod_time for f in c.fragments(journal).fragments}
+            gone = {(frags[0].begin, frags[0].end), (frags[2].begin, frags[2].end)}
+            return not gone & held.keys() and 0 < held.get((frags[3].begin, frags[3].end), 0) < day_ago + 60
 
         asyncio.run(wait_until(forgotten, 30))
     with pytest.raises(Exception) as err:
@@ -355,3 +364,12 @@ def test_bytes_removed_by_retention_fail_the_read_or_are_skipped(spark, local_cl
     with pytest.raises(Exception) as err:
         read_df(spark, local_cluster, journal, "", format="raw", readCommitted="false").collect()
     assert f"no longer holds bytes [{frags[2].begin}, {frags[2].end})" in str(err.value)
+
+
+def test_an_ending_offset_past_the_write_head_reads_to_it(spark, local_cluster) -> None:
+    """Review 20: tasks wait for every byte of their range, so planning caps an explicit end at the
+    write head (rather than a task waiting for bytes nobody wrote, or calling them lost)."""
+    journal = "spark/past-head"
+    ndjson_journal(local_cluster, journal, CASES)
+    rows = read_df(spark, local_cluster, journal, "id BIGINT", endingOffsets=json.dumps({journal: 10**12}))
+    assert sorted(r.id for r in rows.collect()) == [1, 2, 3, 6, 7]

@@ -52,15 +52,16 @@ class ReadUncommitted:
     * `block` - tail the journals (True) or stop at their write heads (False).
     * `on_garbage` - called with (journal, Garbage) for every undecodable range (instead of a warning in the log).
     * `end_offsets` - stop reading a journal named here at this offset (a fixed range, as a Spark
-      partition reads: the same messages however far the journal has grown meanwhile).
+      partition reads: the same messages however far the journal has grown meanwhile). With `block`
+      the read waits for every byte below it (a hole a replica may still fill, as Gazette's readers
+      wait); without, it stops early at the first byte no broker serves yet.
     * `uuids_of` - the UUIDs of a list of decoded messages (raising ValueError for an invalid one),
       for message types that do not carry theirs as a field: e.g. `msgspec.Raw` lines, whose bodies
       are decoded later, only for the messages delivered.
     * `direct` - read persisted fragments straight from their store (fsspec), not through a broker
       (as a Spark task does, so the executors rather than the brokers move the bytes).
     * `on_jump` - called with (journal, from, to) when a journal has no bytes [from, to) to read
-      (removed by retention, say) and the read goes on at `to`; it may raise to stop the read. With
-      it, a read to `end_offsets` also goes past a hole the brokers would wait at (see `_past_hole`).
+      (removed by retention, say) and the read goes on at `to`; it may raise to stop the read.
     """
 
     def __init__(
@@ -163,48 +164,21 @@ class ReadUncommitted:
     async def _journal_batches(
         self, journal: str, offset: int, end_offset: int = 0, *, replay: bool = False
     ) -> AsyncIterator[list[Envelope]]:
-        framing = await journal_framing(self._aio, journal)
+        decoder = (await journal_framing(self._aio, journal)).decoder(self.message_type, offset)
         on_jump = None if self.on_jump is None else functools.partial(self.on_jump, journal)
-        tries = 0
-        while True:
-            decoder = framing.decoder(self.message_type, offset)
-            reader = self._aio.reader(
-                journal,
-                offset,
-                block=self.block and not end_offset,
-                end_offset=end_offset,
-                direct=self.direct,
-                on_jump=on_jump,
-            )
-            async with aclosing(reader):
-                async for chunk in reader:
-                    batch = self._envelopes_of(journal, decoder.feed_columns(chunk.content, chunk.offset), replay)
-                    if batch:
-                        if not replay:  # (a replay re-reads an earlier range: it does not move the reader)
-                            self.offsets[journal] = batch[-1].end
-                        yield batch
-            tail = self._envelopes_of(journal, columns_of(decoder.finish()), replay)
-            if tail:
-                yield tail
-            if on_jump is None or not end_offset or reader.offset >= end_offset:
-                return
-            offset, tries = await self._past_hole(journal, reader.offset, end_offset, tries, on_jump)
-            if offset >= end_offset:
-                return
-
-    async def _past_hole(
-        self, journal: str, offset: int, end_offset: int, tries: int, on_jump: Callable[[int, int], Any]
-    ) -> tuple[int, int]:
-        """A read of a fixed range stopped short at `offset`: a hole no fragment fills, which brokers
-        move past only once the next fragment is hours old (Gazette's semantics, for a replica that
-        may yet persist it). Where to go on (on_jump is told of the bytes skipped, and may raise);
-        the same offset again, a few times, if a fragment holds it now."""
-        listed = (await self._aio.fragments(journal)).fragments
-        if tries < 3 and any(f.spec.begin <= offset < f.spec.end for f in listed):
-            return offset, tries + 1
-        resume = min((f.spec.begin for f in listed if f.spec.begin > offset), default=end_offset)
-        on_jump(offset, min(resume, end_offset))
-        return resume, 0
+        reader = self._aio.reader(
+            journal, offset, block=self.block, end_offset=end_offset, direct=self.direct, on_jump=on_jump
+        )
+        async with aclosing(reader):
+            async for chunk in reader:
+                batch = self._envelopes_of(journal, decoder.feed_columns(chunk.content, chunk.offset), replay)
+                if batch:
+                    if not replay:  # (a replay re-reads an earlier range: it does not move the reader)
+                        self.offsets[journal] = batch[-1].end
+                    yield batch
+        tail = self._envelopes_of(journal, columns_of(decoder.finish()), replay)
+        if tail:
+            yield tail
 
     def _envelopes_of(self, journal: str, columns: Columns, replay: bool = False) -> list[Envelope]:
         """Envelopes of decoded messages, built by C-level maps (per-message work is what limits a reader).

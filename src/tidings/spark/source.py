@@ -22,6 +22,12 @@ UUIDs (`scan`), reading the fragments from the store too. A partition then deliv
 reader delivers between its two states: each committed message once, in the partition of its ACK.
 That pass costs the driver about a third of a task's work per byte (bench/README.md); a journal of
 one fragment, or read uncommitted, needs none.
+
+Reads wait for every byte of their range: at a hole no broker serves yet (a replica may still be
+persisting it) they wait, as Gazette's readers do, and brokers move past a hole only once the
+fragment after it is hours old (retention's holes are): that jump fails the task naming the bytes,
+or with failOnDataLoss=false is skipped with a warning. So an explicit end past the write head is
+cut to it at planning, and `earliest` is a journal's first held byte (as Kafka's log start).
 """
 
 from __future__ import annotations
@@ -158,7 +164,10 @@ class TidingsBatchReader(DataSourceReader):
             ranges = []
             for spec in resolve_journals(c, opts):
                 begin = offset_for(c, spec.name, opts.starting, "earliest")
-                end = max(begin, offset_for(c, spec.name, opts.ending, "latest"))
+                end = offset_for(c, spec.name, opts.ending, "latest")
+                if isinstance(opts.ending, dict):  # (past the write head: to it, as tasks wait for every byte)
+                    end = min(end, c.write_head(spec.name))
+                end = max(begin, end)
                 ranges.extend(self._split(c, spec, begin, end))
         return ranges or [JournalRange("", NDJSON, 0, 0)]
 
@@ -259,7 +268,7 @@ def scan(
         "end_offsets": ends,
         "message_type": msgspec.Raw,  # (as the tasks read: the same UUIDs, the same garbage)
         "uuids_of": line_uuids,
-        "block": False,
+        "block": True,  # (to the end offset, waiting at a hole a replica may still fill; never past it)
         "on_garbage": _cut_or_garbage,  # (a cut at `ends` splits a message: not worth a warning)
         "direct": True,
     }
@@ -351,7 +360,7 @@ def _read_json(
         "end_offsets": {part.journal: part.end},
         "message_type": builder.message_type,  # lines, decoded by the builder once delivered
         "uuids_of": line_uuids,
-        "block": False,
+        "block": True,  # (to the end offset, waiting at a hole a replica may still fill; never past it)
         "on_garbage": on_garbage,
         "direct": True,
         "on_jump": lost,
@@ -404,7 +413,7 @@ def _read_raw(c: Client, part: JournalRange, lost: Callable[[str, int, int], Non
         end_offsets={part.journal: part.end},
         message_type=msgspec.Raw if part.content_type == NDJSON else None,  # (a line; a frame's payload)
         uuids_of=lambda values: [None] * len(values),
-        block=False,
+        block=True,
         direct=True,
         on_jump=lost,
     )
