@@ -261,7 +261,8 @@ async def test_every_journal_gets_r_assignments_across_zones_from_the_leader(clu
     assert len(state.assignments["journals/j0-r1"]) == 3 and len(state.assignments["journals/j2-r3"]) == 1
 
     # A deleted journal loses its assignments.
-    await cluster.etcd.delete(item_key(cluster.root, "journals/j1-r2"))
+    # Settle reads the test's own KeySpace: it must have seen the delete first.
+    await cluster.ks.wait_for_revision(await cluster.etcd.delete(item_key(cluster.root, "journals/j1-r2")), timeout=5)
     state = await cluster.settle()
     assert "journals/j1-r2" not in state.assignments
 
@@ -454,6 +455,7 @@ async def test_lost_member_lease_removes_its_key_and_assignments_in_one_revision
     gone = {e.kv.key: e.kv.mod_revision for e in events if e.type == "delete"}
     assert set(gone) == {member_key(cluster.root, *ZB), *(a.key for a in held)}
     assert len(set(gone.values())) == 1
+    await cluster.ks.wait_for_revision(max(gone.values()), timeout=5)  # plans read the test's KeySpace
 
     # ZA takes over as primary where ZB was: the promoted key keeps ZA's lease.
     state = await cluster.converge_by_hand(leader)
