@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.waiting import wait_until_sync
-from tests.test_spark_source import CASES, NDJSON, P4, line, ndjson_journal
+from tests.test_spark_source import CASES, NDJSON, P1, P4, line, ndjson_journal
 from tidings.client import Client
 from tidings.message.uuid import ACK_TXN, OUTSIDE_TXN
 
@@ -112,3 +112,64 @@ def test_a_journal_created_again_below_the_querys_offset_fails_the_query_naming_
     assert f"journal '{journal}' ends at" in str(err.value) and "failOnDataLoss=false" in str(err.value)
     again = run_available_now(spark, local_cluster, journal, str(tmp_path / "cp"), failOnDataLoss="false")
     assert [i for _, i in again] == [9]
+
+
+def test_a_journal_a_selector_finds_later_starts_at_its_first_held_byte(spark, local_cluster, tmp_path) -> None:
+    """A journal that comes to match the selector while the query runs is read from its first held
+    byte (as Kafka's newly found partitions start at earliest), not from offset 0: its first
+    fragment here was removed by retention, which is no loss to this query (it never had those
+    bytes), yet a read from 0 took it for one and failed the query."""
+    import asyncio
+
+    from tests.support.waiting import wait_until
+    from tidings.fragment.store import store_for
+    from tidings.protocol import protocol_pb2 as pb
+
+    later = "spark/found-later"
+    ndjson_journal(
+        local_cluster, later, labels={"topic": "elsewhere"}, fragment={"length": "1KiB", "refresh_interval": "1s"}
+    )
+    with Client(local_cluster.endpoints[0]) as c:
+        for i in (1, 2):  # a fragment each
+            c.append(later, line(P1, i, OUTSIDE_TXN, id=10 + i, pad="x" * 2000))
+        store = store_for(local_cluster.store_url)
+        asyncio.run(wait_until(lambda: len(store.list(later)) == 2, 30))
+        first = min(store.list(later), key=lambda f: f.begin)
+        store.remove(first)  # retention removed the oldest
+
+        def forgotten() -> bool:
+            return all(f.spec.begin != first.begin for f in c.fragments(later).fragments)
+
+        asyncio.run(wait_until(forgotten, 30))
+
+    labels = {**NDJSON["labels"], "topic": "found"}
+    ndjson_journal(local_cluster, "spark/found-first", line(P4, 1, OUTSIDE_TXN, id=1), labels=labels)
+    query = (
+        spark.readStream.format("tidings")
+        .option("broker", local_cluster.endpoints[0])
+        .option("selector", "topic=found")
+        .option("schema", "id BIGINT")
+        .load()
+        .writeStream.format("memory")
+        .queryName("found")
+        .option("checkpointLocation", str(tmp_path / "cp"))
+        .trigger(processingTime="200 milliseconds")
+        .start()
+    )
+    try:
+
+        def rows() -> list[tuple[str, int]]:
+            return sorted((r.journal, r.id) for r in spark.sql("select journal, id from found").collect())
+
+        wait_until_sync(lambda: rows() == [("spark/found-first", 1)], 60)
+        with Client(local_cluster.endpoints[0]) as c:
+            listed = next(j for j in c.list().journals if j.spec.name == later)
+            spec = listed.spec
+            for label in spec.labels.labels:
+                if label.name == "topic":
+                    label.value = "found"
+            c.apply([pb.ApplyRequest.Change(upsert=spec, expect_mod_revision=listed.mod_revision)])
+        wait_until_sync(lambda: rows() == [("spark/found-first", 1), (later, 12)], 60)
+        assert query.exception() is None
+    finally:
+        query.stop()

@@ -13,8 +13,11 @@ Gazette's readers do), so a transaction that never commits (a failed sink task's
 nothing. The cost: the driver reads each new byte once more, decoding only the UUIDs.
 
 `latestOffset` is polled about every 10 ms when idle: write heads are asked for at most every
-HEAD_TTL seconds per journal and the journal list (for a selector; new journals start at their
-beginning) every JOURNALS_TTL, so an idle query costs little. `maxBytesPerTrigger` caps a batch's
+HEAD_TTL seconds per journal and the journal list (for a selector) every JOURNALS_TTL, so an idle
+query costs little. A journal found after the query's start (created, or relabelled to match) is
+read from its first held byte, as Kafka reads a new partition from earliest: bytes retention
+removed before the query knew the journal are no loss to it. The offset of the batch that first
+reads it records where it began (`begins`), so a replay of that batch reads the same bytes. `maxBytesPerTrigger` caps a batch's
 new bytes over all journals (split evenly; at least one whole message each); Trigger.AvailableNow
 reads up to the write heads it found when the query started.
 """
@@ -56,6 +59,7 @@ from tidings.spark.source import (
 
 log = logging.getLogger(__name__)
 
+BEGINS = "begins"  # an offset's journals first found in its batch, and where they begin
 HEAD_TTL = 0.1  # seconds a journal's write head is reused by latestOffset
 JOURNALS_TTL = 1.0  # seconds the journal list is reused
 
@@ -70,6 +74,7 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._specs: tuple[float, dict[str, pb.JournalSpec]] = (0.0, {})
         self._heads: dict[str, tuple[float, int]] = {}
         self._target: dict[str, int] | None = None  # Trigger.AvailableNow's write heads
+        self._found: dict[str, int] = {}  # journals found after the start: their first held byte then
 
     # -- the driver's cluster view (cached: latestOffset runs every few ms) -------------------
 
@@ -110,9 +115,18 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def prepareForTriggerAvailableNow(self) -> None:
         self._target = {name: self.client.write_head(name) for name in self._journals()}
 
+    def _earliest(self, journal: str) -> int:
+        """Where a journal found after the query's start begins: its first held byte when first seen."""
+        if journal not in self._found:
+            self._found[journal] = offset_for(self.client, journal, "earliest", "earliest")
+        return self._found[journal]
+
     @_one_line
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         begun = _checkpoint(start)
+        found = {n: self._earliest(n) for n in self._journals() if n not in begun.journals}
+        if found:
+            begun = Checkpoint({**begun.journals, **{n: JournalCheckpoint(at, {}) for n, at in found.items()}})
         heads = {}
         for name in self._journals():
             head = self._head(name) if self._target is None else self._target.get(name, 0)
@@ -122,11 +136,12 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 heads[name] = head
         if not heads:
             return start
+        begins = {n: at for n, at in found.items() if n in heads}  # (partitions() reads them from there)
         cap = limit.max_bytes // len(heads) if isinstance(limit, ReadMaxBytes) else None
         if cap is None and not self.options.read_committed:  # plain offsets: up to the heads, no scan
-            journals = dict(begun.journals)
+            journals = {n: jc for n, jc in begun.journals.items() if n not in found or n in heads}
             journals.update({n: JournalCheckpoint(h, {}) for n, h in heads.items()})
-            return _offset(Checkpoint(journals))
+            return _offset(Checkpoint(journals), begins)
         ends = {n: h if cap is None else min(h, _read_through(begun, n) + max(cap, 1)) for n, h in heads.items()}
         reached = scan(self.client, self.options.read_committed, begun, ends, heads)
         while stuck := [n for n in heads if reached.journals[n].read_through == _read_through(begun, n)]:
@@ -134,9 +149,9 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 rt = _read_through(begun, n)
                 ends[n] = min(heads[n], rt + 2 * (ends[n] - rt))
             reached = scan(self.client, self.options.read_committed, begun, ends, heads)
-        journals = dict(begun.journals)
+        journals = {n: jc for n, jc in begun.journals.items() if n not in found or n in heads}
         journals.update({n: reached.journals[n] for n in heads})
-        return _offset(Checkpoint(journals))
+        return _offset(Checkpoint(journals), begins)
 
     def _lost(self, begun: Checkpoint, journal: str, head: int) -> Checkpoint:
         """A write head below our offset: the journal was reset or deleted and created again."""
@@ -156,10 +171,11 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     @_one_line
     def partitions(self, start: dict, end: dict) -> list[JournalRange]:
         begun, reached = _checkpoint(start), _checkpoint(end)
+        begins = end.get(BEGINS, {})
         specs = self._journals()
         ranges = []
         for name, jc in sorted(reached.journals.items()):
-            was = begun.journals.get(name, JournalCheckpoint(0, {}))
+            was = begun.journals.get(name) or JournalCheckpoint(begins.get(name, 0), {})
             if jc.read_through < was.read_through:  # latestOffset found the journal reset (failOnDataLoss=false)
                 was = JournalCheckpoint(0, {})
             if jc.read_through <= was.read_through:
@@ -198,8 +214,12 @@ def _checkpoint(offset: dict) -> Checkpoint:
     return msgspec.convert(offset, Checkpoint)
 
 
-def _offset(cp: Checkpoint) -> dict:
-    return msgspec.to_builtins(cp)
+def _offset(cp: Checkpoint, begins: dict[str, int] | None = None) -> dict:
+    """Spark's offset: the checkpoint, and where journals first found in this batch begin (BEGINS)."""
+    offset = msgspec.to_builtins(cp)
+    if begins:
+        offset[BEGINS] = begins
+    return offset
 
 
 def _read_through(cp: Checkpoint, journal: str) -> int:
