@@ -282,6 +282,30 @@ async def test_a_store_the_client_cannot_read_is_read_through_the_broker(cluster
         assert reader.direct_reads == 0
 
 
+async def test_a_store_fallback_whose_broker_fails_too_raises_a_tidings_error(cluster, monkeypatch) -> None:
+    """The fallback's own broker read failing (the broker went away in between) is a TransportError
+    the reader retries and then raises, as every other read failure: not a raw grpc.RpcError."""
+    import tidings.client._async as client_async
+    from tidings.cluster.etcd import free_port
+
+    await cluster.create_journal("cl/no-store-no-broker", 1, fragment={"length": "1KiB"})
+    async with cluster.client(0) as c:
+        for i in range(2):
+            await c.append("cl/no-store-no-broker", bytes([65 + i]) * 1100)
+        await wait_until(lambda: len(store_for(cluster.store_url).list("cl/no-store-no-broker")) >= 1, 20)
+    async with AsyncClient(cluster.brokers[0].endpoint, retries=1) as c:
+        stub, dead = c.stub, f"127.0.0.1:{free_port()}"
+
+        def no_store(url: str):
+            c.stub = lambda endpoint: stub(dead)  # (the broker goes away too: the fallback's read fails)
+            raise PermissionError(f"no credentials for {url}")
+
+        monkeypatch.setattr(client_async, "store_for", no_store)
+        reader = c.reader("cl/no-store-no-broker", 0, block=False, direct=True)
+        with pytest.raises(TransportError):
+            _ = [chunk async for chunk in reader]
+
+
 async def test_sync_client_mirrors_the_async_one(cluster) -> None:
     await cluster.create_journal("cl/sync", 3)
     endpoint = cluster.brokers[0].endpoint

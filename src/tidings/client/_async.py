@@ -529,16 +529,16 @@ class Reader:
                         self.offset = resp.offset + len(resp.content)
                         attempt = 0
                         yield ReadChunk(resp.offset, resp.content, self.write_head)
+                if self.direct and fragment is not None:  # (in the try: the fallback's broker read fails as any)
+                    async for chunk in self._from_store_or_broker(endpoint, fragment):
+                        attempt = 0
+                        yield chunk
+                    continue
             except grpc.RpcError as exc:
                 err: TidingsError = map_grpc_error(exc, endpoint)
             except StatusError as exc:
                 err = exc
             else:
-                if self.direct and fragment is not None:
-                    async for chunk in self._from_store_or_broker(endpoint, fragment):
-                        attempt = 0
-                        yield chunk
-                    continue
                 if not self.block:
                     return
                 await client.backoff(0)  # the broker ended a blocking read (the replica moved?): re-open it

@@ -17,9 +17,10 @@ HEAD_TTL seconds per journal and the journal list (for a selector) every JOURNAL
 query costs little. A journal found after the query's start (created, or relabelled to match) is
 read from its first held byte, as Kafka reads a new partition from earliest: bytes retention
 removed before the query knew the journal are no loss to it. The offset of the batch that first
-reads it records where it began (`begins`), so a replay of that batch reads the same bytes. `maxBytesPerTrigger` caps a batch's
-new bytes over all journals (split evenly; at least one whole message each); Trigger.AvailableNow
-reads up to the write heads it found when the query started.
+reads it records where it began (`begins`), so a replay of that batch reads the same bytes.
+
+`maxBytesPerTrigger` caps a batch's new bytes over all journals (split evenly; at least one whole
+message each); Trigger.AvailableNow reads up to the write heads it found when the query started.
 """
 
 from __future__ import annotations
