@@ -98,3 +98,33 @@ def test_timestamps_are_written_as_the_instant_spark_meant(monkeypatch) -> None:
         monkeypatch.undo()
         time.tzset()
     assert msg == {"at": datetime.datetime(2026, 1, 1, 15, 0, tzinfo=datetime.UTC), "n": 1}
+
+
+def test_intents_once_recorded_are_never_replaced(tmp_path) -> None:
+    """Two commits of one batch racing (a driver thought dead and its successor): each writes ACKs
+    of the intents the record holds, so the record is created once and never overwritten; the
+    loser writes the winner's ACKs. No temporary file is left behind."""
+    from tidings.spark.sink import record_intents
+
+    checkpoint = str(tmp_path / "cp")
+    first = [("j", b"first-ack\n")]
+    assert record_intents(checkpoint, 3, first) == first
+    assert record_intents(checkpoint, 3, [("j", b"second-ack\n")]) == first
+    assert record_intents(checkpoint, 4, []) == []
+    assert sorted(p.name for p in (tmp_path / "cp" / "tidings-sink").iterdir()) == ["3.json", "4.json"]
+
+
+def test_a_commit_racing_between_the_existence_check_and_the_record_keeps_the_first(tmp_path, monkeypatch) -> None:
+    """The race itself: a rival records its intents after our check found none."""
+    import tidings.spark.sink as sink
+
+    checkpoint = str(tmp_path / "cp")
+    rival = [("j", b"rival-ack\n")]
+    real = sink._create_once
+
+    def rival_first(fs, root: str, path: str, data: bytes) -> None:
+        real(fs, root, path, json.dumps([(j, c.hex()) for j, c in rival]).encode())
+        real(fs, root, path, data)
+
+    monkeypatch.setattr(sink, "_create_once", rival_first)
+    assert sink.record_intents(checkpoint, 9, [("j", b"ours\n")]) == rival

@@ -9,7 +9,8 @@ Exactly once, as a consumer shard commits (gazette-exactly-once.txt): a task pub
 intents; only the driver's `commit` writes ACKs. A failed or speculative attempt's rows are never
 acknowledged, so read-committed readers never see them. For a stream, `commit(messages,
 batchId)` first records the batch's intents under `<checkpointLocation>/tidings-sink/<batchId>`
-(fsspec: any store Spark's checkpoint can be on), and only then writes them. Spark calls
+(fsspec: any store Spark's checkpoint can be on; created once and never replaced, and synced on a
+local disk so a machine crash cannot keep the ACKs and lose their record), and only then writes them. Spark calls
 `commit` again for a batch it re-runs after a crash (its commit log is written after our
 commit); a commit that finds intents recorded for its batchId writes those again (ACKs are
 idempotent) and ignores the new attempts' producers, whose rows were published again. So a crash
@@ -25,11 +26,14 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 from pyspark.sql.datasource import DataSourceStreamWriter, DataSourceWriter, WriterCommitMessage
 from pyspark.sql.types import StringType, StructType, TimestampType
 
@@ -178,20 +182,8 @@ class TidingsStreamWriter(DataSourceStreamWriter):
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # type: ignore[override]
         assert self.options.checkpoint is not None
+        write_acks(self.options, record_intents(self.options.checkpoint, batchId, _intents_of(messages)))
         fs, root = fsspec.core.url_to_fs(self.options.checkpoint.rstrip("/") + "/tidings-sink")
-        path = f"{root}/{batchId}.json"
-        if fs.exists(path):  # this batch committed before (Spark re-runs it after a crash): its intents, not ours
-            with fs.open(path, "rb") as f:
-                intents = [(j, bytes.fromhex(h)) for j, h in json.load(f)]
-            log.info("batch %d: ACKs recorded by an earlier commit are written again", batchId)
-        else:
-            intents = _intents_of(messages)
-            fs.makedirs(root, exist_ok=True)
-            tmp = f"{root}/.{batchId}.json.tmp"
-            with fs.open(tmp, "wb") as f:
-                f.write(json.dumps([(j, content.hex()) for j, content in intents]).encode())
-            fs.mv(tmp, path)  # recorded whole, or not at all
-        write_acks(self.options, intents)
         for old in fs.glob(f"{root}/*.json"):
             name = old.rsplit("/", 1)[-1].removesuffix(".json")
             if name.isdigit() and int(name) < batchId - INTENTS_KEPT:
@@ -199,3 +191,50 @@ class TidingsStreamWriter(DataSourceStreamWriter):
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # type: ignore[override]
         log.warning("batch %d aborted: its rows stay unacknowledged (never read committed)", batchId)
+
+
+def record_intents(checkpoint: str, batch_id: int, mine: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+    """The ACK intents to write for a batch: those recorded for it under `checkpoint` by an earlier
+    commit (Spark re-runs a batch after a crash), else `mine`, recorded first. A record is created
+    once and never replaced (two racing commits write the same ACKs), and on a local disk it is
+    synced before any ACK is written: a machine crash must not lose the record of ACKs it outlives."""
+    fs, root = fsspec.core.url_to_fs(checkpoint.rstrip("/") + "/tidings-sink")
+    path = f"{root}/{batch_id}.json"
+    if not fs.exists(path):
+        fs.makedirs(root, exist_ok=True)
+        _create_once(fs, root, path, json.dumps([(j, content.hex()) for j, content in mine]).encode())
+    with fs.open(path, "rb") as f:
+        recorded = [(j, bytes.fromhex(h)) for j, h in json.load(f)]
+    if recorded != mine:
+        log.info("batch %d: ACKs recorded by an earlier commit are written again", batch_id)
+    return recorded
+
+
+def _create_once(fs: Any, root: str, path: str, data: bytes) -> None:
+    """Create `path` holding `data`, whole, unless it exists. A local file is written and synced
+    under a private name, then linked in (which fails if the name exists) and its directory synced;
+    elsewhere (object stores, HDFS) a file appears whole at close, after a last existence check."""
+    tmp = f"{root}/.{os.path.basename(path)}.{uuid.uuid4().hex}.tmp"
+    if isinstance(fs, LocalFileSystem):
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return
+    with fs.open(tmp, "wb") as f:
+        f.write(data)
+    if not fs.exists(path):
+        fs.mv(tmp, path)
+    else:
+        fs.rm(tmp)
