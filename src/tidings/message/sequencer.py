@@ -66,7 +66,7 @@ from uuid import UUID
 
 import msgspec
 
-from tidings.message.uuid import ACK_TXN, CONTINUE_TXN, OUTSIDE_TXN, _unpack
+from tidings.message.uuid import _NODE_MASK, ACK_TXN, CONTINUE_TXN, FLAGS_MASK, OUTSIDE_TXN, _unpack
 from tidings.protocol.status import UsageError, ValidationError
 
 __all__ = [
@@ -178,6 +178,8 @@ class QueueOutcome(enum.Enum):
 
 
 _OUTSIDE_COMMIT = QueueOutcome.OUTSIDE_COMMIT
+_OUTSIDE_MASK = (0xF << 76) | (0x3 << 62) | (FLAGS_MASK << 48)  # a UUID's version, variant and flags
+_OUTSIDE_BITS = (1 << 76) | (0b10 << 62) | (OUTSIDE_TXN << 48)  # v1, RFC 4122, OUTSIDE_TXN
 
 
 class ReplayRequiredError(UsageError):
@@ -527,9 +529,15 @@ class Sequencer:
         """
         if self._emit is not None:
             raise UsageError("committed messages remain to dequeue: drain dequeue() before queueing more")
-        partials, offsets, queue, step, deliver = (
-            self._partials, self._offsets, self._queue, self.step, self._deliver_outside
-        )  # fmt: skip
+        partials, offsets, queue, step = self._partials, self._offsets, self._queue, self.step
+        append = out.append
+        # The inline path, per message: a v1 UUID flagged OUTSIDE_TXN (one mask test on its 128 bits)
+        # of a producer known in this journal with nothing pending. `known` caches the producers'
+        # states for `journal` (a _Partial stays the same object while this call runs), and the
+        # read-through offset is written once per stretch of inline deliveries (`through`).
+        journal: str | None = None
+        known: dict[int, _Partial] = {}
+        through = -1
         delivered = 0
         i, n = start, len(envs)
         try:
@@ -537,24 +545,48 @@ class Sequencer:
                 env = envs[i]
                 i += 1
                 u = env.uuid
+                if u is not None and not self._reread:
+                    x = u.int
+                    if x & _OUTSIDE_MASK == _OUTSIDE_BITS:
+                        if env.journal is not journal and env.journal != journal:
+                            if through >= 0:
+                                offsets[journal] = max(offsets[journal], through)  # type: ignore[index]
+                                through = -1
+                            journal = env.journal
+                            known = {}
+                        producer = x & _NODE_MASK
+                        p = known.get(producer)
+                        if p is None and journal in offsets:
+                            p = partials.get((journal, producer))
+                            if p is not None:
+                                known[producer] = p
+                        if p is not None and p.begin == -1:
+                            clock = (
+                                ((x >> 64) & 0xFFF) << 52
+                                | ((x >> 80) & 0xFFFF) << 36
+                                | (x >> 96) << 4
+                                | (x >> 58) & 0xF
+                            )
+                            if clock > p.min_clock:  # committed by itself: delivered
+                                p.min_clock = p.max_clock = clock
+                                through = env.end
+                                delivered += 1
+                                append(env)
+                                continue
+                if through >= 0:  # (queue() reads the offsets)
+                    offsets[journal] = max(offsets[journal], through)  # type: ignore[index]
+                    through = -1
                 fields = None if u is None else _unpack(u.int)
-                if fields is not None and not self._reread:
-                    if fields[2] == OUTSIDE_TXN:
-                        journal = env.journal
-                        p = partials.get((journal, fields[0]))
-                        clock = fields[1]
-                        if p is not None and p.begin == -1 and clock > p.min_clock and journal in offsets:
-                            deliver(p, env, clock)  # what queue() then step() would do, without their work
-                            delivered += 1
-                            out.append(env)
-                            continue
                 if queue(env, fields) is not None:
                     return i
                 while (committed := step()) is not None:
-                    out.append(committed)
+                    append(committed)
             return i
         finally:
+            if through >= 0:
+                offsets[journal] = max(offsets[journal], through)  # type: ignore[index]
             if delivered:
+                self._delivered += delivered
                 self._outcomes[_OUTSIDE_COMMIT] += delivered
                 self.last_outcome = _OUTSIDE_COMMIT
 
