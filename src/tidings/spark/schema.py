@@ -19,7 +19,8 @@ import decimal
 import functools
 import json
 from collections.abc import Callable, Sequence
-from operator import attrgetter
+from itertools import repeat
+from operator import and_, attrgetter, rshift
 from typing import Annotated, Any
 from uuid import UUID
 
@@ -165,11 +166,31 @@ def line_uuids(lines: list[Any]) -> list[UUID | None]:
 
 _JOURNAL, _BEGIN, _MESSAGE = attrgetter("journal"), attrgetter("begin"), attrgetter("message")
 _UUID = attrgetter("uuid")  # (an envelope's UUID, or a Struct's uuid field as written)
+_INT = attrgetter("int")
 _CANONICAL = "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
 
 
 def _clock_of(u: UUID | None) -> int | None:
     return None if u is None else get_clock(u)
+
+
+def _clocks(uuids: list[UUID | None]) -> pa.Array | list[int | None]:
+    """The UUIDs' clocks (get_clock), computed by Arrow on their high 64 bits and sequence nibble:
+    per row only C-level maps (a Python call per row cost as much as the rest of the row's columns)."""
+    try:
+        ints = list(map(_INT, uuids))
+    except AttributeError:  # (a message without a UUID)
+        return list(map(_clock_of, uuids))
+    hi = pa.array(map(rshift, ints, repeat(64)), pa.uint64(), size=len(ints))
+    seq = pa.array(map(and_, map(rshift, ints, repeat(58)), repeat(0xF)), pa.uint64(), size=len(ints))
+    u = functools.partial(pa.scalar, type=pa.uint64())
+    parts = (
+        pc.shift_left(pc.bit_wise_and(hi, u(0xFFF)), u(52)),
+        pc.shift_left(pc.bit_wise_and(pc.shift_right(hi, u(16)), u(0xFFFF)), u(36)),
+        pc.shift_left(pc.shift_right(hi, u(32)), u(4)),
+        seq,
+    )
+    return functools.reduce(pc.bit_wise_or, parts).cast(pa.int64())  # (ArrowInvalid past 2^63: a corrupt row)
 
 
 class _Rows:
@@ -233,7 +254,7 @@ class RowBuilder:
         if name == "producer":
             return lambda rows: pc.utf8_slice_codeunits(rows.uuids, 24, 36)
         if name == "clock":
-            return lambda rows: list(map(_clock_of, map(_UUID, rows.envs)))
+            return lambda rows: _clocks(list(map(_UUID, rows.envs)))
         if name == CORRUPT:
             return lambda rows: pa.nulls(len(rows.envs), pa.string())
         assert body_at is not None
