@@ -373,3 +373,52 @@ def test_an_ending_offset_past_the_write_head_reads_to_it(spark, local_cluster) 
     ndjson_journal(local_cluster, journal, CASES)
     rows = read_df(spark, local_cluster, journal, "id BIGINT", endingOffsets=json.dumps({journal: 10**12}))
     assert sorted(r.id for r in rows.collect()) == [1, 2, 3, 6, 7]
+
+
+def test_a_task_whose_journal_was_reset_below_its_range_fails_or_skips_instead_of_waiting(
+    spark, local_cluster, caplog
+) -> None:
+    """A journal deleted and created again (or gone) between planning and a task: the task's range
+    ends past the new write head. A read waits at the head for bytes that would be another
+    journal's, for ever; instead the task fails naming it (failOnDataLoss) or skips the range."""
+    import logging
+    import threading
+
+    from pyspark.sql.types import StructType
+
+    from tidings.spark.options import SourceOptions
+    from tidings.spark.schema import METADATA_DDL
+    from tidings.spark.source import JournalRange, read_partition
+
+    journal = "spark/reset-under-task"
+    ndjson_journal(local_cluster, journal, line(P1, 1, OUTSIDE_TXN, id=1))
+    with Client(local_cluster.endpoints[0]) as c:
+        planned = JournalRange(journal, NDJSON["labels"]["content-type"], 0, c.write_head(journal) + 500)
+        gone = JournalRange("spark/never-was", NDJSON["labels"]["content-type"], 0, 100)
+    schema_json = StructType.fromDDL(f"{METADATA_DDL}, id BIGINT, _corrupt STRING").json()
+
+    def read(part: JournalRange, **options: str) -> list | BaseException:
+        opts = SourceOptions.parse({"broker": local_cluster.endpoints[0], "journal": part.journal, **options})
+        result: list = []
+
+        def run() -> None:
+            try:
+                result.extend(b.num_rows for b in read_partition(opts, schema_json, part))
+            except BaseException as exc:  # (handed to the test)
+                result.append(exc)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "the task waited for bytes the journal no longer has"
+        return result[-1] if result and isinstance(result[-1], BaseException) else result
+
+    err = read(planned)
+    assert isinstance(err, Exception) and f"journal {journal!r} ends at" in str(err), err
+    assert "failOnDataLoss=false" in str(err)
+    err = read(gone)
+    assert isinstance(err, Exception) and "journal 'spark/never-was' no longer exists" in str(err), err
+    with caplog.at_level(logging.WARNING):
+        assert sum(read(planned, failOnDataLoss="false")) == 0
+        assert read(gone, failOnDataLoss="false") == []
+    assert f"journal {journal} ends at" in caplog.text

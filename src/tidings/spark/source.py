@@ -27,7 +27,9 @@ Reads wait for every byte of their range: at a hole no broker serves yet (a repl
 persisting it) they wait, as Gazette's readers do, and brokers move past a hole only once the
 fragment after it is hours old (retention's holes are): that jump fails the task naming the bytes,
 or with failOnDataLoss=false is skipped with a warning. So an explicit end past the write head is
-cut to it at planning, and `earliest` is a journal's first held byte (as Kafka's log start).
+cut to it at planning, `earliest` is a journal's first held byte (as Kafka's log start), and a
+task first checks that its journal still reaches the end of its range: one reset (deleted and
+created again) or deleted since planning fails the task naming it, or is skipped.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from tidings.message.publisher import content_type_of
 from tidings.message.sequencer import DEFAULT_PRODUCER_HORIZON
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.labels import parse_selector
-from tidings.protocol.status import TidingsError, TransportError, UsageError
+from tidings.protocol.status import JournalNotFoundError, TidingsError, TransportError, UsageError
 from tidings.spark.options import SourceOptions
 from tidings.spark.schema import CORRUPT, METADATA_DDL, RAW_DDL, line_uuids, row_builder
 
@@ -201,10 +203,33 @@ def read_partition(opts: SourceOptions, schema_json: str, partition: JournalRang
         return
     lost = functools.partial(_lost, opts.fail_on_data_loss)
     with Client(opts.broker) as c:
+        if not _still_holds(c, opts.fail_on_data_loss, partition):
+            return
         if opts.format == "raw":
             yield from _read_raw(c, partition, lost)
         else:
             yield from _read_json(c, partition, opts.read_committed, schema_json, lost)
+
+
+def _still_holds(c: Client, fail: bool, part: JournalRange) -> bool:
+    """Whether the journal still reaches the end of a task's range, planned when it did. A reset
+    (deleted, created again) leaves the head below it, and a read would wait there for ever for
+    bytes that would be another journal's: fail naming it, or skip the range (failOnDataLoss)."""
+    try:
+        head = c.write_head(part.journal)
+    except JournalNotFoundError:
+        what = "no longer exists"
+    else:
+        if head >= part.end:
+            return True
+        what = f"ends at {head}, before the end of bytes [{part.begin}, {part.end}) this query planned to read"
+    if fail:
+        raise UsageError(
+            f"tidings source: journal {part.journal!r} {what}: it was reset or deleted since the query was "
+            "planned; run the query again, or set failOnDataLoss=false to skip what it no longer holds"
+        )
+    log.warning("journal %s %s: skipped (failOnDataLoss=false)", part.journal, what)
+    return False
 
 
 def _lost(fail: bool, journal: str, begin: int, end: int) -> None:
