@@ -280,40 +280,58 @@ def scan(
     heads: dict[str, int],
     *,
     prune: bool = True,
+    content_types: dict[str, str] | None = None,
 ) -> Checkpoint:
     """The journals' states at `ends` (each cut back to its last whole message unless it is the
     write head in `heads`, where appends end), from `begun`'s: the driver reads the bytes between
     (persisted fragments straight from their store) and decodes only the UUIDs. With `prune`
     False every producer is kept (a batch read's partitions must deliver what one reader does,
     and one reader never forgets a producer; a stream's checkpoints forget quiet ones after the
-    Sequencer's producer horizon, as Gazette's do)."""
+    Sequencer's producer horizon, as Gazette's do). Read uncommitted (format raw), journals of any
+    framing (`content_types`; ndjson by default) are cut at their own messages' ends."""
     names = sorted(ends)
     starts = {n: begun.journals.get(n, JournalCheckpoint(0)) for n in names}
     common: dict[str, Any] = {
-        "end_offsets": ends,
-        "message_type": msgspec.Raw,  # (as the tasks read: the same UUIDs, the same garbage)
-        "uuids_of": line_uuids,
         "block": True,  # (to the end offset, waiting at a hole a replica may still fill; never past it)
         "on_garbage": _cut_or_garbage,  # (a cut at `ends` splits a message: not worth a warning)
         "direct": True,
     }
-    if committed:
+    offsets: dict[str, int] = {}
+    found: dict[str, JournalCheckpoint] = {}
+    if committed:  # (format json: ndjson journals; the same UUIDs and garbage as the tasks see)
         horizon = DEFAULT_PRODUCER_HORIZON if prune else None
-        reader: Any = ReadCommitted(
-            c, names, checkpoint=Checkpoint(starts), reread_pending=False, producer_horizon=horizon, **common
-        )
+        reader = ReadCommitted(
+            c, names, checkpoint=Checkpoint(starts), reread_pending=False, producer_horizon=horizon,
+            end_offsets=ends, message_type=msgspec.Raw, uuids_of=line_uuids, **common,
+        )  # fmt: skip
+        for _ in reader.batches():
+            pass
+        offsets, found = reader.offsets, reader.checkpoint().journals
     else:
-        reader = ReadUncommitted(c, names, offsets={n: s.read_through for n, s in starts.items()}, **common)
-    for _ in reader.batches():
-        pass
-    found = reader.checkpoint().journals if committed else {}
+        types = content_types or {}
+        for lines in (True, False):  # (JSON lines as lines; other framings' payloads as bytes)
+            group = [n for n in names if (types.get(n, NDJSON) == NDJSON) == lines]
+            if group:
+                plain = ReadUncommitted(
+                    c, group, offsets={n: starts[n].read_through for n in group},
+                    end_offsets={n: ends[n] for n in group}, message_type=msgspec.Raw if lines else None,
+                    uuids_of=_no_uuids, **common,
+                )  # fmt: skip
+                for _ in plain.batches():
+                    pass
+                offsets.update(plain.offsets)
     out = {}
     for n in names:
-        whole = reader.offsets[n] >= ends[n] or ends[n] == heads.get(n)
-        through = ends[n] if whole else reader.offsets[n]
+        whole = offsets[n] >= ends[n] or ends[n] == heads.get(n)
+        through = ends[n] if whole else offsets[n]
         jc = found.get(n, JournalCheckpoint(0, {}))
         out[n] = JournalCheckpoint(max(through, starts[n].read_through), jc.producers if found else {})
     return Checkpoint(out)
+
+
+def _no_uuids(values: list[Any]) -> list[None]:
+    """Uncommitted reads of raw rows look at no UUID."""
+    return [None] * len(values)
 
 
 def _cut_or_garbage(journal: str, garbage: Garbage) -> None:
@@ -437,7 +455,7 @@ def _read_raw(c: Client, part: JournalRange, lost: Callable[[str, int, int], Non
         offsets={part.journal: part.begin},
         end_offsets={part.journal: part.end},
         message_type=msgspec.Raw if part.content_type == NDJSON else None,  # (a line; a frame's payload)
-        uuids_of=lambda values: [None] * len(values),
+        uuids_of=_no_uuids,
         block=True,
         direct=True,
         on_jump=lost,

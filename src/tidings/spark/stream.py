@@ -144,12 +144,14 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             journals.update({n: JournalCheckpoint(h, {}) for n, h in heads.items()})
             return _offset(Checkpoint(journals), begins)
         ends = {n: h if cap is None else min(h, _read_through(begun, n) + max(cap, 1)) for n, h in heads.items()}
-        reached = scan(self.client, self.options.read_committed, begun, ends, heads)
+        specs = self._journals()
+        types = {n: content_type_of(specs[n]) for n in heads if n in specs}
+        reached = scan(self.client, self.options.read_committed, begun, ends, heads, content_types=types)
         while stuck := [n for n in heads if reached.journals[n].read_through == _read_through(begun, n)]:
             for n in stuck:  # a message longer than the cap: widen until it is whole
                 rt = _read_through(begun, n)
                 ends[n] = min(heads[n], rt + 2 * (ends[n] - rt))
-            reached = scan(self.client, self.options.read_committed, begun, ends, heads)
+            reached = scan(self.client, self.options.read_committed, begun, ends, heads, content_types=types)
         journals = {n: jc for n, jc in begun.journals.items() if n not in found or n in heads}
         journals.update({n: reached.journals[n] for n in heads})
         return _offset(Checkpoint(journals), begins)
