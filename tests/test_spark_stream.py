@@ -4,6 +4,8 @@ selector that picks up a journal created while the query runs."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tests.support.waiting import wait_until_sync
@@ -12,18 +14,20 @@ from tidings.client import Client
 from tidings.message.uuid import ACK_TXN, OUTSIDE_TXN
 
 
-def run_available_now(spark, lc, journal: str, checkpoint: str, **options: str) -> list[tuple[int, int | None]]:
-    """One Trigger.AvailableNow run from `checkpoint`: [(batch id, message id)] in delivery order."""
-    got: list[tuple[int, int | None]] = []
+def run_available_now(
+    spark, lc, journal: str, checkpoint: str, *, raw: bool = False, **options: str
+) -> list[tuple[int, Any]]:
+    """One Trigger.AvailableNow run from `checkpoint`: [(batch id, message id, or raw value)] in delivery order."""
+    got: list[tuple[int, Any]] = []
 
     def collect(df, batch_id: int) -> None:
-        got.extend((batch_id, r.id) for r in df.orderBy("offset").collect())
+        got.extend((batch_id, bytes(r.value) if raw else r.id) for r in df.orderBy("offset").collect())
 
     reader = spark.readStream.format("tidings").option("broker", lc.endpoints[0]).option("journal", journal)
     for k, v in options.items():
         reader = reader.option(k, v)
     query = (
-        reader.schema("offset BIGINT, id BIGINT")
+        (reader if raw else reader.schema("offset BIGINT, id BIGINT"))
         .load()
         .writeStream.foreachBatch(collect)
         .option("checkpointLocation", checkpoint)
@@ -64,26 +68,32 @@ def test_a_transaction_across_micro_batches_is_delivered_once_in_the_batch_of_it
     assert [i for _, i in again] == [5, 8]
 
 
-def test_a_selector_picks_up_a_journal_created_while_the_query_runs(spark, local_cluster, tmp_path) -> None:
-    labels = {**NDJSON["labels"], "topic": "live"}
-    ndjson_journal(local_cluster, "spark/live-a", line(P4, 1, OUTSIDE_TXN, id=1), labels=labels)
+def selector_query(spark, lc, topic: str, checkpoint: str):
+    """A query over the journals labelled topic=`topic` into memory table `topic`, and its rows' (journal, id)."""
     query = (
         spark.readStream.format("tidings")
-        .option("broker", local_cluster.endpoints[0])
-        .option("selector", "topic=live")
+        .option("broker", lc.endpoints[0])
+        .option("selector", f"topic={topic}")
         .option("schema", "id BIGINT")
         .load()
         .writeStream.format("memory")
-        .queryName("live")
-        .option("checkpointLocation", str(tmp_path / "cp"))
+        .queryName(topic)
+        .option("checkpointLocation", checkpoint)
         .trigger(processingTime="200 milliseconds")
         .start()
     )
+
+    def rows() -> list[tuple[str, int]]:
+        return sorted((r.journal, r.id) for r in spark.sql(f"select journal, id from {topic}").collect())
+
+    return query, rows
+
+
+def test_a_selector_picks_up_a_journal_created_while_the_query_runs(spark, local_cluster, tmp_path) -> None:
+    labels = {**NDJSON["labels"], "topic": "live"}
+    ndjson_journal(local_cluster, "spark/live-a", line(P4, 1, OUTSIDE_TXN, id=1), labels=labels)
+    query, rows = selector_query(spark, local_cluster, "live", str(tmp_path / "cp"))
     try:
-
-        def rows() -> list[tuple[str, int]]:
-            return sorted((r.journal, r.id) for r in spark.sql("select journal, id from live").collect())
-
         wait_until_sync(lambda: rows() == [("spark/live-a", 1)], 60)
         ndjson_journal(local_cluster, "spark/live-b", line(P4, 1, OUTSIDE_TXN, id=2), labels=labels)
         with Client(local_cluster.endpoints[0]) as c:
@@ -144,23 +154,8 @@ def test_a_journal_a_selector_finds_later_starts_at_its_first_held_byte(spark, l
 
     labels = {**NDJSON["labels"], "topic": "found"}
     ndjson_journal(local_cluster, "spark/found-first", line(P4, 1, OUTSIDE_TXN, id=1), labels=labels)
-    query = (
-        spark.readStream.format("tidings")
-        .option("broker", local_cluster.endpoints[0])
-        .option("selector", "topic=found")
-        .option("schema", "id BIGINT")
-        .load()
-        .writeStream.format("memory")
-        .queryName("found")
-        .option("checkpointLocation", str(tmp_path / "cp"))
-        .trigger(processingTime="200 milliseconds")
-        .start()
-    )
+    query, rows = selector_query(spark, local_cluster, "found", str(tmp_path / "cp"))
     try:
-
-        def rows() -> list[tuple[str, int]]:
-            return sorted((r.journal, r.id) for r in spark.sql("select journal, id from found").collect())
-
         wait_until_sync(lambda: rows() == [("spark/found-first", 1)], 60)
         with Client(local_cluster.endpoints[0]) as c:
             listed = next(j for j in c.list().journals if j.spec.name == later)
@@ -190,24 +185,9 @@ def test_raw_rows_of_a_protobuf_journal_stream_under_max_bytes_per_trigger(spark
     frames = b"".join(b"\x66\x33\x93\x36" + len(p).to_bytes(4, "little") + p for p in payloads)
     with Client(local_cluster.endpoints[0]) as c:
         c.append(journal, frames)
-    got: list[bytes] = []
-    query = (
-        spark.readStream.format("tidings")
-        .option("broker", local_cluster.endpoints[0])
-        .option("journal", journal)
-        .option("format", "raw")
-        .option("readCommitted", "false")
-        .option("maxBytesPerTrigger", "40")
-        .load()
-        .writeStream.foreachBatch(lambda df, _: got.extend(bytes(r.value) for r in df.orderBy("offset").collect()))
-        .option("checkpointLocation", str(tmp_path / "cp"))
-        .trigger(availableNow=True)
-        .start()
-    )
-    try:
-        query.awaitTermination(120)
-    finally:
-        query.stop()
-    assert query.exception() is None
-    assert got == payloads
+    got = run_available_now(
+        spark, local_cluster, journal, str(tmp_path / "cp"), raw=True,
+        format="raw", readCommitted="false", maxBytesPerTrigger="40",
+    )  # fmt: skip
+    assert [value for _, value in got] == payloads
     assert len(list((tmp_path / "cp" / "offsets").iterdir())) > 3  # (several micro-batches)
