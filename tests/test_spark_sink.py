@@ -128,3 +128,21 @@ def test_a_commit_racing_between_the_existence_check_and_the_record_keeps_the_fi
 
     monkeypatch.setattr(sink, "_create_once", rival_first)
     assert sink.record_intents(checkpoint, 9, [("j", b"ours\n")]) == rival
+
+
+def test_intents_are_recorded_where_the_filesystem_has_no_hard_links(tmp_path, monkeypatch) -> None:
+    """Review 21: a local path whose file system refuses hard links (FUSE mounts such as /dbfs or
+    s3fs-fuse, SMB, exFAT) still records the intents (by rename, after a last existence check),
+    instead of failing every commit; os.link fails here as on such a file system."""
+    import errno
+
+    import tidings.spark.sink as sink
+
+    def no_links(src: str, dst: str, *args, **kwargs) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted", src, None, dst)
+
+    monkeypatch.setattr(os, "link", no_links)
+    mine = [("j", b"ack\n")]
+    assert sink.record_intents(str(tmp_path / "cp"), 1, mine) == mine
+    assert sink.record_intents(str(tmp_path / "cp"), 1, [("j", b"other\n")]) == mine
+    assert [p.name for p in (tmp_path / "cp" / "tidings-sink").iterdir()] == ["1.json"]

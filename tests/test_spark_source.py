@@ -422,3 +422,32 @@ def test_a_task_whose_journal_was_reset_below_its_range_fails_or_skips_instead_o
         assert sum(read(planned, failOnDataLoss="false")) == 0
         assert read(gone, failOnDataLoss="false") == []
     assert f"journal {journal} ends at" in caplog.text
+
+
+def test_a_delivered_message_without_a_v1_uuid_keeps_its_fields_and_has_no_clock() -> None:
+    """Review 21: a message whose UUID is not v1 is delivered at-least-once; it has no clock (null),
+    and its row keeps its fields (the clock of a v4 UUID's bits overflowed int64: a corrupt row)."""
+    import uuid
+
+    import msgspec
+    from pyspark.sql.types import LongType, StringType, StructField, StructType
+
+    from tidings.message import Envelope
+    from tidings.message.uuid import build_uuid, get_clock
+    from tidings.spark.schema import RowBuilder
+
+    schema = StructType([StructField(n, t) for n, t in (("clock", LongType()), ("id", LongType()),
+                                                         ("_corrupt", StringType()))])  # fmt: skip
+    v1 = build_uuid(P1, 12345, OUTSIDE_TXN)
+    cases = [uuid.UUID("f47ac10b-58cc-4a72-a567-0e02b2c3d479"), uuid.UUID(int=0), v1, uuid.uuid4()]
+    envs = []
+    for i, u in enumerate(cases):
+        text = json.dumps({"id": i, "uuid": str(u)}).encode()
+        envs.append(Envelope("j", i * 100, i * 100 + len(text) + 1, u, msgspec.Raw(text)))
+    rows = [r for b in RowBuilder(schema).batches(envs) for r in b.to_pylist()]
+    assert rows == [
+        {"clock": None, "id": 0, "_corrupt": None},
+        {"clock": None, "id": 1, "_corrupt": None},
+        {"clock": get_clock(v1), "id": 2, "_corrupt": None},
+        {"clock": None, "id": 3, "_corrupt": None},
+    ]

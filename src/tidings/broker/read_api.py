@@ -64,7 +64,7 @@ async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.Serv
     if store_error is not None:
         await context.write(pb.ReadResponse(status=pb.FRAGMENT_STORE_UNHEALTHY, header=res.header))
         return
-    offset = req.offset if req.offset >= 0 else index.end_offset
+    offset = req.offset if req.offset >= 0 else replica.write_head
     first = True
     listed = False
     while req.end_offset == 0 or offset < req.end_offset:
@@ -86,7 +86,7 @@ async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.Serv
                         status=pb.OFFSET_NOT_YET_AVAILABLE,
                         header=res.header if first else None,
                         offset=offset,
-                        write_head=index.end_offset,
+                        write_head=replica.write_head,
                     )
                 )
                 return
@@ -104,7 +104,7 @@ async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.Serv
                 status=pb.OK,
                 header=res.header if first else None,
                 offset=offset,
-                write_head=index.end_offset,
+                write_head=replica.write_head,
                 fragment=frag.to_proto(),
                 fragment_url=store_for(frag.backing_store).url(frag) if frag.backing_store else "",
             )

@@ -120,6 +120,13 @@ class Replica:
         return f"Replica({self.journal!r})"
 
     @property
+    def write_head(self) -> int:
+        """Where the next append lands, as far as this replica knows: its index's end, or its
+        spool's when retention removed every fragment of an idle journal (the index is then empty,
+        but appends go on from the spool's end: a head that went back to 0 reads as a reset)."""
+        return max(self.index.end_offset, self._spool.end)
+
+    @property
     def stores(self) -> list[str]:
         return stores_of(self.spec, self.default_store)
 

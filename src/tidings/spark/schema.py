@@ -48,7 +48,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from tidings.message.uuid import get_clock, uuid_from_str, uuid_to_str
+from tidings.message.uuid import _unpack, uuid_from_str, uuid_to_str
 from tidings.protocol.status import UsageError
 
 METADATA_DDL = "journal STRING NOT NULL, offset BIGINT NOT NULL, uuid STRING, producer STRING, clock BIGINT"
@@ -167,30 +167,40 @@ def line_uuids(lines: list[Any]) -> list[UUID | None]:
 _JOURNAL, _BEGIN, _MESSAGE = attrgetter("journal"), attrgetter("begin"), attrgetter("message")
 _UUID = attrgetter("uuid")  # (an envelope's UUID, or a Struct's uuid field as written)
 _INT = attrgetter("int")
+_INT64_MAX = (1 << 63) - 1
 _CANONICAL = "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
 
 
 def _clock_of(u: UUID | None) -> int | None:
-    return None if u is None else get_clock(u)
+    """A v1 UUID's clock (get_clock); None for no UUID or another kind (a message delivered at-least-once)."""
+    fields = None if u is None else _unpack(u.int)
+    return None if fields is None or fields[1] > _INT64_MAX else fields[1]
 
 
 def _clocks(uuids: list[UUID | None]) -> pa.Array | list[int | None]:
-    """The UUIDs' clocks (get_clock), computed by Arrow on their high 64 bits and sequence nibble:
-    per row only C-level maps (a Python call per row cost as much as the rest of the row's columns)."""
+    """`_clock_of` each UUID, computed by Arrow on their high 64 bits and the byte of their variant
+    and sequence: per row only C-level maps (a Python call per row cost as much as the rest of the
+    row's columns)."""
     try:
         ints = list(map(_INT, uuids))
     except AttributeError:  # (a message without a UUID)
         return list(map(_clock_of, uuids))
-    hi = pa.array(map(rshift, ints, repeat(64)), pa.uint64(), size=len(ints))
-    seq = pa.array(map(and_, map(rshift, ints, repeat(58)), repeat(0xF)), pa.uint64(), size=len(ints))
     u = functools.partial(pa.scalar, type=pa.uint64())
+    hi = pa.array(map(rshift, ints, repeat(64)), pa.uint64(), size=len(ints))
+    byte = pa.array(map(and_, map(rshift, ints, repeat(56)), repeat(0xFF)), pa.uint64(), size=len(ints))
     parts = (
         pc.shift_left(pc.bit_wise_and(hi, u(0xFFF)), u(52)),
         pc.shift_left(pc.bit_wise_and(pc.shift_right(hi, u(16)), u(0xFFFF)), u(36)),
         pc.shift_left(pc.shift_right(hi, u(32)), u(4)),
-        seq,
+        pc.bit_wise_and(pc.shift_right(byte, u(2)), u(0xF)),
     )
-    return functools.reduce(pc.bit_wise_or, parts).cast(pa.int64())  # (ArrowInvalid past 2^63: a corrupt row)
+    clock = functools.reduce(pc.bit_wise_or, parts)
+    v1 = pc.and_(
+        pc.equal(pc.bit_wise_and(pc.shift_right(hi, u(12)), u(0xF)), u(1)),  # version 1
+        pc.equal(pc.shift_right(byte, u(6)), u(0b10)),  # RFC 4122 variant
+    )
+    fits = pc.less_equal(clock, u(_INT64_MAX))  # (a LongType column)
+    return pc.if_else(pc.and_(v1, fits), clock, pa.scalar(None, pa.uint64())).cast(pa.int64())
 
 
 class _Rows:

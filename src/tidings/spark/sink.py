@@ -23,6 +23,7 @@ producer horizon.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -188,6 +189,10 @@ class TidingsStreamWriter(DataSourceStreamWriter):
             name = old.rsplit("/", 1)[-1].removesuffix(".json")
             if name.isdigit() and int(name) < batchId - INTENTS_KEPT:
                 fs.rm(old)
+        for tmp in fs.glob(f"{root}/.*.tmp"):  # (left by a crash while recording an earlier batch)
+            name = tmp.rsplit("/", 1)[-1].split(".")[1]
+            if name.isdigit() and int(name) < batchId:
+                fs.rm(tmp)
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # type: ignore[override]
         log.warning("batch %d aborted: its rows stay unacknowledged (never read committed)", batchId)
@@ -212,8 +217,10 @@ def record_intents(checkpoint: str, batch_id: int, mine: list[tuple[str, bytes]]
 
 def _create_once(fs: Any, root: str, path: str, data: bytes) -> None:
     """Create `path` holding `data`, whole, unless it exists. A local file is written and synced
-    under a private name, then linked in (which fails if the name exists) and its directory synced;
-    elsewhere (object stores, HDFS) a file appears whole at close, after a last existence check."""
+    under a private name, then linked in (which fails if the name exists; renamed after a last
+    existence check where there are no hard links) and its directory synced; elsewhere (object
+    stores, HDFS) a file appears whole at close, after a last existence check: two commits racing
+    there could both record (Spark runs one query per checkpoint; S3's conditional writes would close it)."""
     tmp = f"{root}/.{os.path.basename(path)}.{uuid.uuid4().hex}.tmp"
     if isinstance(fs, LocalFileSystem):
         with open(tmp, "wb") as f:
@@ -224,8 +231,12 @@ def _create_once(fs: Any, root: str, path: str, data: bytes) -> None:
             os.link(tmp, path)
         except FileExistsError:
             pass
+        except OSError:  # (a file system without hard links: FUSE mounts such as /dbfs, SMB, exFAT)
+            if not os.path.exists(path):
+                os.rename(tmp, path)
         finally:
-            os.unlink(tmp)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
         fd = os.open(root, os.O_RDONLY)
         try:
             os.fsync(fd)

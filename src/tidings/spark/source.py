@@ -226,7 +226,8 @@ def _still_holds(c: Client, fail: bool, part: JournalRange) -> bool:
     if fail:
         raise UsageError(
             f"tidings source: journal {part.journal!r} {what}: it was reset or deleted since the query was "
-            "planned; run the query again, or set failOnDataLoss=false to skip what it no longer holds"
+            "planned; run a batch query again (a stream: start it on a new checkpointLocation), or set "
+            "failOnDataLoss=false to skip what it no longer holds"
         )
     log.warning("journal %s %s: skipped (failOnDataLoss=false)", part.journal, what)
     return False
@@ -382,7 +383,8 @@ def offset_for(c: Client, journal: str, offsets: str | dict[str, int], default: 
     """A journal's offset for `offsets` (earliest, latest, or a JSON object where -2/-1 mean those)."""
     which: str | int = offsets if isinstance(offsets, str) else offsets.get(journal, default)
     if which in ("earliest", -2):  # the first byte it holds (retention may have removed earlier ones), as Kafka's
-        return min((f.spec.begin for f in c.fragments(journal).fragments), default=0)
+        head = c.write_head(journal)  # (first: an append after it lands at or past it, never skipped)
+        return min((f.spec.begin for f in c.fragments(journal).fragments), default=head)  # (none held: its next byte)
     if which in ("latest", -1):
         return c.write_head(journal)
     assert isinstance(which, int)
