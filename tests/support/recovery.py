@@ -84,7 +84,14 @@ def local_spools(data_dir: Path, journal: str) -> list[str]:
     folder = spool_directory(data_dir, journal)
     if not folder.is_dir():
         return []
-    return sorted(p.name for p in folder.iterdir() if p.name != "HEAD" and p.stat().st_size)
+    names = []
+    for p in folder.iterdir():
+        try:
+            if p.name != "HEAD" and p.stat().st_size:
+                names.append(p.name)
+        except FileNotFoundError:  # (the broker unlinked it between the listing and the stat: gone)
+            continue
+    return sorted(names)
 
 
 def commit_on_disk(data_dir: Path, journal: str, revision: int, content: bytes) -> tuple[int, int]:
