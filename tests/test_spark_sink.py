@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 from pyspark.sql import Row
@@ -146,3 +147,23 @@ def test_intents_are_recorded_where_the_filesystem_has_no_hard_links(tmp_path, m
     assert sink.record_intents(str(tmp_path / "cp"), 1, mine) == mine
     assert sink.record_intents(str(tmp_path / "cp"), 1, [("j", b"other\n")]) == mine
     assert [p.name for p in (tmp_path / "cp" / "tidings-sink").iterdir()] == ["1.json"]
+
+
+def test_on_s3_a_commit_racing_past_the_existence_check_keeps_the_first(moto_s3, monkeypatch) -> None:
+    """An object store has no link or rename that fails on an existing name: a rival's record that
+    appears after our existence check must still win. S3's conditional write (If-None-Match, moto's
+    server here) makes the creation itself refuse an existing record."""
+    import fsspec
+
+    from tidings.spark.sink import record_intents
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_s3.endpoint)
+    checkpoint = f"s3://{moto_s3.bucket}/cp-{uuid.uuid4().hex[:8]}"
+    rival = [("j", b"rival-ack\n")]
+    assert record_intents(checkpoint, 5, rival) == rival
+    fs, _ = fsspec.core.url_to_fs(checkpoint)
+    monkeypatch.setattr(fs, "exists", lambda *args, **kwargs: False)  # (every check before the rival's record)
+    assert record_intents(checkpoint, 5, [("j", b"ours\n")]) == rival
+    assert fs.ls(f"{checkpoint.removeprefix('s3://')}/tidings-sink", detail=False) == [
+        f"{checkpoint.removeprefix('s3://')}/tidings-sink/5.json"
+    ]

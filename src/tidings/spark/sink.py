@@ -157,7 +157,10 @@ def _intents_of(messages: list[WriterCommitMessage | None]) -> list[tuple[str, b
 
 
 class TidingsWriter(DataSourceWriter):
-    """`df.write.format("tidings")`: rows published by the tasks, acknowledged once the job commits."""
+    """`df.write.format("tidings")`: rows published by the tasks, acknowledged once the job commits.
+
+    Without a checkpoint nothing records the ACKs: a driver killed while writing them may leave some
+    tasks' rows committed and others not, and a re-run writes every row again (README)."""
 
     def __init__(self, options: SinkOptions) -> None:
         self.options = options
@@ -218,34 +221,53 @@ def record_intents(checkpoint: str, batch_id: int, mine: list[tuple[str, bytes]]
 def _create_once(fs: Any, root: str, path: str, data: bytes) -> None:
     """Create `path` holding `data`, whole, unless it exists. A local file is written and synced
     under a private name, then linked in (which fails if the name exists; renamed after a last
-    existence check where there are no hard links) and its directory synced; elsewhere (object
-    stores, HDFS) a file appears whole at close, after a last existence check: two commits racing
-    there could both record (Spark runs one query per checkpoint; S3's conditional writes would close it)."""
-    tmp = f"{root}/.{os.path.basename(path)}.{uuid.uuid4().hex}.tmp"
+    existence check where there are no hard links) and its directory synced. Elsewhere the file
+    system's exclusive creation (mode "xb": S3's conditional write, If-None-Match) refuses an
+    existing record; a file system without it gets a file that appears whole at close, after a last
+    existence check, where two commits racing could both record (Spark runs one query per
+    checkpoint, so only a driver thought dead and its successor could)."""
     if isinstance(fs, LocalFileSystem):
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass
-        except OSError:  # (a file system without hard links: FUSE mounts such as /dbfs, SMB, exFAT)
-            if not os.path.exists(path):
-                os.rename(tmp, path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _create_local(root, path, data)
         return
+    try:
+        with fs.open(path, "xb") as f:
+            f.write(data)
+        return
+    except FileExistsError:
+        return
+    except (ValueError, NotImplementedError):  # (no exclusive creation here)
+        log.debug("%s: no exclusive creation; recording %s after an existence check", type(fs).__name__, path)
+    tmp = _tmp_name(root, path)
     with fs.open(tmp, "wb") as f:
         f.write(data)
     if not fs.exists(path):
         fs.mv(tmp, path)
     else:
         fs.rm(tmp)
+
+
+def _tmp_name(root: str, path: str) -> str:
+    return f"{root}/.{os.path.basename(path)}.{uuid.uuid4().hex}.tmp"
+
+
+def _create_local(root: str, path: str, data: bytes) -> None:
+    tmp = _tmp_name(root, path)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    except OSError:  # (a file system without hard links: FUSE mounts such as /dbfs, SMB, exFAT)
+        if not os.path.exists(path):
+            os.rename(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
