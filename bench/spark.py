@@ -6,7 +6,10 @@ messages to one journal (R=3), then times, `--rounds` times each and interleaved
 decodes every row (count, sum and max over the fields) through the tidings source (read
 committed, and read uncommitted) and through Spark's own JSON reader on a file holding the
 journal's bytes. The journal has 8 MiB fragments, so the source reads it in partitions of whole
-fragments (two of 1M messages' 195 MB, as Spark splits the file), read committed also in one.
+fragments (two of 1M messages' 195 MB, as Spark splits the file), read committed also in one; and,
+to show where the time goes, the raw bytes of each message (format raw: no JSON decoded, no UUID
+looked at) beside `spark.read.text`. A `spark_batch_plan` line per reader gives the seconds Spark
+takes to plan its partitions (read committed, the driver's UUID scan up to each cut).
 Prints one JSON line per round and a summary line per reader (best round).
 
   bench/spark.py                          # 1M messages, 3 rounds (~2 min)
@@ -57,7 +60,10 @@ def timed(make) -> tuple[float, float, int]:  # type: ignore[no-untyped-def]
     t = time.perf_counter()
     df = make()
     planned = time.perf_counter() - t
-    row = df.agg(F.count("*").alias("n"), F.sum("amount"), F.max("id"), F.max("user"), F.max("note")).collect()[0]
+    if "value" in df.columns:  # (raw bytes: a line each)
+        row = df.agg(F.count("*").alias("n"), F.max(F.length("value"))).collect()[0]
+    else:
+        row = df.agg(F.count("*").alias("n"), F.sum("amount"), F.max("id"), F.max("user"), F.max("note")).collect()[0]
     return time.perf_counter() - t, planned, row["n"]
 
 
@@ -82,15 +88,23 @@ def main() -> None:
 
 
 def measure(spark, lc: LocalCluster, path: str, size: int, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
-    base = spark.read.format("tidings").option("broker", lc.endpoints[0]).option("journal", JOURNAL)
+    def base():  # type: ignore[no-untyped-def]  # (a new reader each time: option() changes the reader it is called on)
+        return spark.read.format("tidings").option("broker", lc.endpoints[0]).option("journal", JOURNAL)
+
     readers = {
-        "tidings_committed": lambda: base.schema(SCHEMA).load(),
-        "tidings_committed_one_partition": lambda: base.option("bytesPerPartition", 2 * size).schema(SCHEMA).load(),
-        "tidings_uncommitted": lambda: base.option("readCommitted", "false").schema(SCHEMA).load(),
+        "tidings_committed": lambda: base().schema(SCHEMA).load(),
+        "tidings_committed_one_partition": lambda: base().option("bytesPerPartition", 2 * size).schema(SCHEMA).load(),
+        "tidings_uncommitted": lambda: base().option("readCommitted", "false").schema(SCHEMA).load(),
+        "tidings_raw": lambda: base().option("format", "raw").option("readCommitted", "false").load(),
         "spark_read_json": lambda: spark.read.schema(SCHEMA).json(path),
+        "spark_read_text": lambda: spark.read.text(path),
     }
-    for make in readers.values():
+    for name, make in readers.items():
         timed(make)  # warm up: the session, Python workers
+        t = time.perf_counter()
+        parts = make().rdd.getNumPartitions()  # (plans the source's partitions: the driver's scan, read committed)
+        emit({"test": "spark_batch_plan", "reader": name, "partitions": parts,
+              "seconds": round(time.perf_counter() - t, 3)})  # fmt: skip
     results: dict[str, list[float]] = {k: [] for k in readers}
     for r in range(args.rounds):
         for name, make in readers.items():

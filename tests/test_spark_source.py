@@ -177,6 +177,10 @@ def test_a_selector_reads_every_matching_journal(spark, local_cluster) -> None:
         ({"journal": "spark/bad-input", "startingOffsets": "first"}, "option 'startingOffsets' is 'first'"),
         ({"journal": "spark/bad-input", "format": "avro"}, "option 'format' is 'avro'"),
         ({"journal": "spark/bad-input", "minPartitions": "0"}, "option 'minPartitions' is '0'"),
+        (
+            {"journal": "spark/bad-input", "format": "raw", "readCommitted": "false"},
+            "format raw gives the columns journal, offset, value",
+        ),
         ({"selector": "=clicks"}, "option 'selector' is not a label selector"),
         ({}, "option 'journal' is missing"),
     ],
@@ -189,6 +193,27 @@ def test_bad_input_fails_the_query_with_one_line_naming_it(spark, local_cluster,
     with pytest.raises(Exception) as err:
         reader.schema("id BIGINT").load().collect()
     assert says in str(err.value)
+
+
+def test_raw_takes_a_schema_of_its_own_columns(spark, local_cluster) -> None:
+    """format raw with `.schema()` naming exactly its columns (nullable, as a DDL string gives
+    them) reads as without one; a stream says the same as a batch read when they differ."""
+    journal = "spark/raw-schema"
+    ndjson_journal(local_cluster, journal, line(P1, 1, OUTSIDE_TXN, id=1))
+    reader = spark.read.format("tidings").option("broker", local_cluster.endpoints[0]).option("journal", journal)
+    df = (
+        reader.option("format", "raw")
+        .option("readCommitted", "false")
+        .schema("journal STRING, offset BIGINT, value BINARY")
+        .load()
+    )
+    assert [(r.journal, r.offset) for r in df.collect()] == [(journal, 0)]
+    stream = spark.readStream.format("tidings").option("broker", local_cluster.endpoints[0])
+    with pytest.raises(Exception) as err:
+        stream.option("journal", journal).option("format", "raw").option("readCommitted", "false").schema(
+            "value STRING"
+        ).load().writeStream.format("memory").queryName("raw_schema").start().processAllAvailable()
+    assert "format raw gives the columns journal, offset, value" in str(err.value)
 
 
 def test_json_without_a_schema_says_how_to_give_one(spark, local_cluster) -> None:

@@ -332,6 +332,30 @@ class RowBuilder:
         return pa.RecordBatch.from_arrays(arrays, schema=self.arrow)
 
 
+def check_schema(fmt: str, schema_json: str) -> None:
+    """Refuse a query's schema that `fmt` cannot fill (an unsupported type; raw's columns), in one line."""
+    if fmt == "raw":
+        raw_schema(schema_json)
+    else:
+        row_builder(schema_json)
+
+
+_RAW_COLUMNS = [("journal", StringType()), ("offset", LongType()), ("value", BinaryType())]
+
+
+@functools.lru_cache(maxsize=16)
+def raw_schema(schema_json: str) -> pa.Schema:
+    """The Arrow schema of format raw's batches for the query's schema, which must hold raw's columns
+    (a user's `.schema()` may declare them nullable, as a DDL string does: batches follow it)."""
+    schema = StructType.fromJson(json.loads(schema_json))
+    if [(f.name, f.dataType) for f in schema.fields] != _RAW_COLUMNS:
+        raise UsageError(
+            "tidings source: format raw gives the columns journal, offset, value (string, bigint, binary), not "
+            f"{schema.simpleString()}: drop .schema(...) (or declare exactly those), or use format json"
+        )
+    return arrow_schema(schema)
+
+
 @functools.lru_cache(maxsize=16)
 def row_builder(schema_json: str) -> RowBuilder:
     """One RowBuilder per schema per process (building the msgspec types is not free)."""

@@ -61,7 +61,7 @@ from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.labels import parse_selector
 from tidings.protocol.status import JournalNotFoundError, TidingsError, TransportError, UsageError
 from tidings.spark.options import SourceOptions
-from tidings.spark.schema import CORRUPT, METADATA_DDL, RAW_DDL, line_uuids, row_builder
+from tidings.spark.schema import CORRUPT, METADATA_DDL, RAW_DDL, check_schema, line_uuids, raw_schema, row_builder
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -156,8 +156,7 @@ class TidingsBatchReader(DataSourceReader):
     def __init__(self, options: SourceOptions, schema: StructType) -> None:
         self.options = options
         self.schema_json = schema.json()
-        if options.format == "json":
-            row_builder(self.schema_json)  # unsupported column types fail the query here, on the driver
+        check_schema(options.format, self.schema_json)  # (a mistake fails the query here, on the driver)
 
     @_one_line
     def partitions(self) -> list[JournalRange]:
@@ -206,7 +205,7 @@ def read_partition(opts: SourceOptions, schema_json: str, partition: JournalRang
         if not _still_holds(c, opts.fail_on_data_loss, partition):
             return
         if opts.format == "raw":
-            yield from _read_raw(c, partition, lost)
+            yield from _read_raw(c, partition, lost, raw_schema(schema_json))
         else:
             yield from _read_json(c, partition, opts.read_committed, schema_json, lost)
 
@@ -449,7 +448,9 @@ def _text_of(c: Client, journal: str, g: Garbage) -> str:
     return data.rstrip(b"\n").decode("utf-8", errors="replace")
 
 
-def _read_raw(c: Client, part: JournalRange, lost: Callable[[str, int, int], None]) -> Iterator[pa.RecordBatch]:
+def _read_raw(
+    c: Client, part: JournalRange, lost: Callable[[str, int, int], None], schema: pa.Schema
+) -> Iterator[pa.RecordBatch]:
     """Each message's bytes as written (no UUIDs looked at); undecodable ranges are skipped with a warning."""
     reader = ReadUncommitted(
         c,
@@ -468,14 +469,5 @@ def _read_raw(c: Client, part: JournalRange, lost: Callable[[str, int, int], Non
             values = [bytes(e.message) for e in rows]
             yield pa.RecordBatch.from_pydict(
                 {"journal": [part.journal] * len(rows), "offset": [e.begin for e in rows], "value": values},
-                schema=_RAW_ARROW,
+                schema=schema,
             )
-
-
-_RAW_ARROW = pa.schema(
-    [
-        pa.field("journal", pa.string(), nullable=False),
-        pa.field("offset", pa.int64(), nullable=False),
-        pa.field("value", pa.binary(), nullable=False),
-    ]
-)

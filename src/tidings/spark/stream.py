@@ -47,7 +47,7 @@ from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.labels import parse_selector
 from tidings.protocol.status import UsageError
 from tidings.spark.options import SourceOptions
-from tidings.spark.schema import row_builder
+from tidings.spark.schema import check_schema
 from tidings.spark.source import (
     JournalRange,
     _one_line,
@@ -69,8 +69,7 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, options: SourceOptions, schema: StructType) -> None:
         self.options = options
         self.schema_json = schema.json()
-        if options.format == "json":
-            row_builder(self.schema_json)  # unsupported column types fail the query here
+        check_schema(options.format, self.schema_json)  # (a mistake fails the query here)
         self._client: Client | None = None
         self._specs: tuple[float, dict[str, pb.JournalSpec]] = (0.0, {})
         self._heads: dict[str, tuple[float, int]] = {}
