@@ -177,6 +177,7 @@ def test_a_selector_reads_every_matching_journal(spark, local_cluster) -> None:
         ({"journal": "spark/bad-input", "startingOffsets": "first"}, "option 'startingOffsets' is 'first'"),
         ({"journal": "spark/bad-input", "format": "avro"}, "option 'format' is 'avro'"),
         ({"journal": "spark/bad-input", "minPartitions": "0"}, "option 'minPartitions' is '0'"),
+        ({"journal": "spark/bad-input", "producerHorizon": "soon"}, "option 'producerHorizon' is 'soon'"),
         (
             {"journal": "spark/bad-input", "format": "raw", "readCommitted": "false"},
             "format raw gives the columns journal, offset, value",

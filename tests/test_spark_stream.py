@@ -4,6 +4,7 @@ selector that picks up a journal created while the query runs."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -191,3 +192,24 @@ def test_raw_rows_of_a_protobuf_journal_stream_under_max_bytes_per_trigger(spark
     )  # fmt: skip
     assert [value for _, value in got] == payloads
     assert len(list((tmp_path / "cp" / "offsets").iterdir())) > 3  # (several micro-batches)
+
+
+def test_producer_horizon_bounds_the_producers_an_offset_keeps(spark, local_cluster, tmp_path) -> None:
+    """A stream's offsets keep the producers heard from within `producerHorizon` of the newest (in
+    their clocks' time); 24 h by default. (A sink's journal gains a producer per task attempt.)"""
+    hour = 3600 * 10_000_000 << 4  # an hour of UUID clock: 100 ns ticks, 4 sequence bits
+    journal = "spark/horizon"
+    ndjson_journal(
+        local_cluster,
+        journal,
+        line(P1, 1, OUTSIDE_TXN, id=1) + line(P4, 2 * hour, OUTSIDE_TXN, id=2),
+    )
+
+    def producers(checkpoint: str, **options: str) -> set[str]:
+        assert [i for _, i in run_available_now(spark, local_cluster, journal, checkpoint, **options)] == [1, 2]
+        offsets = tmp_path / checkpoint / "offsets"  # (an absolute `checkpoint`: that path)
+        last = max(offsets.iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else -1)
+        return set(json.loads(last.read_text().splitlines()[-1])["journals"][journal]["producers"])
+
+    assert producers(str(tmp_path / "default")) == {P1.hex(), P4.hex()}
+    assert producers(str(tmp_path / "short"), producerHorizon="1h") == {P4.hex()}

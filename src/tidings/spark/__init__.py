@@ -16,7 +16,7 @@ schema, default; or `raw`: `journal`, `offset`, `value` per message as written, 
 `minPartitions` (batch reads: a journal splits at fragment boundaries into partitions of at most
 about 128 MiB by default, and at least this many; see `tidings.spark.source`),
 and for `readStream`
-`maxBytesPerTrigger` (see `tidings.spark.stream`). Columns: see `tidings.spark.schema`.
+`maxBytesPerTrigger` and `producerHorizon` (see `tidings.spark.stream`). Columns: see `tidings.spark.schema`.
 
 Writing (`df.write` / `df.writeStream` `.format("tidings")`): options `broker`, `journal` (or a
 `journal` column per row) and, for streams, `checkpointLocation`; exactly once, see

@@ -11,8 +11,10 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from tidings.message.sequencer import DEFAULT_PRODUCER_HORIZON
 from tidings.protocol import validate
 from tidings.protocol.labels import parse_selector
+from tidings.protocol.specs import parse_duration_ms
 from tidings.protocol.status import UsageError, ValidationError
 
 DEFAULT_BROKER = "127.0.0.1:8080"
@@ -43,6 +45,7 @@ class SourceOptions:
     max_bytes_per_trigger: int | None  # streaming: bytes per micro-batch (all journals together)
     bytes_per_partition: int = DEFAULT_BYTES_PER_PARTITION  # batch: at most about this many bytes per task
     min_partitions: int = 1  # batch: at least this many tasks per journal, as its fragments allow
+    producer_horizon: float = DEFAULT_PRODUCER_HORIZON  # streaming: seconds a quiet producer stays in offsets
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SourceOptions:
@@ -86,6 +89,7 @@ class SourceOptions:
             max_bytes_per_trigger=_positive(get("maxBytesPerTrigger"), "maxBytesPerTrigger"),
             bytes_per_partition=_positive(get("bytesPerPartition"), "bytesPerPartition") or DEFAULT_BYTES_PER_PARTITION,
             min_partitions=_positive(get("minPartitions"), "minPartitions", "number of partitions") or 1,
+            producer_horizon=_duration(get("producerHorizon"), "producerHorizon") or DEFAULT_PRODUCER_HORIZON,
         )
 
 
@@ -99,6 +103,19 @@ def _positive(text: str | None, option: str, what: str = "number of bytes") -> i
     if value <= 0:
         raise OptionError(option, f"is {text!r}: give a positive {what}")
     return value
+
+
+def _duration(text: str | None, option: str) -> float | None:
+    """Seconds of a duration option ('10m', '1h', '30s', or seconds)."""
+    if text is None:
+        return None
+    try:
+        ms = parse_duration_ms(text, option)
+    except ValidationError:
+        ms = 0
+    if ms <= 0:
+        raise OptionError(option, f"is {text!r}: give a duration such as 10m, 1h or 30s")
+    return ms / 1000
 
 
 def _bool(text: str | None, option: str) -> bool:

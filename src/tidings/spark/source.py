@@ -185,7 +185,7 @@ class TidingsBatchReader(DataSourceReader):
         ranges = []
         state, producers = JournalCheckpoint(begin, {}), None
         for cut in cuts:
-            reached = scan(c, True, Checkpoint({name: state}), {name: cut}, {}, prune=False).journals[name]
+            reached = scan(c, True, Checkpoint({name: state}), {name: cut}, {}, horizon=None).journals[name]
             if reached.read_through > state.read_through:  # (cut back to its last whole message)
                 ranges.append(JournalRange(name, content_type, state.read_through, reached.read_through, producers))
                 state, producers = reached, msgspec.to_builtins(reached.producers)
@@ -279,15 +279,15 @@ def scan(
     ends: dict[str, int],
     heads: dict[str, int],
     *,
-    prune: bool = True,
+    horizon: float | None = DEFAULT_PRODUCER_HORIZON,
     content_types: dict[str, str] | None = None,
 ) -> Checkpoint:
     """The journals' states at `ends` (each cut back to its last whole message unless it is the
     write head in `heads`, where appends end), from `begun`'s: the driver reads the bytes between
-    (persisted fragments straight from their store) and decodes only the UUIDs. With `prune`
-    False every producer is kept (a batch read's partitions must deliver what one reader does,
-    and one reader never forgets a producer; a stream's checkpoints forget quiet ones after the
-    Sequencer's producer horizon, as Gazette's do). Read uncommitted (format raw), journals of any
+    (persisted fragments straight from their store) and decodes only the UUIDs. With `horizon`
+    None every producer is kept (a batch read's partitions must deliver what one reader does,
+    and one reader never forgets a producer; a stream's checkpoints forget producers quiet for
+    `horizon` seconds of their clocks, 24 h by default as Gazette's do). Read uncommitted (format raw), journals of any
     framing (`content_types`; ndjson by default) are cut at their own messages' ends."""
     names = sorted(ends)
     starts = {n: begun.journals.get(n, JournalCheckpoint(0)) for n in names}
@@ -299,7 +299,6 @@ def scan(
     offsets: dict[str, int] = {}
     found: dict[str, JournalCheckpoint] = {}
     if committed:  # (format json: ndjson journals; the same UUIDs and garbage as the tasks see)
-        horizon = DEFAULT_PRODUCER_HORIZON if prune else None
         reader = ReadCommitted(
             c, names, checkpoint=Checkpoint(starts), reread_pending=False, producer_horizon=horizon,
             end_offsets=ends, message_type=msgspec.Raw, uuids_of=line_uuids, **common,

@@ -21,10 +21,18 @@ reads it records where it began (`begins`), so a replay of that batch reads the 
 
 `maxBytesPerTrigger` caps a batch's new bytes over all journals (split evenly; at least one whole
 message each); Trigger.AvailableNow reads up to the write heads it found when the query started.
+
+`producerHorizon` (default 24h, Gazette's): an offset keeps a producer's state until the producer
+has been quiet that long in its own clock time, to drop a late duplicate of its messages. A
+journal written by the tidings sink gets a new producer per task attempt, each done once its ACK
+is written (all its messages come before it), so a query reading one can keep its offsets small
+with a horizon of minutes (`10m`); a producer that writes a message after being forgotten is
+deduplicated again only from then on.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -145,12 +153,16 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         ends = {n: h if cap is None else min(h, _read_through(begun, n) + max(cap, 1)) for n, h in heads.items()}
         specs = self._journals()
         types = {n: content_type_of(specs[n]) for n in heads if n in specs}
-        reached = scan(self.client, self.options.read_committed, begun, ends, heads, content_types=types)
+        scan_to = functools.partial(
+            scan, self.client, self.options.read_committed, begun, content_types=types,
+            horizon=self.options.producer_horizon,
+        )  # fmt: skip
+        reached = scan_to(ends, heads)
         while stuck := [n for n in heads if reached.journals[n].read_through == _read_through(begun, n)]:
             for n in stuck:  # a message longer than the cap: widen until it is whole
                 rt = _read_through(begun, n)
                 ends[n] = min(heads[n], rt + 2 * (ends[n] - rt))
-            reached = scan(self.client, self.options.read_committed, begun, ends, heads, content_types=types)
+            reached = scan_to(ends, heads)
         journals = {n: jc for n, jc in begun.journals.items() if n not in found or n in heads}
         journals.update({n: reached.journals[n] for n in heads})
         return _offset(Checkpoint(journals), begins)
