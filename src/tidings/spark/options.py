@@ -76,12 +76,18 @@ class SourceOptions:
                 "must be false with format 'raw' (raw rows are the messages as written); "
                 "use format 'json' to read committed messages",
             )
+        starting = _offsets(get("startingOffsets", "earliest"), "startingOffsets")
+        ending = _offsets(get("endingOffsets", "latest"), "endingOffsets")
+        for option, offsets in (("startingOffsets", starting), ("endingOffsets", ending)):
+            stray = sorted(set(offsets) - set(journals)) if isinstance(offsets, dict) and journals else []
+            if stray:
+                raise OptionError(option, f"names journal {stray[0]!r}, which option 'journal' does not: fix the name")
         return cls(
             broker=get("broker", DEFAULT_BROKER) or DEFAULT_BROKER,
             journals=journals,
             selector=selector,
-            starting=_offsets(get("startingOffsets", "earliest"), "startingOffsets"),
-            ending=_offsets(get("endingOffsets", "latest"), "endingOffsets"),
+            starting=starting,
+            ending=ending,
             read_committed=read_committed,
             format=fmt,
             fail_on_data_loss=_bool(get("failOnDataLoss", "true"), "failOnDataLoss"),

@@ -332,12 +332,26 @@ class RowBuilder:
         return pa.RecordBatch.from_arrays(arrays, schema=self.arrow)
 
 
+_METADATA_TYPES = {
+    "journal": StringType(), "offset": LongType(), "uuid": StringType(), "producer": StringType(),
+    "clock": LongType(), CORRUPT: StringType(),
+}  # fmt: skip
+
+
 def check_schema(fmt: str, schema_json: str) -> None:
-    """Refuse a query's schema that `fmt` cannot fill (an unsupported type; raw's columns), in one line."""
+    """Refuse a query's schema that `fmt` cannot fill (an unsupported type; raw's columns; a
+    metadata column of another type), in one line."""
     if fmt == "raw":
         raw_schema(schema_json)
-    else:
-        row_builder(schema_json)
+        return
+    for f in StructType.fromJson(json.loads(schema_json)).fields:
+        want = _METADATA_TYPES.get(f.name)
+        if want is not None and f.dataType != want:
+            raise UsageError(
+                f"tidings source: column {f.name!r} is filled by the source as {want.simpleString()}, not "
+                f"{f.dataType.simpleString()}: declare it {want.simpleString()}, or leave it out of the schema"
+            )
+    row_builder(schema_json)
 
 
 _RAW_COLUMNS = [("journal", StringType()), ("offset", LongType()), ("value", BinaryType())]

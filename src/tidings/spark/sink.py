@@ -40,6 +40,7 @@ from pyspark.sql.types import StringType, StructType, TimestampType
 
 from tidings.client import AppendService, Client
 from tidings.message import AckIntent, Publisher
+from tidings.protocol.status import JournalNotFoundError, TransportError, UsageError
 from tidings.spark.options import DEFAULT_BROKER, OptionError
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,29 @@ class Acks(WriterCommitMessage):
     """A task's ACK intents: what the driver writes to commit its rows."""
 
     intents: list[tuple[str, bytes]]
+
+
+def check_target(opts: SinkOptions) -> None:
+    """On the driver, before any task runs: the broker answers and the journal (option `journal`)
+    exists, or the query fails in one line naming the option (rather than in every task)."""
+    from tidings.spark.source import planning_client
+
+    with planning_client(opts.broker) as c:
+        try:
+            if opts.journal is None:
+                c.list()
+            else:
+                c.write_head(opts.journal)
+        except JournalNotFoundError:
+            raise UsageError(
+                f"tidings sink: journal {opts.journal!r} does not exist (broker {opts.broker}); check option "
+                "'journal', or create it with `tidings journals apply`"
+            ) from None
+        except TransportError as exc:
+            code = exc.code.name if exc.code is not None else "no answer"
+            raise UsageError(
+                f"tidings sink: broker {opts.broker} is unreachable ({code}); check option 'broker'"
+            ) from None
 
 
 def publish_rows(opts: SinkOptions, rows: Iterator[Any]) -> Acks:

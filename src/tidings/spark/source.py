@@ -141,15 +141,24 @@ class TidingsDataSource(DataSource):
 
     @_one_line
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
-        from tidings.spark.sink import SinkOptions, TidingsWriter
+        from tidings.spark.sink import SinkOptions, TidingsWriter, check_target
 
-        return TidingsWriter(SinkOptions.parse(self.options, schema, streaming=False))
+        if overwrite:
+            raise UsageError(
+                "tidings sink: a journal is append-only, so mode('overwrite') cannot replace what it holds; "
+                "use mode('append')"
+            )
+        opts = SinkOptions.parse(self.options, schema, streaming=False)
+        check_target(opts)
+        return TidingsWriter(opts)
 
     @_one_line
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
-        from tidings.spark.sink import SinkOptions, TidingsStreamWriter
+        from tidings.spark.sink import SinkOptions, TidingsStreamWriter, check_target
 
-        return TidingsStreamWriter(SinkOptions.parse(self.options, schema, streaming=True))
+        opts = SinkOptions.parse(self.options, schema, streaming=True)
+        check_target(opts)
+        return TidingsStreamWriter(opts)
 
 
 class TidingsBatchReader(DataSourceReader):
@@ -164,7 +173,7 @@ class TidingsBatchReader(DataSourceReader):
         with planning_client(opts.broker) as c:
             ranges = []
             for spec in resolve_journals(c, opts):
-                begin = offset_for(c, spec.name, opts.starting, "earliest")
+                begin = starting_offset(c, spec.name, opts.starting)
                 end = offset_for(c, spec.name, opts.ending, "latest")
                 if isinstance(opts.ending, dict):  # (past the write head: to it, as tasks wait for every byte)
                     end = min(end, c.write_head(spec.name))
@@ -298,6 +307,7 @@ def scan(
     }
     offsets: dict[str, int] = {}
     found: dict[str, JournalCheckpoint] = {}
+    types = content_types or {}
     if committed:  # (format json: ndjson journals; the same UUIDs and garbage as the tasks see)
         reader = ReadCommitted(
             c, names, checkpoint=Checkpoint(starts), reread_pending=False, producer_horizon=horizon,
@@ -307,7 +317,6 @@ def scan(
             pass
         offsets, found = reader.offsets, reader.checkpoint().journals
     else:
-        types = content_types or {}
         for lines in (True, False):  # (JSON lines as lines; other framings' payloads as bytes)
             group = [n for n in names if (types.get(n, NDJSON) == NDJSON) == lines]
             if group:
@@ -321,11 +330,18 @@ def scan(
                 offsets.update(plain.offsets)
     out = {}
     for n in names:
-        whole = offsets[n] >= ends[n] or ends[n] == heads.get(n)
+        whole = offsets[n] >= ends[n] or (ends[n] == heads.get(n) and not torn_at(c, n, ends[n], types.get(n)))
         through = ends[n] if whole else offsets[n]
         jc = found.get(n, JournalCheckpoint(0, {}))
         out[n] = JournalCheckpoint(max(through, starts[n].read_through), jc.producers if found else {})
     return Checkpoint(out)
+
+
+def torn_at(c: Client, journal: str, offset: int, content_type: str | None = NDJSON) -> bool:
+    """Whether `offset` of an ndjson journal falls inside a line: its write head, when a raw append
+    ended mid-line (publishers' appends end with their messages). Reading to it would split a message
+    in two undecodable halves; a reader waits there for the rest, as Gazette's readers do."""
+    return (content_type or NDJSON) == NDJSON and offset > 0 and c.read_all(journal, offset - 1, offset) != b"\n"
 
 
 def _no_uuids(values: list[Any]) -> list[None]:
@@ -387,6 +403,18 @@ def offset_for(c: Client, journal: str, offsets: str | dict[str, int], default: 
         return c.write_head(journal)
     assert isinstance(which, int)
     return which
+
+
+def starting_offset(c: Client, journal: str, offsets: str | dict[str, int]) -> int:
+    """`offset_for` startingOffsets, refusing an offset past the journal's write head (a mistake:
+    a read would wait there for bytes that may never come)."""
+    at = offset_for(c, journal, offsets, "earliest")
+    if isinstance(offsets, dict) and journal in offsets and at > (head := c.write_head(journal)):
+        raise UsageError(
+            f"tidings source: option 'startingOffsets' gives journal {journal!r} offset {at}, past its write head "
+            f"{head}: give an offset at or below it, or earliest / latest"
+        )
+    return at
 
 
 def _read_json(

@@ -64,6 +64,8 @@ from tidings.spark.source import (
     read_partition,
     resolve_journals,
     scan,
+    starting_offset,
+    torn_at,
 )
 
 log = logging.getLogger(__name__)
@@ -112,7 +114,7 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def initialOffset(self) -> dict:
         journals = {}
         for name in self._journals():
-            journals[name] = {"read_through": offset_for(self.client, name, self.options.starting, "earliest")}
+            journals[name] = {"read_through": starting_offset(self.client, name, self.options.starting)}
         return _offset(Checkpoint(msgspec.convert(journals, dict[str, JournalCheckpoint])))
 
     def getDefaultReadLimit(self) -> ReadLimit:
@@ -146,13 +148,17 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             return start
         begins = {n: at for n, at in found.items() if n in heads}  # (partitions() reads them from there)
         cap = limit.max_bytes // len(heads) if isinstance(limit, ReadMaxBytes) else None
-        if cap is None and not self.options.read_committed:  # plain offsets: up to the heads, no scan
+        specs = self._journals()
+        types = {n: content_type_of(specs[n]) for n in heads if n in specs}
+        if (
+            cap is None
+            and not self.options.read_committed
+            and not any(torn_at(self.client, n, h, types.get(n)) for n, h in heads.items())
+        ):  # plain offsets: up to the heads, no scan
             journals = {n: jc for n, jc in begun.journals.items() if n not in found or n in heads}
             journals.update({n: JournalCheckpoint(h, {}) for n, h in heads.items()})
             return _offset(Checkpoint(journals), begins)
         ends = {n: h if cap is None else min(h, _read_through(begun, n) + max(cap, 1)) for n, h in heads.items()}
-        specs = self._journals()
-        types = {n: content_type_of(specs[n]) for n in heads if n in specs}
         scan_to = functools.partial(
             scan, self.client, self.options.read_committed, begun, content_types=types,
             horizon=self.options.producer_horizon,
@@ -160,12 +166,17 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         reached = scan_to(ends, heads)
         while stuck := [n for n in heads if reached.journals[n].read_through == _read_through(begun, n)]:
             for n in stuck:  # a message longer than the cap: widen until it is whole
+                if ends[n] == heads[n]:  # (no whole message yet: one still being appended ends at the head)
+                    del heads[n], ends[n]
+                    continue
                 rt = _read_through(begun, n)
                 ends[n] = min(heads[n], rt + 2 * (ends[n] - rt))
+            if not heads:
+                return start
             reached = scan_to(ends, heads)
         journals = {n: jc for n, jc in begun.journals.items() if n not in found or n in heads}
         journals.update({n: reached.journals[n] for n in heads})
-        return _offset(Checkpoint(journals), begins)
+        return _offset(Checkpoint(journals), {n: at for n, at in begins.items() if n in heads})
 
     def _lost(self, begun: Checkpoint, journal: str, head: int) -> Checkpoint:
         """A write head below our offset: the journal was reset or deleted and created again."""
