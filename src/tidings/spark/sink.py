@@ -81,7 +81,7 @@ class Acks(WriterCommitMessage):
 def check_target(opts: SinkOptions) -> None:
     """On the driver, before any task runs: the broker answers and the journal (option `journal`)
     exists, or the query fails in one line naming the option (rather than in every task)."""
-    from tidings.spark.source import planning_client
+    from tidings.spark.source import planning_client, unreachable
 
     with planning_client(opts.broker) as c:
         try:
@@ -95,10 +95,7 @@ def check_target(opts: SinkOptions) -> None:
                 "'journal', or create it with `tidings journals apply`"
             ) from None
         except TransportError as exc:
-            code = exc.code.name if exc.code is not None else "no answer"
-            raise UsageError(
-                f"tidings sink: broker {opts.broker} is unreachable ({code}); check option 'broker'"
-            ) from None
+            raise unreachable("sink", opts.broker, exc) from None
 
 
 def publish_rows(opts: SinkOptions, rows: Iterator[Any]) -> Acks:

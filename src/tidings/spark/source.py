@@ -189,7 +189,7 @@ class TidingsBatchReader(DataSourceReader):
         if content_type == NDJSON and parts > 1:
             cuts = fragment_cuts(c.fragments(name), begin, end, parts)
         if not self.options.read_committed:
-            cuts = [at for at in cuts if c.read_all(name, at - 1, at) == b"\n"]  # (a line cut by a raw append)
+            cuts = [at for at in cuts if not torn_at(c, name, at)]  # (a line cut by a raw append)
             return [JournalRange(name, content_type, a, b) for a, b in itertools.pairwise([begin, *cuts, end])]
         ranges = []
         state, producers = JournalCheckpoint(begin, {}), None
@@ -354,6 +354,12 @@ def _cut_or_garbage(journal: str, garbage: Garbage) -> None:
               garbage.error)  # fmt: skip
 
 
+def unreachable(who: str, broker: str, exc: TransportError) -> UsageError:
+    """The one line for a broker a query's driver cannot reach (`who`: source or sink)."""
+    code = exc.code.name if exc.code is not None else "no answer"
+    return UsageError(f"tidings {who}: broker {broker} is unreachable ({code}); check option 'broker'")
+
+
 def planning_client(broker: str) -> Client:
     return Client(broker, retries=PLANNING_RETRIES)
 
@@ -363,10 +369,7 @@ def resolve_journals(c: Client, opts: SourceOptions) -> list[pb.JournalSpec]:
     try:
         resp = c.list(parse_selector(opts.selector) if opts.selector else None)
     except TransportError as exc:
-        code = exc.code.name if exc.code is not None else "no answer"
-        raise UsageError(
-            f"tidings source: broker {opts.broker} is unreachable ({code}); check option 'broker'"
-        ) from None
+        raise unreachable("source", opts.broker, exc) from None
     specs = {j.spec.name: j.spec for j in resp.journals}
     if opts.selector:
         chosen = []
