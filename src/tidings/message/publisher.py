@@ -102,9 +102,11 @@ class AckIntent(msgspec.Struct, frozen=True):
 
 
 def content_type_of(spec: pb.JournalSpec) -> str:
+    """A journal's media type, by its content-type label (parameters such as `; charset=utf-8` dropped,
+    lowercased, as `framing_for` reads it), so comparing it with NDJSON means what its framing does."""
     for label in spec.labels.labels:
         if label.name == CONTENT_TYPE_LABEL:
-            return label.value
+            return label.value.split(";", 1)[0].strip().lower()
     return NDJSON
 
 

@@ -256,8 +256,9 @@ def _create_once(fs: Any, root: str, path: str, data: bytes) -> None:
         return
     except FileExistsError:
         return
-    except (ValueError, NotImplementedError):  # (no exclusive creation here)
-        log.debug("%s: no exclusive creation; recording %s after an existence check", type(fs).__name__, path)
+    except Exception as exc:  # (no exclusive creation here: an S3-compatible store refusing If-None-Match, say)
+        log.warning("%s: exclusive creation refused (%s); recording %s after an existence check",
+                    type(fs).__name__, exc, path)  # fmt: skip
     tmp = _tmp_name(root, path)
     with fs.open(tmp, "wb") as f:
         f.write(data)

@@ -189,7 +189,7 @@ class TidingsBatchReader(DataSourceReader):
         if content_type == NDJSON and parts > 1:
             cuts = fragment_cuts(c.fragments(name), begin, end, parts)
         if not self.options.read_committed:
-            cuts = [at for at in cuts if not torn_at(c, name, at)]  # (a line cut by a raw append)
+            cuts = [at for at in cuts if whole_at(c, name, at)]  # (not a line a raw append cut)
             return [JournalRange(name, content_type, a, b) for a, b in itertools.pairwise([begin, *cuts, end])]
         ranges = []
         state, producers = JournalCheckpoint(begin, {}), None
@@ -292,8 +292,9 @@ def scan(
     content_types: dict[str, str] | None = None,
 ) -> Checkpoint:
     """The journals' states at `ends` (each cut back to its last whole message unless it is the
-    write head in `heads`, where appends end), from `begun`'s: the driver reads the bytes between
-    (persisted fragments straight from their store) and decodes only the UUIDs. With `horizon`
+    write head in `heads` that ends a line), from `begun`'s: the driver reads the bytes between
+    (persisted fragments straight from their store) and decodes only the UUIDs; a write head
+    counts as a message end only when `whole_at` says so. With `horizon`
     None every producer is kept (a batch read's partitions must deliver what one reader does,
     and one reader never forgets a producer; a stream's checkpoints forget producers quiet for
     `horizon` seconds of their clocks, 24 h by default as Gazette's do). Read uncommitted (format raw), journals of any
@@ -330,18 +331,20 @@ def scan(
                 offsets.update(plain.offsets)
     out = {}
     for n in names:
-        whole = offsets[n] >= ends[n] or (ends[n] == heads.get(n) and not torn_at(c, n, ends[n], types.get(n)))
+        whole = offsets[n] >= ends[n] or (ends[n] == heads.get(n) and whole_at(c, n, ends[n], types.get(n)))
         through = ends[n] if whole else offsets[n]
         jc = found.get(n, JournalCheckpoint(0, {}))
         out[n] = JournalCheckpoint(max(through, starts[n].read_through), jc.producers if found else {})
     return Checkpoint(out)
 
 
-def torn_at(c: Client, journal: str, offset: int, content_type: str | None = NDJSON) -> bool:
-    """Whether `offset` of an ndjson journal falls inside a line: its write head, when a raw append
-    ended mid-line (publishers' appends end with their messages). Reading to it would split a message
-    in two undecodable halves; a reader waits there for the rest, as Gazette's readers do."""
-    return (content_type or NDJSON) == NDJSON and offset > 0 and c.read_all(journal, offset - 1, offset) != b"\n"
+def whole_at(c: Client, journal: str, offset: int, content_type: str | None = NDJSON) -> bool:
+    """Whether `offset` is known to end a whole message: in an ndjson journal, the byte before it is
+    a newline. A write head need not be (a raw append may end mid-line or mid-frame, while
+    publishers' appends end with their messages), and reading to one that is not would split a
+    message in two undecodable halves: a reader waits there for the rest, as Gazette's readers do.
+    Other framings cannot tell from one byte (False): only a reader's reach says."""
+    return (content_type or NDJSON) == NDJSON and (offset == 0 or c.read_all(journal, offset - 1, offset) == b"\n")
 
 
 def _no_uuids(values: list[Any]) -> list[None]:

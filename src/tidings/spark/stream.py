@@ -24,10 +24,11 @@ message each); Trigger.AvailableNow reads up to the write heads it found when th
 
 `producerHorizon` (default 24h, Gazette's): an offset keeps a producer's state until the producer
 has been quiet that long in its own clock time, to drop a late duplicate of its messages. A
-journal written by the tidings sink gets a new producer per task attempt, each done once its ACK
-is written (all its messages come before it), so a query reading one can keep its offsets small
-with a horizon of minutes (`10m`); a producer that writes a message after being forgotten is
-deduplicated again only from then on.
+forgotten producer's open transaction is forgotten too (as in Gazette), so its later ACK commits
+nothing: the horizon must exceed the longest time from a transaction's first message to its ACK.
+A journal written by the tidings sink gains a producer per task attempt; a query reading one can
+keep its offsets smaller with a shorter horizon (`2h`, say) only if no sink batch, from its first
+task's rows to its ACKs (a driver's recovery included), takes that long.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from tidings.spark.source import (
     resolve_journals,
     scan,
     starting_offset,
-    torn_at,
+    whole_at,
 )
 
 log = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if (
             cap is None
             and not self.options.read_committed
-            and not any(torn_at(self.client, n, h, types.get(n)) for n, h in heads.items())
+            and all(whole_at(self.client, n, h, types.get(n)) for n, h in heads.items())
         ):  # plain offsets: up to the heads, no scan
             journals = {n: jc for n, jc in begun.journals.items() if n not in found or n in heads}
             journals.update({n: JournalCheckpoint(h, {}) for n, h in heads.items()})
