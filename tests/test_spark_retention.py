@@ -5,7 +5,9 @@ a selector finds while emptied is read from its next byte, not from 0 as if byte
 from __future__ import annotations
 
 import asyncio
+import json
 
+import pytest
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 
@@ -14,6 +16,8 @@ from tests.test_spark_source import NDJSON, P1, P4, line, ndjson_journal
 from tidings.client import Client
 from tidings.fragment.store import store_for
 from tidings.message.uuid import OUTSIDE_TXN
+from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.status import UsageError
 from tidings.spark.options import SourceOptions
 from tidings.spark.stream import TidingsStreamReader
 
@@ -89,3 +93,83 @@ def test_a_query_that_read_all_of_a_journal_survives_retention_emptying_it(local
         assert reader.latestOffset(start, ReadAllAvailable()) == start  # nothing new, and nothing lost
     finally:
         reader.stop()
+
+
+def test_trigger_available_now_leaves_a_journal_found_after_its_start_for_the_next_run(local_cluster) -> None:
+    """Trigger.AvailableNow reads to the write heads it found at the start (as Kafka's source reads
+    the partitions it knew then): a journal the selector finds mid-run waits for the next run, and
+    is not taken for a journal reset because it had no head in that list (its first byte is > 0)."""
+    labels = {**NDJSON["labels"], "topic": "found-available-now"}
+    first = "spark/found-available-now-first"
+    ndjson_journal(local_cluster, first, line(P4, 1, OUTSIDE_TXN, id=1), labels=labels)
+    reader = reader_of(local_cluster, selector="topic=found-available-now")
+    try:
+        start = reader.initialOffset()
+        reader.prepareForTriggerAvailableNow()
+        later = "spark/found-available-now"
+        emptied_journal(local_cluster, later, {"topic": "found-available-now"})  # (first held byte > 0)
+        reader._specs = (0.0, {})  # (past JOURNALS_TTL)
+        end = reader.latestOffset(start, ReadAllAvailable())
+        assert set(end["journals"]) == {first}, end
+        ranges = reader.partitions(start, end)
+        assert [(r.journal, sum(b.num_rows for b in reader.read(r))) for r in ranges] == [(first, 1)]
+        assert reader.latestOffset(end, ReadAllAvailable()) == end  # (done: AvailableNow's run ends)
+    finally:
+        reader.stop()
+
+
+def test_a_stream_at_bytes_retention_removed_waits_without_holding_up_its_other_journals(local_cluster) -> None:
+    """Retention removed every byte of `gone` from the stream's offset to its write head: a read
+    there waits for bytes (as Gazette's readers do), and latestOffset did, for ever, holding up the
+    query's other journals. Now `gone` waits alone; once written, the lost bytes are reported by the
+    tasks (failOnDataLoss) or skipped."""
+    labels = NDJSON["labels"]
+    ndjson_journal(local_cluster, "spark/live", line(P4, 1, OUTSIDE_TXN, id=1), labels=labels)
+    gone = "spark/gone"
+    end = emptied_journal(local_cluster, gone, labels)
+    start = {"journals": {"spark/live": {"read_through": 0}, gone: {"read_through": 0}}}
+    for committed in ("true", "false"):
+        reader = reader_of(local_cluster, journal=f"spark/live,{gone}", readCommitted=committed)
+        try:
+            first = reader.latestOffset(start, ReadAllAvailable())
+            assert first["journals"][gone]["read_through"] == 0 and first["journals"]["spark/live"]["read_through"] > 0
+        finally:
+            reader.stop()
+    with Client(local_cluster.endpoints[0]) as c:
+        c.append(gone, line(P1, 3, OUTSIDE_TXN, id=13))
+        asyncio.run(wait_until(lambda: c.probe(gone, 0).status == pb.OK, 30))  # (its new fragment, persisted)
+    for fail, rows in (("true", None), ("false", 1)):
+        reader = reader_of(local_cluster, journal=gone, failOnDataLoss=fail)
+        try:
+            only = {"journals": {gone: {"read_through": 0}}}
+            ranges = reader.partitions(only, reader.latestOffset(only, ReadAllAvailable()))
+            if rows is None:
+                with pytest.raises(UsageError, match=rf"no longer holds bytes \[0, {end}\)"):
+                    [b for r in ranges for b in reader.read(r)]
+            else:
+                assert sum(b.num_rows for r in ranges for b in reader.read(r)) == rows
+        finally:
+            reader.stop()
+
+
+def test_starting_offsets_below_what_retention_left_fail_or_start_at_the_first_byte(spark, local_cluster) -> None:
+    """startingOffsets {journal: 0} on a journal retention emptied: the task's read waited for ever
+    at 0. Now an offset below the first held byte is lost data, as an out-of-range offset is to
+    Kafka's source: the query fails naming the option, or starts at that byte (failOnDataLoss=false)."""
+    gone = "spark/gone-batch"
+    end = emptied_journal(local_cluster, gone, NDJSON["labels"])
+
+    def count(**opts: str) -> int:
+        r = spark.read.format("tidings").option("broker", local_cluster.endpoints[0]).option("journal", gone)
+        for k, v in {"startingOffsets": json.dumps({gone: 0}), **opts}.items():
+            r = r.option(k, v)
+        return r.schema("id BIGINT").load().count()
+
+    with pytest.raises(Exception) as err:
+        count()
+    msg = str(err.value)
+    assert "startingOffsets" in msg and f"from {end} on" in msg and msg.count('File "') <= 1, msg[:1500]
+    assert count(failOnDataLoss="false") == 0
+    with Client(local_cluster.endpoints[0]) as c:
+        c.append(gone, line(P1, 3, OUTSIDE_TXN, id=13))
+    assert count(failOnDataLoss="false") == 1

@@ -120,3 +120,54 @@ def test_a_raw_stream_waits_for_a_line_a_raw_append_left_unfinished(spark, local
         c.append(journal, second[10:] + line(P1, 3, OUTSIDE_TXN, id=3))
     again = run_available_now(spark, local_cluster, journal, cp, raw=True, **opts)
     assert [json.loads(v)["id"] for _, v in first + again] == [1, 2, 3]
+
+
+def test_a_typo_in_option_schema_is_reported_at_the_typo(spark, local_cluster) -> None:
+    """The metadata columns' DDL was glued before the user's and parsed as a table schema; a typo
+    was then reported as "Syntax error at or near 'STRING'" at our first column, not the user's."""
+    ndjson_journal(local_cluster, "spark/r22-ddl", line(P1, 1, OUTSIDE_TXN, id=1))
+
+    def load(ddl: str) -> None:
+        r = spark.read.format("tidings").option("broker", local_cluster.endpoints[0])
+        r.option("journal", "spark/r22-ddl").option("schema", ddl).load().collect()
+
+    for ddl, says in (("id BIGNT", '"BIGNT"'), ("id BIGINT name STRING", "near 'name'")):
+        msg = _message(lambda ddl=ddl: load(ddl))
+        assert says in msg and "near 'STRING'" not in msg, msg[:1500]
+
+
+def test_a_stream_refuses_ending_offsets_instead_of_ignoring_them(spark, local_cluster, tmp_path) -> None:
+    """`endingOffsets` on readStream was silently ignored: the stream read on past it. Kafka's
+    source refuses it for streams; so does ours, pointing at Trigger.AvailableNow (from the
+    reader's first call: PySpark's stream runner buries an error raised in streamReader())."""
+    ndjson_journal(local_cluster, "spark/r22-end", line(P1, 1, OUTSIDE_TXN, id=1))
+    msg = _message(
+        lambda: run_available_now(
+            spark, local_cluster, "spark/r22-end", str(tmp_path / "cp"),
+            endingOffsets=json.dumps({"spark/r22-end": 0}),
+        )
+    )  # fmt: skip
+    assert "endingOffsets" in msg and "availableNow" in msg, msg[:1500]
+    assert "UnboundLocalError" not in msg, msg[:1500]  # (PySpark's runner on an error in streamReader())
+
+
+def test_a_stream_with_a_wrong_metadata_column_type_fails_with_our_line(spark, local_cluster, tmp_path) -> None:
+    """check_schema's refusal, raised in streamReader(), reached the user inside PySpark's own
+    UnboundLocalError and two tracebacks."""
+    ndjson_journal(local_cluster, "spark/r22-stream-meta", line(P1, 1, OUTSIDE_TXN, id=1))
+    df = (
+        spark.readStream.format("tidings")
+        .option("broker", local_cluster.endpoints[0])
+        .option("journal", "spark/r22-stream-meta")
+        .schema("offset STRING, id BIGINT")
+        .load()
+    )
+    query = df.writeStream.format("noop").option("checkpointLocation", str(tmp_path / "cp")).start()
+    try:
+        query.awaitTermination(60)
+    except Exception:
+        pass
+    finally:
+        query.stop()
+    msg = str(query.exception())
+    assert "column 'offset'" in msg and "UnboundLocalError" not in msg, msg[:1500]

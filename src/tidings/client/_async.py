@@ -279,11 +279,17 @@ class AsyncClient:
 
     async def write_head(self, journal: str) -> int:
         """The journal's current write head (from a metadata-only read at -1)."""
-        req = pb.ReadRequest(journal=journal, offset=-1, metadata_only=True)
+        return (await self.probe(journal, -1)).write_head
+
+    async def probe(self, journal: str, offset: int) -> pb.ReadResponse:
+        """A non-blocking, metadata-only read at `offset` (-1: the write head): status OK with the
+        fragment to read it from (`offset` beyond the one asked when the broker skips a gap retention
+        left), or OFFSET_NOT_YET_AVAILABLE when nothing there can be read now; and the write head."""
+        req = pb.ReadRequest(journal=journal, offset=offset, metadata_only=True)
         resp = await self._unary(journal, lambda stub: _first_response(stub.Read(req)))
         if resp.status not in (pb.OK, pb.OFFSET_NOT_YET_AVAILABLE):
             raise for_status(resp.status)(journal, header=resp.header)
-        return resp.write_head
+        return resp
 
     # -- journals --------------------------------------------------------------------------
 

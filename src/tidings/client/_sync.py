@@ -126,6 +126,9 @@ class Client:
     def write_head(self, journal: str) -> int:
         return self.run(self.aio.write_head(journal))
 
+    def probe(self, journal: str, offset: int) -> pb.ReadResponse:
+        return self.run(self.aio.probe(journal, offset))
+
     def list(self, selector: pb.LabelSelector | None = None) -> pb.ListResponse:
         return self.run(self.aio.list(selector))
 

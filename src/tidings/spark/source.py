@@ -127,7 +127,7 @@ class TidingsDataSource(DataSource):
                 ".schema('id BIGINT, name STRING') (columns journal, offset, uuid, producer, clock and _corrupt "
                 "are filled by name) or .option('schema', 'id BIGINT, name STRING')"
             )
-        return f"{METADATA_DDL}, {opts.schema}, {CORRUPT} STRING"
+        return f"struct<{METADATA_DDL}, {opts.schema}, {CORRUPT} STRING>"
 
     @_one_line
     def reader(self, schema: StructType) -> DataSourceReader:
@@ -137,7 +137,7 @@ class TidingsDataSource(DataSource):
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         from tidings.spark.stream import TidingsStreamReader
 
-        return TidingsStreamReader(SourceOptions.parse(self.options), schema)
+        return TidingsStreamReader(SourceOptions.parse(self.options), schema, self.options)
 
     @_one_line
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
@@ -173,7 +173,7 @@ class TidingsBatchReader(DataSourceReader):
         with planning_client(opts.broker) as c:
             ranges = []
             for spec in resolve_journals(c, opts):
-                begin = starting_offset(c, spec.name, opts.starting)
+                begin = starting_offset(c, opts, spec.name)
                 end = offset_for(c, spec.name, opts.ending, "latest")
                 if isinstance(opts.ending, dict):  # (past the write head: to it, as tasks wait for every byte)
                     end = min(end, c.write_head(spec.name))
@@ -411,15 +411,30 @@ def offset_for(c: Client, journal: str, offsets: str | dict[str, int], default: 
     return which
 
 
-def starting_offset(c: Client, journal: str, offsets: str | dict[str, int]) -> int:
+def starting_offset(c: Client, opts: SourceOptions, journal: str) -> int:
     """`offset_for` startingOffsets, refusing an offset past the journal's write head (a mistake:
-    a read would wait there for bytes that may never come)."""
+    a read would wait there for bytes that may never come). An offset below the first byte the
+    journal holds (retention removed the ones before) is lost data, as an out-of-range offset is
+    to Kafka's source: it fails the query, or starts at that byte (failOnDataLoss=false)."""
+    offsets = opts.starting
     at = offset_for(c, journal, offsets, "earliest")
-    if isinstance(offsets, dict) and journal in offsets and at > (head := c.write_head(journal)):
+    if not isinstance(offsets, dict) or journal not in offsets:
+        return at
+    if at > (head := c.write_head(journal)):
         raise UsageError(
             f"tidings source: option 'startingOffsets' gives journal {journal!r} offset {at}, past its write head "
             f"{head}: give an offset at or below it, or earliest / latest"
         )
+    if at < (first := offset_for(c, journal, "earliest", "earliest")):
+        if opts.fail_on_data_loss:
+            raise UsageError(
+                f"tidings source: option 'startingOffsets' gives journal {journal!r} offset {at}, but it holds bytes "
+                f"from {first} on (retention removed earlier ones): start at {first} or earliest, or set "
+                "failOnDataLoss=false to start at its first byte"
+            )
+        log.warning("journal %s holds no bytes [%d, %d) (removed by retention): starting at %d "
+                    "(failOnDataLoss=false)", journal, at, first, first)  # fmt: skip
+        return first
     return at
 
 

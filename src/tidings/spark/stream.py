@@ -20,7 +20,8 @@ removed before the query knew the journal are no loss to it. The offset of the b
 reads it records where it began (`begins`), so a replay of that batch reads the same bytes.
 
 `maxBytesPerTrigger` caps a batch's new bytes over all journals (split evenly; at least one whole
-message each); Trigger.AvailableNow reads up to the write heads it found when the query started.
+message each); Trigger.AvailableNow reads up to the write heads it found when the query started,
+of the journals it knew then (one found later waits for the next run, as a Kafka partition does).
 
 `producerHorizon` (default 24h, Gazette's): an offset keeps a producer's state until the producer
 has been quiet that long in its own clock time, to drop a late duplicate of its messages. A
@@ -36,7 +37,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import msgspec
 import pyarrow as pa
@@ -77,15 +78,25 @@ JOURNALS_TTL = 1.0  # seconds the journal list is reused
 
 
 class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    def __init__(self, options: SourceOptions, schema: StructType) -> None:
+    def __init__(self, options: SourceOptions, schema: StructType, given: Mapping[str, str] | None = None) -> None:
         self.options = options
         self.schema_json = schema.json()
-        check_schema(options.format, self.schema_json)  # (a mistake fails the query here)
+        self._refused: str | None = None  # a mistake, raised by Spark's first call (see `_usable`)
+        try:
+            check_schema(options.format, self.schema_json)
+            if any(k.lower() == "endingoffsets" for k in given or {}):
+                raise UsageError(  # (as Kafka's source: a stream has no end)
+                    "tidings source: option 'endingOffsets' is for batch reads (spark.read); a stream reads on as "
+                    "journals grow: drop it, or use .trigger(availableNow=True) to stop at what is there now"
+                )
+        except UsageError as exc:
+            self._refused = str(exc)
         self._client: Client | None = None
         self._specs: tuple[float, dict[str, pb.JournalSpec]] = (0.0, {})
         self._heads: dict[str, tuple[float, int]] = {}
         self._target: dict[str, int] | None = None  # Trigger.AvailableNow's write heads
         self._found: dict[str, int] = {}  # journals found after the start: their first held byte then
+        self._waiting: set[str] = set()  # journals whose bytes at our offset are gone (logged once)
 
     # -- the driver's cluster view (cached: latestOffset runs every few ms) -------------------
 
@@ -109,13 +120,20 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._heads[journal] = (time.monotonic(), head)
         return head
 
+    def _usable(self) -> None:
+        """Raise a mistake found when the reader was made: raised there, PySpark 4.3's stream runner
+        fails on its own error (UnboundLocalError) and shows both tracebacks, not our line."""
+        if self._refused is not None:
+            raise UsageError(self._refused)
+
     # -- Spark's calls ----------------------------------------------------------------------------
 
     @_one_line
     def initialOffset(self) -> dict:
+        self._usable()
         journals = {}
         for name in self._journals():
-            journals[name] = {"read_through": starting_offset(self.client, name, self.options.starting)}
+            journals[name] = {"read_through": starting_offset(self.client, self.options, name)}
         return _offset(Checkpoint(msgspec.convert(journals, dict[str, JournalCheckpoint])))
 
     def getDefaultReadLimit(self) -> ReadLimit:
@@ -124,6 +142,7 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     @_one_line
     def prepareForTriggerAvailableNow(self) -> None:
+        self._usable()
         self._target = {name: self.client.write_head(name) for name in self._journals()}
 
     def _earliest(self, journal: str) -> int:
@@ -134,16 +153,23 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     @_one_line
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        self._usable()
         begun = _checkpoint(start)
-        found = {n: self._earliest(n) for n in self._journals() if n not in begun.journals}
+        found = {
+            n: self._earliest(n)
+            for n in self._journals()
+            if n not in begun.journals and (self._target is None or n in self._target)
+        }
         if found:
             begun = Checkpoint({**begun.journals, **{n: JournalCheckpoint(at, {}) for n, at in found.items()}})
         heads = {}
         for name in self._journals():
-            head = self._head(name) if self._target is None else self._target.get(name, 0)
+            if self._target is not None and name not in self._target:
+                continue  # (AvailableNow: found after the run's start, left for the next run, as Kafka's)
+            head = self._head(name) if self._target is None else self._target[name]
             if head < _read_through(begun, name):
                 begun = self._lost(begun, name, head)
-            if head > _read_through(begun, name):
+            if head > _read_through(begun, name) and self._readable(name, _read_through(begun, name)):
                 heads[name] = head
         if not heads:
             return start
@@ -178,6 +204,21 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         journals = {n: jc for n, jc in begun.journals.items() if n not in found or n in heads}
         journals.update({n: reached.journals[n] for n in heads})
         return _offset(Checkpoint(journals), {n: at for n, at in begins.items() if n in heads})
+
+    def _readable(self, journal: str, offset: int) -> bool:
+        """Whether a read from `offset` gets bytes now (perhaps past a gap retention left, which the
+        tasks report as lost). Not when retention removed every byte from there to the write head
+        and nothing was written since: a read would wait for the next bytes, as Gazette's readers do
+        (they may also be a fragment still on its way to the store), and so does this journal,
+        without holding up the query's other journals."""
+        if self.client.probe(journal, offset).status == pb.OK:
+            self._waiting.discard(journal)
+            return True
+        if journal not in self._waiting:
+            self._waiting.add(journal)
+            log.warning("journal %s holds no bytes at offset %d, below its write head (removed by retention?): "
+                        "waiting for them, or for its next bytes", journal, offset)  # fmt: skip
+        return False
 
     def _lost(self, begun: Checkpoint, journal: str, head: int) -> Checkpoint:
         """A write head below our offset: the journal was reset or deleted and created again."""
