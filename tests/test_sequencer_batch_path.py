@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import uuid
 
+import msgspec
+import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tidings.message import ACK_TXN, CONTINUE_TXN, OUTSIDE_TXN, Checkpoint, Envelope, Sequencer, build_uuid
+from tidings.message import ACK_TXN, CONTINUE_TXN, OUTSIDE_TXN, Checkpoint, Envelope, Sequencer, _advance, build_uuid
 
 PRODUCERS = [b"\x01\x00\x00\x00\x00\x01", b"\x01\x00\x00\x00\x00\x02"]
 BASE = 0x01EE_0000_0000_0000
@@ -114,3 +117,52 @@ def test_sequence_equals_queue_then_step(prefix, spec, ring, restore, cuts) -> N
     sa, sb = a.statistics(), b.statistics()
     assert sb.delivered == sa.delivered
     assert dict(sb.outcomes) == dict(sa.outcomes)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(
+    prefix=messages,
+    spec=messages,
+    ring=st.sampled_from([1, 2, 64]),
+    restore=st.booleans(),
+    reread=st.integers(0, 6),
+    cuts=st.lists(st.integers(0, 40), max_size=4),
+    horizon=st.sampled_from([None, 1e-6, 3e-6]),
+    packed=st.booleans(),
+)
+def test_advance_ends_at_the_checkpoint_queue_then_step_reach(
+    prefix, spec, ring, restore, reread, cuts, horizon, packed
+) -> None:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_advance, "MANY_PRODUCERS", 0)
+        _advance_case(prefix, spec, ring, restore, reread, cuts, horizon, packed)
+
+
+def _advance_case(prefix, spec, ring, restore, reread, cuts, horizon, packed) -> None:
+    """What a Spark driver's scan relies on: advance() over each journal's messages (in runs, journal
+    by journal) leaves the checkpoint reading them committed would, whatever the UUIDs, duplicates,
+    rollbacks, ring size, restored state (and messages re-read before its read-through) and horizon;
+    with the UUIDs as ints (message by message) or packed in a numpy array (folded per producer,
+    however few messages each has: MANY_PRODUCERS is 0 here)."""
+    envs, logs = _envelopes(prefix + spec)
+    first, rest = envs[: len(prefix)], envs[len(prefix) :]
+    cp = None
+    if restore:
+        warm = Sequencer(ring, producer_horizon=None)
+        _one_by_one(warm, first, logs)
+        cp = Checkpoint.from_json(warm.checkpoint().to_json())
+        rest = [e for e in envs[max(0, len(prefix) - reread) :]]  # (some before the read-through, re-read)
+    else:
+        rest = envs
+    want = Sequencer(ring, producer_horizon=horizon, checkpoint=cp)
+    _one_by_one(want, rest, logs)
+    got = Sequencer(ring, producer_horizon=horizon, checkpoint=cp)
+    for journal in ("a", "b"):
+        mine = [e for e in rest if e.journal == journal]
+        cuts = sorted(min(c, len(mine)) for c in cuts)
+        for lo, hi in zip([0, *cuts], [*cuts, len(mine)], strict=True):
+            part = mine[lo:hi]
+            ints = [0 if e.uuid is None else e.uuid.int for e in part]
+            uuids = np.array([(x >> 64, x & (1 << 64) - 1) for x in ints], dtype=np.uint64).reshape(-1, 2)
+            got.advance(journal, [e.begin for e in part], [e.end for e in part], uuids if packed else ints)
+    assert msgspec.to_builtins(got.checkpoint()) == msgspec.to_builtins(want.checkpoint())  # (any journal order)

@@ -164,6 +164,16 @@ class ReadUncommitted:
     async def _journal_batches(
         self, journal: str, offset: int, end_offset: int = 0, *, replay: bool = False
     ) -> AsyncIterator[list[Envelope]]:
+        async with aclosing(self._journal_columns(journal, offset, end_offset)) as chunks:
+            async for columns in chunks:
+                batch = self._envelopes_of(journal, columns, replay)
+                if batch:
+                    if not replay:  # (a replay re-reads an earlier range: it does not move the reader)
+                        self.offsets[journal] = batch[-1].end
+                    yield batch
+
+    async def _journal_columns(self, journal: str, offset: int, end_offset: int = 0) -> AsyncIterator[Columns]:
+        """Each chunk read, decoded: its messages' offsets and values, and its garbage."""
         decoder = (await journal_framing(self._aio, journal)).decoder(self.message_type, offset)
         on_jump = None if self.on_jump is None else functools.partial(self.on_jump, journal)
         reader = self._aio.reader(
@@ -171,14 +181,21 @@ class ReadUncommitted:
         )
         async with aclosing(reader):
             async for chunk in reader:
-                batch = self._envelopes_of(journal, decoder.feed_columns(chunk.content, chunk.offset), replay)
-                if batch:
-                    if not replay:  # (a replay re-reads an earlier range: it does not move the reader)
-                        self.offsets[journal] = batch[-1].end
-                    yield batch
-        tail = self._envelopes_of(journal, columns_of(decoder.finish()), replay)
-        if tail:
-            yield tail
+                yield decoder.feed_columns(chunk.content, chunk.offset)
+        yield columns_of(decoder.finish())
+
+    async def columns(self, journal: str) -> AsyncIterator[Columns]:
+        """`journal`'s messages as decoded Columns, a chunk at a time (garbage reported): for a caller
+        that needs no envelopes, such as a planner that only sums up UUIDs (`Sequencer.advance`)."""
+        async with aclosing(
+            self._journal_columns(journal, self.offsets[journal], self.end_offsets.get(journal, 0))
+        ) as chunks:
+            async for columns in chunks:
+                for garbage in columns.garbage:
+                    self._report(journal, garbage)
+                if columns.ends:
+                    self.offsets[journal] = columns.ends[-1]
+                yield columns
 
     def _envelopes_of(self, journal: str, columns: Columns, replay: bool = False) -> list[Envelope]:
         """Envelopes of decoded messages, built by C-level maps (per-message work is what limits a reader).

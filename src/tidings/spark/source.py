@@ -34,6 +34,8 @@ created again) or deleted since planning fails the task naming it, or is skipped
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import itertools
 import logging
@@ -53,7 +55,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from tidings.client import Client
-from tidings.message import Checkpoint, JournalCheckpoint, ReadCommitted, ReadUncommitted
+from tidings.message import Checkpoint, JournalCheckpoint, ReadCommitted, ReadUncommitted, Sequencer
 from tidings.message.framing import NDJSON, Garbage
 from tidings.message.publisher import content_type_of
 from tidings.message.sequencer import DEFAULT_PRODUCER_HORIZON
@@ -61,7 +63,17 @@ from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.labels import parse_selector
 from tidings.protocol.status import JournalNotFoundError, TidingsError, TransportError, UsageError
 from tidings.spark.options import SourceOptions
-from tidings.spark.schema import CORRUPT, METADATA_DDL, RAW_DDL, check_schema, line_uuids, raw_schema, row_builder
+from tidings.spark.schema import (
+    CORRUPT,
+    METADATA_DDL,
+    RAW_DDL,
+    UuidText,
+    check_schema,
+    line_uuids,
+    raw_schema,
+    row_builder,
+    text_uuid_ints,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -310,13 +322,13 @@ def scan(
     found: dict[str, JournalCheckpoint] = {}
     types = content_types or {}
     if committed:  # (format json: ndjson journals; the same UUIDs and garbage as the tasks see)
-        reader = ReadCommitted(
-            c, names, checkpoint=Checkpoint(starts), reread_pending=False, producer_horizon=horizon,
-            end_offsets=ends, message_type=msgspec.Raw, uuids_of=line_uuids, **common,
+        seq = Sequencer(producer_horizon=horizon, checkpoint=Checkpoint(starts))
+        reader = ReadUncommitted(
+            c, names, offsets={n: starts[n].read_through for n in names}, end_offsets=ends, message_type=UuidText,
+            **common,
         )  # fmt: skip
-        for _ in reader.batches():
-            pass
-        offsets, found = reader.offsets, reader.checkpoint().journals
+        c.run(_advance(reader, seq))
+        offsets, found = reader.offsets, seq.checkpoint().journals
     else:
         for lines in (True, False):  # (JSON lines as lines; other framings' payloads as bytes)
             group = [n for n in names if (types.get(n, NDJSON) == NDJSON) == lines]
@@ -336,6 +348,17 @@ def scan(
         jc = found.get(n, JournalCheckpoint(0, {}))
         out[n] = JournalCheckpoint(max(through, starts[n].read_through), jc.producers if found else {})
     return Checkpoint(out)
+
+
+async def _advance(reader: ReadUncommitted, seq: Sequencer) -> None:
+    """Read `reader`'s journals (together) and advance `seq` over their messages' UUIDs."""
+
+    async def one(journal: str) -> None:
+        async with contextlib.aclosing(reader.columns(journal)) as chunks:
+            async for columns in chunks:
+                seq.advance(journal, columns.begins, columns.ends, text_uuid_ints(columns.values))
+
+    await asyncio.gather(*map(one, reader.journals))
 
 
 def whole_at(c: Client, journal: str, offset: int, content_type: str | None = NDJSON) -> bool:
