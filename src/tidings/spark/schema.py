@@ -25,7 +25,6 @@ from typing import Annotated, Any
 from uuid import UUID
 
 import msgspec
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql.pandas.types import to_arrow_schema
@@ -173,12 +172,14 @@ def text_uuid_ints(values: list[UuidText]) -> Any:
     0: an invalid one, which a reader skips as garbage), or in the usual case, every one canonical
     (8-4-4-4-12 hex digits), as a numpy array of (high, low) 64-bit rows made in a few C calls on the
     joined text: per-message Python work is what limits a driver's scan."""
+    import numpy as np  # (here: a task's Python worker need not import it)
+
     texts = list(map(_UUID, values))
     n = len(texts)
     try:
         joined = "".join(texts)  # (TypeError: a line without a UUID)
-        if len(joined) == 36 * n and all(joined[at::36].count("-") == n for at in (8, 13, 18, 23)):
-            packed = bytes.fromhex(joined.replace("-", ""))  # (ValueError: a digit that is not hex)
+        if set(map(len, texts)) == {36} and all(joined[at::36].count("-") == n for at in (8, 13, 18, 23)):
+            packed = bytes.fromhex(joined.replace("-", ""))  # (ValueError: not hex; one short: whitespace)
             return np.frombuffer(packed, dtype=">u8").reshape(n, 2).astype(np.uint64)
     except (TypeError, ValueError):
         pass
