@@ -86,6 +86,13 @@ def _batched(seq: Sequencer, envs: list[Envelope], logs: dict[str, list[Envelope
     return out
 
 
+def _checkpoint_after(envs: list[Envelope], logs: dict[str, list[Envelope]], ring: int) -> Checkpoint:
+    """A checkpoint after reading `envs` committed, as a restart would load it."""
+    warm = Sequencer(ring, producer_horizon=None)
+    _one_by_one(warm, envs, logs)
+    return Checkpoint.from_json(warm.checkpoint().to_json())
+
+
 @settings(max_examples=1500, deadline=None)
 @given(
     prefix=messages,
@@ -97,11 +104,7 @@ def _batched(seq: Sequencer, envs: list[Envelope], logs: dict[str, list[Envelope
 def test_sequence_equals_queue_then_step(prefix, spec, ring, restore, cuts) -> None:
     envs, logs = _envelopes(prefix + spec)
     first, rest = envs[: len(prefix)], envs[len(prefix) :]
-    cp = None
-    if restore:
-        warm = Sequencer(ring, producer_horizon=None)
-        _one_by_one(warm, first, logs)
-        cp = Checkpoint.from_json(warm.checkpoint().to_json())
+    cp = _checkpoint_after(first, logs, ring) if restore else None
 
     def make() -> Sequencer:
         return Sequencer(ring, producer_horizon=None, checkpoint=cp)
@@ -133,27 +136,20 @@ def test_sequence_equals_queue_then_step(prefix, spec, ring, restore, cuts) -> N
 def test_advance_ends_at_the_checkpoint_queue_then_step_reach(
     prefix, spec, ring, restore, reread, cuts, horizon, packed
 ) -> None:
+    """What a Spark driver's scan relies on: advance() over each journal's messages (in runs, journal
+    by journal) leaves the checkpoint reading them committed would, whatever the UUIDs, duplicates,
+    rollbacks, ring size, restored state (and messages re-read before its read-through) and horizon;
+    with the UUIDs as ints (message by message) or packed in a numpy array (folded per producer,
+    however few messages each has: MANY_PRODUCERS is 0 here)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_advance, "MANY_PRODUCERS", 0)
         _advance_case(prefix, spec, ring, restore, reread, cuts, horizon, packed)
 
 
 def _advance_case(prefix, spec, ring, restore, reread, cuts, horizon, packed) -> None:
-    """What a Spark driver's scan relies on: advance() over each journal's messages (in runs, journal
-    by journal) leaves the checkpoint reading them committed would, whatever the UUIDs, duplicates,
-    rollbacks, ring size, restored state (and messages re-read before its read-through) and horizon;
-    with the UUIDs as ints (message by message) or packed in a numpy array (folded per producer,
-    however few messages each has: MANY_PRODUCERS is 0 here)."""
     envs, logs = _envelopes(prefix + spec)
-    first, rest = envs[: len(prefix)], envs[len(prefix) :]
-    cp = None
-    if restore:
-        warm = Sequencer(ring, producer_horizon=None)
-        _one_by_one(warm, first, logs)
-        cp = Checkpoint.from_json(warm.checkpoint().to_json())
-        rest = [e for e in envs[max(0, len(prefix) - reread) :]]  # (some before the read-through, re-read)
-    else:
-        rest = envs
+    cp = _checkpoint_after(envs[: len(prefix)], logs, ring) if restore else None
+    rest = envs[max(0, len(prefix) - reread) :] if restore else envs  # (some before the read-through, re-read)
     want = Sequencer(ring, producer_horizon=horizon, checkpoint=cp)
     _one_by_one(want, rest, logs)
     got = Sequencer(ring, producer_horizon=horizon, checkpoint=cp)

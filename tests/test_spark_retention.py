@@ -28,7 +28,13 @@ def emptied_journal(lc, name: str, labels: dict[str, str]) -> int:
         for i in (1, 2):  # a fragment each
             end = c.append(name, line(P1, i, OUTSIDE_TXN, id=10 + i, pad="x" * 2000)).end
         store = store_for(lc.store_url)
-        asyncio.run(wait_until(lambda: len(store.list(name)) >= 2, 30))
+
+        def persisted() -> bool:
+            """Both fragments in the store, and the broker's index knows them from there: a local
+            entry the broker has not yet seen listed would stay in its index after their removal."""
+            return len(store.list(name)) >= 2 and all(e.url for e in c.fragments(name).fragments)
+
+        asyncio.run(wait_until(persisted, 30))
 
         def emptied() -> bool:
             """Retention removes every fragment of this idle journal, again should the last (an open

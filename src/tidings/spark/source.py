@@ -39,6 +39,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import re
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -139,7 +140,10 @@ class TidingsDataSource(DataSource):
                 ".schema('id BIGINT, name STRING') (columns journal, offset, uuid, producer, clock and _corrupt "
                 "are filled by name) or .option('schema', 'id BIGINT, name STRING')"
             )
-        return f"struct<{METADATA_DDL}, {opts.schema}, {CORRUPT} STRING>"
+        fields = opts.schema.strip()
+        if whole := re.fullmatch(r"struct\s*<(.*)>", fields, re.IGNORECASE | re.DOTALL):
+            fields = whole[1]  # (Spark's own form of a struct, as df.schema.simpleString() prints it)
+        return f"struct<{METADATA_DDL}, {fields}, {CORRUPT} STRING>"  # (a typo is then shown where it is)
 
     @_one_line
     def reader(self, schema: StructType) -> DataSourceReader:
@@ -149,7 +153,7 @@ class TidingsDataSource(DataSource):
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         from tidings.spark.stream import TidingsStreamReader
 
-        return TidingsStreamReader(SourceOptions.parse(self.options), schema, self.options)
+        return TidingsStreamReader(self.options, schema)  # (its options are parsed there: see _usable)
 
     @_one_line
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:

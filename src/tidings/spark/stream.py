@@ -34,6 +34,7 @@ task's rows to its ACKs (a driver's recovery included), takes that long.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -75,20 +76,26 @@ log = logging.getLogger(__name__)
 BEGINS = "begins"  # an offset's journals first found in its batch, and where they begin
 HEAD_TTL = 0.1  # seconds a journal's write head is reused by latestOffset
 JOURNALS_TTL = 1.0  # seconds the journal list is reused
+WAIT_RECHECK = 1.0  # seconds before a journal with no bytes at its offset is asked again (head unmoved)
 
 
 class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    def __init__(self, options: SourceOptions, schema: StructType, given: Mapping[str, str] | None = None) -> None:
-        self.options = options
+    def __init__(self, options: SourceOptions | Mapping[str, str], schema: StructType) -> None:
+        """`options` as given to Spark (or parsed): a mistake in them or in the schema is raised by
+        Spark's first call to the reader (see `_usable`)."""
         self.schema_json = schema.json()
-        self._refused: str | None = None  # a mistake, raised by Spark's first call (see `_usable`)
+        self._refused: str | None = None
+        self.options: SourceOptions  # (unset in a refused reader: every call of Spark's raises first)
         try:
+            if not isinstance(options, SourceOptions):
+                if any(k.lower() == "endingoffsets" for k in options):
+                    raise UsageError(  # (as Kafka's source: a stream has no end)
+                        "tidings source: option 'endingOffsets' is for batch reads (spark.read); a stream reads on "
+                        "as journals grow: drop it, or use .trigger(availableNow=True) to stop at what is there now"
+                    )
+                options = SourceOptions.parse(options)
+            self.options = options
             check_schema(options.format, self.schema_json)
-            if any(k.lower() == "endingoffsets" for k in given or {}):
-                raise UsageError(  # (as Kafka's source: a stream has no end)
-                    "tidings source: option 'endingOffsets' is for batch reads (spark.read); a stream reads on as "
-                    "journals grow: drop it, or use .trigger(availableNow=True) to stop at what is there now"
-                )
         except UsageError as exc:
             self._refused = str(exc)
         self._client: Client | None = None
@@ -96,7 +103,7 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._heads: dict[str, tuple[float, int]] = {}
         self._target: dict[str, int] | None = None  # Trigger.AvailableNow's write heads
         self._found: dict[str, int] = {}  # journals found after the start: their first held byte then
-        self._waiting: set[str] = set()  # journals whose bytes at our offset are gone (logged once)
+        self._waiting: dict[str, tuple[int, int, float]] = {}  # no bytes at (offset, head), found when
 
     # -- the driver's cluster view (cached: latestOffset runs every few ms) -------------------
 
@@ -121,8 +128,8 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return head
 
     def _usable(self) -> None:
-        """Raise a mistake found when the reader was made: raised there, PySpark 4.3's stream runner
-        fails on its own error (UnboundLocalError) and shows both tracebacks, not our line."""
+        """Raise a mistake found when the reader was made (options, schema): raised there, PySpark 4.3's
+        stream runner fails on its own error (UnboundLocalError) and shows both tracebacks, not our line."""
         if self._refused is not None:
             raise UsageError(self._refused)
 
@@ -136,7 +143,9 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             journals[name] = {"read_through": starting_offset(self.client, self.options, name)}
         return _offset(Checkpoint(msgspec.convert(journals, dict[str, JournalCheckpoint])))
 
+    @_one_line
     def getDefaultReadLimit(self) -> ReadLimit:
+        self._usable()
         n = self.options.max_bytes_per_trigger
         return ReadMaxBytes(n) if n else ReadAllAvailable()
 
@@ -169,8 +178,10 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             head = self._head(name) if self._target is None else self._target[name]
             if head < _read_through(begun, name):
                 begun = self._lost(begun, name, head)
-            if head > _read_through(begun, name) and self._readable(name, _read_through(begun, name)):
+            if head > _read_through(begun, name):
                 heads[name] = head
+        readable = self._readable({n: _read_through(begun, n) for n in heads}, heads)
+        heads = {n: h for n, h in heads.items() if n in readable}
         if not heads:
             return start
         begins = {n: at for n, at in found.items() if n in heads}  # (partitions() reads them from there)
@@ -205,20 +216,37 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         journals.update({n: reached.journals[n] for n in heads})
         return _offset(Checkpoint(journals), {n: at for n, at in begins.items() if n in heads})
 
-    def _readable(self, journal: str, offset: int) -> bool:
-        """Whether a read from `offset` gets bytes now (perhaps past a gap retention left, which the
-        tasks report as lost). Not when retention removed every byte from there to the write head
-        and nothing was written since: a read would wait for the next bytes, as Gazette's readers do
-        (they may also be a fragment still on its way to the store), and so does this journal,
-        without holding up the query's other journals."""
-        if self.client.probe(journal, offset).status == pb.OK:
-            self._waiting.discard(journal)
-            return True
-        if journal not in self._waiting:
-            self._waiting.add(journal)
-            log.warning("journal %s holds no bytes at offset %d, below its write head (removed by retention?): "
-                        "waiting for them, or for its next bytes", journal, offset)  # fmt: skip
-        return False
+    def _readable(self, offsets: dict[str, int], heads: dict[str, int]) -> set[str]:
+        """The journals whose read from their offset gets bytes now (perhaps past a gap retention left,
+        which the tasks report as lost), asked all at once. Not one whose every byte from there to the
+        write head retention removed, nothing written since: a read would wait for the next bytes, as
+        Gazette's readers do (they may also be a fragment on its way to the store), and so does that
+        journal, without holding up the query's other journals. A journal found so is asked again
+        when its head moves or WAIT_RECHECK seconds on, not at every poll."""
+        now = time.monotonic()
+        ask = {}
+        for n, at in offsets.items():
+            was = self._waiting.get(n)
+            if was is None or was[:2] != (at, heads[n]) or now - was[2] >= WAIT_RECHECK:
+                ask[n] = at
+        if not ask:
+            return set()
+        aio = self.client.aio
+
+        async def probe_all() -> list[pb.ReadResponse]:
+            return await asyncio.gather(*(aio.probe(n, at) for n, at in ask.items()))
+
+        readable = set()
+        for (journal, offset), resp in zip(ask.items(), self.client.run(probe_all()), strict=True):
+            if resp.status == pb.OK:
+                readable.add(journal)
+                self._waiting.pop(journal, None)
+                continue
+            if journal not in self._waiting:
+                log.warning("journal %s holds no bytes at offset %d, below its write head (removed by retention?): "
+                            "waiting for them, or for its next bytes", journal, offset)  # fmt: skip
+            self._waiting[journal] = (offset, heads[journal], now)
+        return readable
 
     def _lost(self, begun: Checkpoint, journal: str, head: int) -> Checkpoint:
         """A write head below our offset: the journal was reset or deleted and created again."""
@@ -237,6 +265,7 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     @_one_line
     def partitions(self, start: dict, end: dict) -> list[JournalRange]:
+        self._usable()  # (a restart re-plans its last batch before asking for offsets)
         begun, reached = _checkpoint(start), _checkpoint(end)
         begins = end.get(BEGINS, {})
         specs = self._journals()
