@@ -292,7 +292,14 @@ async def test_a_store_fallback_whose_broker_fails_too_raises_a_tidings_error(cl
     async with cluster.client(0) as c:
         for i in range(2):
             await c.append("cl/no-store-no-broker", bytes([65 + i]) * 1100)
-        await wait_until(lambda: len(store_for(cluster.store_url).list("cl/no-store-no-broker")) >= 1, 20)
+
+        async def listed_in_store() -> bool:
+            """The first fragment persisted and known so to the broker (not as its local spool, which it
+            would serve itself: the read would never ask the store)."""
+            listing = await c.fragments("cl/no-store-no-broker")
+            return any(e.url and e.spec.begin == 0 for e in listing.fragments)
+
+        await wait_until(listed_in_store, 20)
     async with AsyncClient(cluster.brokers[0].endpoint, retries=1) as c:
         stub, dead = c.stub, f"127.0.0.1:{free_port()}"
 
