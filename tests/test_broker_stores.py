@@ -126,7 +126,7 @@ async def test_journals_apply_refuses_a_store_it_cannot_load_in_one_line(
         _tidings, "journals", "apply", str(f), broker=cluster.brokers[0].endpoint, pythonpath=pythonpath
     )
     err = r.stderr.decode()
-    assert r.returncode == 1, (r.stdout, err)
+    assert r.returncode == 2, (r.stdout, err)  # (a spec field: a usage error)
     assert err.splitlines() == [line], err
     async with cluster.client(0) as c:
         assert [j.spec.name for j in (await c.list()).journals] == [], "nothing was applied"

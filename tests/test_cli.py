@@ -82,7 +82,7 @@ async def test_invalid_spec_file_is_named(cluster, tmp_path: Path) -> None:
     f.write_text("name: x/y\nreplication: 7\n")
     r = await run("journals", "apply", str(f), broker=cluster.brokers[0].endpoint)
     err = r.stderr.decode()
-    assert r.returncode == 1 and "replication" in err and "Traceback" not in err
+    assert r.returncode == 2 and "replication" in err and "Traceback" not in err  # (a usage error)
 
 
 def test_unreachable_cluster_says_what_to_do(tmp_path: Path) -> None:

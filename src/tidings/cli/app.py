@@ -12,8 +12,9 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 import yaml
@@ -24,7 +25,7 @@ from rich.table import Table
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import documents, spec_from_dict, spec_to_dict
-from tidings.protocol.status import TidingsError
+from tidings.protocol.status import TidingsError, ValidationError
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 journals = typer.Typer(help="Create, list, append to and read journals.", no_args_is_help=True)
@@ -34,18 +35,64 @@ app.add_typer(cluster, name="cluster")
 err = Console(stderr=True)
 out = Console()
 
-BrokerOpt = Annotated[str, typer.Option("--broker", envvar="TIDINGS_BROKER", help="Any broker, HOST:PORT.")]
+
+def usage(message: str) -> NoReturn:
+    """A user's mistake in a flag or argument: one line on stderr, exit code 2 (as for any usage error)."""
+    err.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def _endpoint(flag: str, optional: bool = False) -> Callable[[str], str]:
+    """A flag's check that its value is HOST:PORT ('' too when `optional`), before anything connects
+    (`localhost` alone went to port 443, `foo:bar` to a resolver error)."""
+
+    def check(value: str) -> str:
+        if optional and value == "":
+            return value
+        host, colon, port = value.rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            usage(f"{flag} {value!r} is not HOST:PORT: give a host and a port from 1 to 65535, e.g. 127.0.0.1:8080")
+        return value
+
+    return check
+
+
+def _at_least(flag: str, least: int) -> Callable[[int], int]:
+    def check(value: int) -> int:
+        if value < least:
+            usage(f"{flag} is {value}: give {least} or more")
+        return value
+
+    return check
+
+
+def _log_level(value: str) -> str:
+    if value.upper() not in logging.getLevelNamesMapping():
+        usage(f"--log-level (TIDINGS_LOG_LEVEL) {value!r} is not a level: give debug, info, warning or error")
+    return value
+
+
+BrokerOpt = Annotated[
+    str,
+    typer.Option(
+        "--broker",
+        envvar="TIDINGS_BROKER",
+        help="Any broker, HOST:PORT.",
+        callback=_endpoint("--broker (TIDINGS_BROKER)"),
+    ),
+]
 DEFAULT_BROKER = "127.0.0.1:8080"
 
 
 def main() -> None:
-    """Entry point: run the app, turning TidingsErrors into one clear line and exit code 1."""
+    """Entry point: run the app, turning TidingsErrors into one clear line and exit code 1 (2 for
+    input that is invalid, a usage error: a spec field, a journal name, a flag)."""
     try:
         app()
     except TidingsError as exc:
         # escape: "[s3]" in "pip install 'tidings[s3]'" is text, not markup; soft_wrap: one line, however long
         err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        raise SystemExit(1) from None
+        raise SystemExit(2 if isinstance(exc, ValidationError) else 1) from None
 
 
 def _run(coro):
@@ -68,24 +115,40 @@ def _client(broker: str):
 
 @app.command()
 def broker(
-    etcd: Annotated[str, typer.Option(envvar="TIDINGS_ETCD", help="etcd endpoint HOST:PORT.")],
+    etcd: Annotated[
+        str,
+        typer.Option(
+            envvar="TIDINGS_ETCD", help="etcd endpoint HOST:PORT.", callback=_endpoint("--etcd (TIDINGS_ETCD)")
+        ),
+    ],
     zone: Annotated[str, typer.Option(envvar="TIDINGS_ZONE")] = "local",
     id: Annotated[str, typer.Option("--id", envvar="TIDINGS_ID", help="Broker suffix, unique in its zone.")] = "b0",
-    listen: Annotated[str, typer.Option(envvar="TIDINGS_LISTEN", help="HOST:PORT of the gRPC service.")] = (
-        "127.0.0.1:8080"
-    ),
+    listen: Annotated[
+        str,
+        typer.Option(
+            envvar="TIDINGS_LISTEN",
+            help="HOST:PORT of the gRPC service.",
+            callback=_endpoint("--listen (TIDINGS_LISTEN)"),
+        ),
+    ] = ("127.0.0.1:8080"),
     replication_listen: Annotated[
         str,
         typer.Option(
             envvar="TIDINGS_REPLICATION_LISTEN",
             help="HOST:PORT for other brokers' replication streams; '' takes --listen's host and any free port "
             "(announced in etcd).",
+            callback=_endpoint("--replication-listen", optional=True),
         ),
     ] = "",
     data_dir: Annotated[Path, typer.Option(envvar="TIDINGS_DATA_DIR")] = Path("data/broker"),
     root: Annotated[str, typer.Option(envvar="TIDINGS_ROOT", help="etcd key prefix.")] = "/tidings/cluster",
     journal_limit: Annotated[int, typer.Option(envvar="TIDINGS_JOURNAL_LIMIT")] = 1024,
-    metrics: Annotated[str, typer.Option(envvar="TIDINGS_METRICS", help="HOST:PORT for /metrics; '' off.")] = "",
+    metrics: Annotated[
+        str,
+        typer.Option(
+            envvar="TIDINGS_METRICS", help="HOST:PORT for /metrics; '' off.", callback=_endpoint("--metrics", True)
+        ),
+    ] = "",
     stall_timeout: Annotated[float, typer.Option(envvar="TIDINGS_STALL_TIMEOUT")] = 10.0,
     min_append_rate: Annotated[int, typer.Option(envvar="TIDINGS_MIN_APPEND_RATE")] = 16 * 1024,
     pulse_interval: Annotated[
@@ -116,7 +179,7 @@ def broker(
             help="Seconds a replica waits before persisting a fragment its primary has not (the primary does at once).",
         ),
     ] = 60.0,
-    log_level: Annotated[str, typer.Option(envvar="TIDINGS_LOG_LEVEL")] = "info",
+    log_level: Annotated[str, typer.Option(envvar="TIDINGS_LOG_LEVEL", callback=_log_level)] = "info",
 ) -> None:
     """Run one broker in the foreground. Prints `READY HOST:PORT` once it serves; SIGTERM hands
     its journals to other brokers (at most --exit-timeout seconds), then exits. It exits with 1 if
@@ -204,8 +267,10 @@ def _exit_unless_stopped_within(seconds: float, who: str):  # -> threading.Timer
 
 @cluster.command("up")
 def cluster_up(
-    brokers: Annotated[int, typer.Option(help="Number of brokers.")] = 3,
-    zones: Annotated[int, typer.Option(help="Spread brokers over this many zones.")] = 1,
+    brokers: Annotated[int, typer.Option(help="Number of brokers.", callback=_at_least("--brokers", 1))] = 3,
+    zones: Annotated[
+        int, typer.Option(help="Spread brokers over this many zones.", callback=_at_least("--zones", 1))
+    ] = 1,
     data_dir: Annotated[Path, typer.Option(envvar="TIDINGS_DATA_DIR")] = Path("data"),
     port: Annotated[int, typer.Option(help="First broker's port; the others follow.")] = 8080,
 ) -> None:
@@ -265,12 +330,17 @@ def _pause(done) -> None:
 def journals_apply(file: Path, broker: BrokerOpt = DEFAULT_BROKER) -> None:
     """Create, update or delete journals from a YAML file (see `tidings.protocol.specs`)."""
     try:
-        loaded = yaml.safe_load(file.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        err.print(f"[red]error:[/red] cannot read {file}: {exc}", highlight=False)
-        raise typer.Exit(1) from None
+        with file.open() as f:  # (a stream: YAML's errors then name the file, not "<unicode string>")
+            loaded = yaml.safe_load(f)
+    except OSError as exc:
+        usage(f"cannot read {file}: {exc.strerror or exc}")
+    except yaml.YAMLError as exc:
+        usage(f"{file} is not valid YAML: {' '.join(str(exc).split())}")
     docs = documents(loaded)
     specs = [(d, spec_from_dict(d, f"{file.name}[{i}]")) for i, d in enumerate(docs)]
+    names = [spec.name for _d, spec in specs]
+    if dup := next((n for n in names if names.count(n) > 1), None):
+        usage(f"{file} names journal {dup!r} more than once: give each journal once")
     _check_stores(file, specs)
 
     async def go() -> None:
@@ -352,6 +422,8 @@ def journals_append(
     offset: Annotated[int, typer.Option(help="Expected write head (0: any).")] = 0,
 ) -> None:
     """Append stdin (or --file) atomically; print the committed span as JSON."""
+    if file is not None and not file.is_file():
+        usage(f"--file {str(file)!r} is not a file: give the path of a file to append, or pipe to stdin")
 
     def chunks():
         src = open(file, "rb") if file else sys.stdin.buffer

@@ -46,6 +46,13 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _DUR_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "": 1000}
 
 
+def _count(value: Any, ctx: str) -> int:
+    """A whole number given as one (YAML's 3), not text ("three", "3") or a fraction."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValidationError(ctx, f"{value!r} is not a whole number: give one, e.g. 3")
+    return value
+
+
 def parse_size(value: Any, ctx: str) -> int:
     if isinstance(value, int):
         return value
@@ -87,7 +94,7 @@ def spec_from_dict(d: dict[str, Any], ctx: str = "journal") -> pb.JournalSpec:
         stores = [stores]
     spec = pb.JournalSpec(
         name=str(d.get("name", "")),
-        replication=int(d.get("replication", 1)),
+        replication=_count(d.get("replication", 1), f"{ctx}.replication"),
         labels=lbl.label_set({str(k): str(v) for k, v in (d.get("labels") or {}).items()}),
         flags=FLAGS[flags],
         max_append_rate=parse_size(d.get("max_append_rate", 0), f"{ctx}.max_append_rate"),

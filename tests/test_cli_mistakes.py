@@ -1,0 +1,67 @@
+"""Users' mistakes through the `tidings` command (issue 8, item 8): each is one line on stderr naming
+the input and what to do, exit code 2 (a usage error), no traceback, and nothing started: every
+one of these is refused before anything connects or listens (so no cluster is needed here)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SPECS = {
+    "three.yaml": 'name: a/b\nreplication: "three"\n',
+    "twice.yaml": "journals:\n  - name: a/b\n    replication: 1\n  - name: a/b\n    replication: 2\n",
+    "broken.yaml": "name: a/b\nreplication: [1\n",
+}
+
+MISTAKES = [
+    pytest.param(("cluster", "up", "--zones", "0"), {}, "--zones is 0", id="zones-0"),
+    pytest.param(("cluster", "up", "--brokers", "0"), {}, "--brokers is 0", id="brokers-0"),
+    pytest.param(
+        ("journals", "append", "a/b", "--file", "/nonexistent"),
+        {},
+        "'/nonexistent' is not a file",
+        id="append-missing-file",
+    ),
+    pytest.param(("journals", "list", "--broker", "localhost"), {}, "'localhost' is not HOST:PORT", id="no-port"),
+    pytest.param(("journals", "list", "--broker", "foo:bar"), {}, "'foo:bar' is not HOST:PORT", id="bad-port"),
+    pytest.param(("journals", "list"), {"TIDINGS_BROKER": "127.0.0.1:99999"}, "TIDINGS_BROKER", id="env-broker"),
+    pytest.param(
+        ("broker", "--etcd", "127.0.0.1:2379"), {"TIDINGS_LOG_LEVEL": "bogus"}, "'bogus' is not a level", id="log-level"
+    ),
+    pytest.param(("broker", "--etcd", "etcd"), {}, "--etcd (TIDINGS_ETCD) 'etcd' is not HOST:PORT", id="etcd"),
+    pytest.param(
+        ("journals", "apply", "{tmp}/three.yaml"),
+        {},
+        "three.yaml[0].replication: 'three' is not a whole",
+        id="replication-three",
+    ),
+    pytest.param(
+        ("journals", "apply", "{tmp}/twice.yaml"), {}, "names journal 'a/b' more than once", id="duplicate-names"
+    ),
+    pytest.param(("journals", "apply", "{tmp}/broken.yaml"), {}, 'in "{tmp}/broken.yaml", line 2', id="yaml-error"),
+    pytest.param(("journals", "apply", "{tmp}/none.yaml"), {}, "cannot read {tmp}/none.yaml", id="apply-no-file"),
+]
+
+
+@pytest.mark.parametrize(("args", "env", "says"), MISTAKES)
+def test_a_mistake_is_one_line_and_exit_code_2(tmp_path: Path, args: tuple[str, ...], env: dict, says: str) -> None:
+    for name, text in SPECS.items():
+        (tmp_path / name).write_text(text)
+    args = tuple(a.format(tmp=tmp_path) for a in args)
+    r = subprocess.run(
+        [sys.executable, "-m", "tidings.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TIDINGS_BROKER": "127.0.0.1:1", **env},  # (nothing listens there: never reached)
+        cwd=tmp_path,
+        timeout=60,
+    )
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert says.format(tmp=tmp_path) in lines[0], r.stderr
+    assert not (tmp_path / "data").exists()  # (cluster up refused before it made anything)
