@@ -24,7 +24,7 @@ from rich.table import Table
 
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
-from tidings.protocol.specs import documents, spec_from_dict, spec_to_dict
+from tidings.protocol.specs import documents, given, spec_changes, spec_from_dict, spec_to_dict
 from tidings.protocol.status import TidingsError, ValidationError
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -327,8 +327,13 @@ def _pause(done) -> None:
 
 
 @journals.command("apply")
-def journals_apply(file: Path, broker: BrokerOpt = DEFAULT_BROKER) -> None:
-    """Create, update or delete journals from a YAML file (see `tidings.protocol.specs`)."""
+def journals_apply(
+    file: Path,
+    broker: BrokerOpt = DEFAULT_BROKER,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would change; change nothing.")] = False,
+) -> None:
+    """Create, update or delete journals from a YAML file (see `tidings.protocol.specs`); prints per
+    journal what changed: created, updated (the fields, old -> new), deleted, unchanged."""
     try:
         with file.open() as f:  # (a stream: YAML's errors then name the file, not "<unicode string>")
             loaded = yaml.safe_load(f)
@@ -345,19 +350,60 @@ def journals_apply(file: Path, broker: BrokerOpt = DEFAULT_BROKER) -> None:
 
     async def go() -> None:
         async with _client(broker) as c:
-            current = {j.spec.name: j.mod_revision for j in (await c.list()).journals}
-            changes = []
-            for d, spec in specs:
-                rev = int(d["revision"]) if "revision" in d else current.get(spec.name, 0)
-                if d.get("delete"):
-                    changes.append(pb.ApplyRequest.Change(delete=spec.name, expect_mod_revision=rev))
-                else:
-                    changes.append(pb.ApplyRequest.Change(upsert=spec, expect_mod_revision=rev))
-            await c.apply(changes)
-            for _d, spec in specs:
-                out.print(f"applied {spec.name}")
+            current = {j.spec.name: j for j in (await c.list()).journals}
+            changes, report = _plan(file, specs, current)
+            if changes and not dry_run:
+                await c.apply(changes)  # (all or nothing: one etcd transaction)
+            for line in report:
+                out.print(line, highlight=False, soft_wrap=True)
+            if dry_run:
+                out.print("dry run: nothing applied", style="bold")
 
     _run(go())
+
+
+def _plan(
+    file: Path, specs: list[tuple[dict, pb.JournalSpec]], current: dict[str, pb.ListResponse.Journal]
+) -> tuple[list[pb.ApplyRequest.Change], list[str]]:
+    """The changes a file asks of the journals in etcd, and a line per journal saying what each does."""
+    changes, report = [], []
+    for d, spec in specs:
+        name, cur = spec.name, current.get(spec.name)
+        if "revision" in d:
+            rev = int(d["revision"])
+            if cur is None and rev:
+                raise TidingsError(
+                    f"{file}: journal {name!r} does not exist, but the file expects it at revision {rev}: "
+                    "drop `revision` to create it"
+                )
+        else:
+            rev = cur.mod_revision if cur is not None else 0
+        if d.get("delete"):
+            if cur is None:
+                raise TidingsError(f"{file}: journal {name!r} does not exist: there is nothing to delete")
+            changes.append(pb.ApplyRequest.Change(delete=name, expect_mod_revision=rev))
+            report.append(f"deleted {name}")
+            continue
+        if cur is None:
+            changes.append(pb.ApplyRequest.Change(upsert=spec, expect_mod_revision=rev))
+            report.append(f"created {name}")
+            continue
+        if not given(d, "suspend") and cur.spec.HasField("suspend"):
+            spec.suspend.CopyFrom(cur.spec.suspend)  # (brokers set it: a file that omits it keeps it)
+        changed = spec_changes(cur.spec, spec)
+        if not changed:
+            report.append(f"unchanged {name}")
+            continue
+        changes.append(pb.ApplyRequest.Change(upsert=spec, expect_mod_revision=rev))
+        report.append(f"updated {name}: " + "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items()))
+        if reset := [k for k in changed if not given(d, k)]:
+            err.print(
+                f"[yellow]warning:[/yellow] {escape(name)}: {escape(str(file))} omits {', '.join(reset)}, which "
+                "return to their defaults (a spec replaces the whole spec; give them to keep them)",
+                highlight=False,
+                soft_wrap=True,
+            )
+    return changes, report
 
 
 def _check_stores(file: Path, specs: list[tuple[dict, pb.JournalSpec]]) -> None:
@@ -372,6 +418,36 @@ def _check_stores(file: Path, specs: list[tuple[dict, pb.JournalSpec]]) -> None:
         if not d.get("delete"):
             for j, url in enumerate(spec.fragment.stores):
                 check_store_url(url, f"{file.name}[{i}].fragment.stores[{j}]")
+
+
+@journals.command("delete")
+def journals_delete(
+    journal: str,
+    broker: BrokerOpt = DEFAULT_BROKER,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
+) -> None:
+    """Delete a journal's spec, at the revision it has now (its brokers then drop it; fragments in
+    its stores stay, for a journal created again under the name or for readers of the store)."""
+
+    async def lookup() -> pb.ListResponse.Journal | None:
+        async with _client(broker) as c:
+            resp = await c.list(labels.parse_selector(f"name={journal}"))
+            return next((j for j in resp.journals if j.spec.name == journal), None)
+
+    found = _run(lookup())
+    if found is None:
+        raise TidingsError(f"journal {journal!r} does not exist: nothing to delete (see `tidings journals list`)")
+    if not yes:
+        if not sys.stdin.isatty():
+            usage(f"deleting journal {journal!r} needs --yes when no terminal can confirm it")
+        typer.confirm(f"Delete journal {journal!r} (revision {found.mod_revision})?", abort=True)
+
+    async def delete() -> None:
+        async with _client(broker) as c:
+            await c.apply([pb.ApplyRequest.Change(delete=journal, expect_mod_revision=found.mod_revision)])
+
+    _run(delete())
+    out.print(f"deleted {journal}", highlight=False)
 
 
 @journals.command("list")

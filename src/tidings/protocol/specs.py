@@ -18,7 +18,11 @@ A file holds one journal mapping, a list of them, or ``{journals: [...]}``. Fiel
     revision: 1234                 # optional: expected mod revision (0 = must not exist)
     delete: true                   # optional: delete the journal
 
-Without `revision`, apply behaves as an upsert at the journal's current revision.
+Without `revision`, apply behaves as an upsert at the journal's current revision. A spec replaces
+the journal's whole spec (as gazctl's apply does): a field the file omits takes its default, and
+`apply` warns naming each field an update would so return to its default. `primary` and
+`replicas` (what `journals list --yaml` prints beside a spec) are ignored, so that output applies
+unchanged.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ def parse_duration_ms(value: Any, ctx: str) -> int:
 
 
 DEFAULT_FRAGMENT = {"length": "64MiB", "compression_codec": "none", "refresh_interval": "30s"}
+STATUS_FIELDS = frozenset({"primary", "replicas"})  # what `journals list --yaml` adds; apply ignores them
 
 
 def spec_from_dict(d: dict[str, Any], ctx: str = "journal") -> pb.JournalSpec:
@@ -79,7 +84,7 @@ def spec_from_dict(d: dict[str, Any], ctx: str = "journal") -> pb.JournalSpec:
     if not isinstance(d, dict):
         raise ValidationError(ctx, "expected a mapping with at least `name`")
     known = {"name", "replication", "labels", "flags", "max_append_rate", "fragment", "suspend", "revision", "delete"}
-    unknown = set(d) - known
+    unknown = set(d) - known - STATUS_FIELDS
     if unknown:
         raise ValidationError(ctx, f"unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
     frag = {**DEFAULT_FRAGMENT, **(d.get("fragment") or {})}
@@ -158,3 +163,27 @@ def documents(loaded: Any) -> list[dict[str, Any]]:
     if isinstance(loaded, list):
         return loaded
     raise ValidationError("file", "expected a journal mapping, a list of them, or {journals: [...]}")
+
+
+def spec_changes(old: pb.JournalSpec, new: pb.JournalSpec) -> dict[str, tuple[Any, Any]]:
+    """The fields `new` changes, by dotted path (``fragment.length``), with their old and new values."""
+    return _diff(spec_to_dict(old), spec_to_dict(new), "")
+
+
+def _diff(a: dict[str, Any], b: dict[str, Any], at: str) -> dict[str, tuple[Any, Any]]:
+    out: dict[str, tuple[Any, Any]] = {}
+    for key in [*a, *(k for k in b if k not in a)]:
+        x, y = a.get(key), b.get(key)
+        if key == "fragment" and isinstance(x, dict) and isinstance(y, dict):
+            out.update(_diff(x, y, "fragment."))
+        elif x != y:
+            out[at + key] = (x, y)
+    return out
+
+
+def given(d: dict[str, Any], path: str) -> bool:
+    """Whether a spec mapping gives the field at dotted `path` itself (not left to its default)."""
+    head, _, rest = path.partition(".")
+    if head not in d:
+        return False
+    return not rest or (isinstance(d[head], dict) and rest in d[head])
