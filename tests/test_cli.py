@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 
-def tidings(*args: str, broker: str = "", stdin: bytes = b"", cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TIDINGS_BROKER": broker} if broker else dict(os.environ)
+def tidings(
+    *args: str, broker: str = "", stdin: bytes = b"", cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    env = {**os.environ, **({"TIDINGS_BROKER": broker} if broker else {}), **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "tidings.cli", *args], input=stdin, capture_output=True, env=env, cwd=cwd, timeout=60
     )

@@ -5,6 +5,7 @@ first, and deleting (or expecting a revision of) an absent journal says it is ab
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -69,3 +70,25 @@ async def test_delete_asks_first_and_absent_journals_are_named(cluster, spec_fil
         r = await run(*(a.format(tmp=tmp_path) for a in args), broker=ep)
         lines = r.stderr.decode().splitlines()
         assert r.returncode == 1 and len(lines) == 1 and says in lines[0], r
+
+
+async def test_edit_applies_what_the_editor_changed_at_the_revision_it_read(cluster, spec_file: Path, tmp_path) -> None:  # noqa: F811
+    """gazctl's edit: the specs in $EDITOR, applied at their revisions; no change, no apply; an
+    edit that does not apply is kept in a file, named, to apply again."""
+    ep = cluster.brokers[0].endpoint
+    await run("journals", "apply", str(spec_file), broker=ep)
+    r = await run(
+        "journals", "edit", "cli/hello", broker=ep, env={"EDITOR": "sed -i 's/replication: 3/replication: 2/'"}
+    )
+    assert r.returncode == 0 and r.stdout.decode().splitlines() == ["updated cli/hello: replication 3 -> 2"], r
+    assert await _replication(ep, "cli/hello") == 2
+    r = await run("journals", "edit", "--selector", "app=cli", broker=ep, env={"EDITOR": "true"})
+    assert r.returncode == 0 and r.stdout == b"no changes\n", r
+    broken = {"EDITOR": "sed -i 's/replication: 2/replication: [/'", "TMPDIR": str(tmp_path)}
+    r = await run("journals", "edit", "cli/hello", broker=ep, env=broken)
+    lines = r.stderr.decode().splitlines()
+    assert r.returncode == 2 and "is not valid YAML" in lines[0] and lines[1].startswith("your edit is in "), r
+    kept = Path(lines[1].split()[4].rstrip(":"))
+    assert kept.parent == tmp_path and "replication: [" in await asyncio.to_thread(kept.read_text)
+    r = await run("journals", "edit", "cli/hello", "--selector", "app=cli", broker=ep, env={"EDITOR": "true"})
+    assert r.returncode == 2 and b"one of them" in r.stderr

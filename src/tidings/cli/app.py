@@ -32,8 +32,8 @@ journals = typer.Typer(help="Create, list, append to and read journals.", no_arg
 cluster = typer.Typer(help="Run a local cluster (private etcd + brokers).", no_args_is_help=True)
 app.add_typer(journals, name="journals")
 app.add_typer(cluster, name="cluster")
-err = Console(stderr=True)
-out = Console()
+err = Console(stderr=True, soft_wrap=True)  # (a line is not cut at 80 columns when piped)
+out = Console(soft_wrap=True)
 
 
 def usage(message: str) -> NoReturn:
@@ -334,6 +334,10 @@ def journals_apply(
 ) -> None:
     """Create, update or delete journals from a YAML file (see `tidings.protocol.specs`); prints per
     journal what changed: created, updated (the fields, old -> new), deleted, unchanged."""
+    _apply_file(file, broker, dry_run)
+
+
+def _apply_file(file: Path, broker: str, dry_run: bool = False) -> None:
     try:
         with file.open() as f:  # (a stream: YAML's errors then name the file, not "<unicode string>")
             loaded = yaml.safe_load(f)
@@ -450,6 +454,64 @@ def journals_delete(
     out.print(f"deleted {journal}", highlight=False)
 
 
+@journals.command("edit")
+def journals_edit(
+    name: Annotated[str, typer.Argument(help="The journal to edit (or --selector).")] = "",
+    broker: BrokerOpt = DEFAULT_BROKER,
+    selector: Annotated[str, typer.Option(help="Edit every journal it matches, e.g. app=shop.")] = "",
+) -> None:
+    """Open journal specs in $VISUAL or $EDITOR (as `list --yaml` prints them) and apply what you
+    change, each at the revision it was read at (gazctl's edit): a spec changed meanwhile fails the
+    whole apply, and your edit is kept in a file to apply again."""
+    import shlex
+    import subprocess
+    import tempfile
+
+    if bool(name) == bool(selector):
+        usage("give a journal NAME or --selector S (one of them)")
+    wanted = f"name={name}" if name else selector
+
+    async def go() -> pb.ListResponse:
+        async with _client(broker) as c:
+            return await c.list(labels.parse_selector(wanted))
+
+    rows = _rows(_run(go()), routes=False)
+    if not rows:
+        raise TidingsError(f"no journal matches {name or selector!r} (see `tidings journals list`)")
+    text = yaml.safe_dump({"journals": rows}, sort_keys=False)
+    with tempfile.NamedTemporaryFile("w", prefix="tidings-edit-", suffix=".yaml", delete=False) as f:
+        f.write(text)
+    path = Path(f.name)
+    editor = os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi"
+    code = subprocess.call([*shlex.split(editor), str(path)])
+    if code != 0:
+        raise TidingsError(f"{editor} exited with {code}: nothing applied (your edit is in {path})")
+    if path.read_text() == text:
+        path.unlink()
+        out.print("no changes")
+        return
+    try:
+        _apply_file(path, broker)
+    except (TidingsError, typer.Exit):
+        err.print(
+            f"your edit is in {path}: fix it, then `tidings journals apply {path}`", highlight=False, soft_wrap=True
+        )
+        raise
+    path.unlink()
+
+
+def _rows(resp: pb.ListResponse, routes: bool = True) -> list[dict]:
+    """Journals as `list` prints them: each spec, its revision, and (`routes`) its primary and replicas."""
+    rows = []
+    for j in resp.journals:
+        row = {**spec_to_dict(j.spec), "revision": j.mod_revision}
+        if routes:
+            members = [f"{m.zone}/{m.suffix}" for m in j.route.members]
+            row |= {"primary": members[j.route.primary] if j.route.primary >= 0 else "", "replicas": members}
+        rows.append(row)
+    return rows
+
+
 @journals.command("list")
 def journals_list(
     broker: BrokerOpt = DEFAULT_BROKER,
@@ -463,13 +525,7 @@ def journals_list(
         async with _client(broker) as c:
             return await c.list(labels.parse_selector(selector) if selector else None)
 
-    resp = _run(go())
-    rows = []
-    for j in resp.journals:
-        r = j.route
-        members = [f"{m.zone}/{m.suffix}" for m in r.members]
-        primary = members[r.primary] if r.primary >= 0 else ""
-        rows.append({**spec_to_dict(j.spec), "revision": j.mod_revision, "primary": primary, "replicas": members})
+    rows = _rows(_run(go()))
     if as_json:
         for row in rows:
             print(json.dumps(row))
