@@ -567,8 +567,17 @@ def journals_append(
                 src.close()
 
     async def go():
+        from tidings.protocol.status import WrongAppendOffsetError
+
         async with _client(broker) as c:
-            return await c.append(journal, chunks(), offset=offset)
+            try:
+                return await c.append(journal, chunks(), offset=offset)
+            except WrongAppendOffsetError:
+                head = await c.write_head(journal)
+                raise TidingsError(
+                    f"journal {journal!r}: --offset {offset} is not its write head {head}: nothing was appended; "
+                    f"append at --offset {head}, or 0 for wherever the head is"
+                ) from None
 
     print(json.dumps(_run(go()).to_json()))
 
@@ -583,16 +592,25 @@ def journals_read(
     committed: Annotated[
         bool, typer.Option(help="Decode messages and print each committed one once, as a JSON line.")
     ] = False,
+    with_offsets: Annotated[
+        bool, typer.Option(help='With --committed: print {"offset": N, "message": ...} per message.')
+    ] = False,
+    max_messages: Annotated[int, typer.Option(help="With --committed: stop after this many (0: no limit).")] = 0,
 ) -> None:
-    """Write the journal's committed bytes to stdout (or, with --committed, its committed messages)."""
+    """Write the journal's committed bytes to stdout (or, with --committed, its committed messages)
+    from --offset to --end-offset (the write head unless --block)."""
+    if offset < -1:
+        usage(f"--offset {offset}: give 0 or more, or -1 for the write head")
+    if end_offset < 0 or 0 < end_offset < offset:
+        usage(f"--end-offset {end_offset} is before --offset {offset}: give one after it, or 0 for none")
+    if max_messages < 0 or ((with_offsets or max_messages) and not committed):
+        usage("--with-offsets and --max-messages (0 or more) go with --committed")
 
-    async def raw() -> None:
-        async with _client(broker) as c:
-            async for chunk in c.read(journal, offset, block=block, end_offset=end_offset):
-                sys.stdout.buffer.write(chunk.content)
-            sys.stdout.buffer.flush()
+    async def raw(c) -> None:
+        async for chunk in c.read(journal, offset, block=block, end_offset=end_offset):
+            sys.stdout.buffer.write(chunk.content)
 
-    async def messages() -> None:
+    async def messages(c) -> None:
         import msgspec
 
         from tidings.message import read_committed
@@ -600,16 +618,44 @@ def journals_read(
         def garbage(j: str, g) -> None:
             err.print(f"skipped undecodable bytes of {j} at [{g.begin}, {g.end}): {g.error}", highlight=False)
 
-        encode = msgspec.json.Encoder().encode
+        encode, n = msgspec.json.Encoder().encode, 0
+        start = offset if offset >= 0 else await c.write_head(journal)
+        reader = read_committed(
+            c, journal, block=block, on_garbage=garbage, offsets={journal: start}, end_offsets={journal: end_offset}
+        )
+        async for env in reader:
+            line = {"offset": env.begin, "message": env.message} if with_offsets else env.message
+            sys.stdout.buffer.write(encode(line) + b"\n")
+            n += 1
+            if n == max_messages:
+                break
+
+    async def go() -> None:
         async with _client(broker) as c:
-            async for env in read_committed(c, journal, block=block, on_garbage=garbage):
-                sys.stdout.buffer.write(encode(env.message) + b"\n")
-            sys.stdout.buffer.flush()
+            if not block and offset > (head := await c.write_head(journal)):
+                usage(f"--offset {offset} is past the write head {head} of {journal!r}: give one at or below it, "
+                      "or --block to wait for it")  # fmt: skip
+            await (messages(c) if committed else raw(c))
+        sys.stdout.buffer.flush()
 
     try:
-        _run(messages() if committed else raw())
+        _run(go())
     except BrokenPipeError:
         os._exit(0)
+
+
+@journals.command("head")
+def journals_head(
+    journal: str, broker: BrokerOpt = DEFAULT_BROKER, as_json: Annotated[bool, typer.Option("--json")] = False
+) -> None:
+    """Print the journal's write head: the offset its next append lands at."""
+
+    async def go() -> int:
+        async with _client(broker) as c:
+            return await c.write_head(journal)
+
+    head = _run(go())
+    print(json.dumps({"journal": journal, "head": head}) if as_json else head)
 
 
 @app.command()
