@@ -27,9 +27,12 @@ from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import documents, given, spec_changes, spec_from_dict, spec_to_dict
 from tidings.protocol.status import TidingsError, ValidationError
 
-app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-journals = typer.Typer(help="Create, list, append to and read journals.", no_args_is_help=True)
-cluster = typer.Typer(help="Run a local cluster (private etcd + brokers).", no_args_is_help=True)
+# Plain help (rich_markup_mode=None): no boxes cut to the terminal, no "<bool>" beside every flag;
+# -h as well as --help; shell completion (--install-completion).
+_PLAIN = {"rich_markup_mode": None, "context_settings": {"help_option_names": ["-h", "--help"]}}
+app = typer.Typer(help=__doc__, no_args_is_help=True, pretty_exceptions_enable=False, **_PLAIN)  # type: ignore[arg-type]
+journals = typer.Typer(help="Create, list, append to and read journals.", no_args_is_help=True, **_PLAIN)  # type: ignore[arg-type]
+cluster = typer.Typer(help="Run a local cluster (private etcd + brokers).", no_args_is_help=True, **_PLAIN)  # type: ignore[arg-type]
 app.add_typer(journals, name="journals")
 app.add_typer(cluster, name="cluster")
 err = Console(stderr=True, soft_wrap=True)  # (a line is not cut at 80 columns when piped)
@@ -82,6 +85,23 @@ BrokerOpt = Annotated[
     ),
 ]
 DEFAULT_BROKER = "127.0.0.1:8080"
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        print(f"tidings {version('tidings')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", help="Print the version and exit.", callback=_version, is_eager=True)
+    ] = False,
+) -> None:
+    pass
 
 
 def main() -> None:

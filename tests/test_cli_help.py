@@ -1,0 +1,41 @@
+"""Help and version (issue 8, item 9): -h as well as --help on every command, plain help without a
+"<bool>" beside each flag or boxes cut at the terminal's width, --version, shell completion listed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tidings.cli.app import app
+
+
+def _tidings(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tidings.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def _commands() -> list[tuple[str, ...]]:
+    import typer.main
+
+    root = typer.main.get_command(app)
+    found: list[tuple[str, ...]] = [()]
+    for name, cmd in root.commands.items():  # type: ignore[attr-defined]
+        found.append((name,))
+        found.extend((name, sub) for sub in getattr(cmd, "commands", {}))
+    return found
+
+
+@pytest.mark.parametrize("command", _commands(), ids=lambda c: " ".join(c) or "tidings")
+def test_every_command_has_plain_help_under_h(command: tuple[str, ...]) -> None:
+    r = _tidings(*command, "-h")
+    assert r.returncode == 0 and r.stdout.startswith("Usage: "), r
+    assert "<bool>" not in r.stdout and "╭" not in r.stdout and not r.stderr, r.stdout
+
+
+def test_version_and_completion() -> None:
+    from importlib.metadata import version
+
+    r = _tidings("--version")
+    assert r.returncode == 0 and r.stdout == f"tidings {version('tidings')}\n", r
+    assert "--install-completion" in _tidings("-h").stdout
