@@ -65,3 +65,22 @@ def test_a_mistake_is_one_line_and_exit_code_2(tmp_path: Path, args: tuple[str, 
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
     assert says.format(tmp=tmp_path) in lines[0], r.stderr
     assert not (tmp_path / "data").exists()  # (cluster up refused before it made anything)
+
+
+def test_cluster_up_on_a_taken_port_is_one_line_and_starts_nothing(tmp_path: Path) -> None:
+    """A busy port was found by the broker child, which died; now cluster up checks its ports first."""
+    import socket
+
+    from tidings.cluster import free_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", free_port()))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run(
+            [sys.executable, "-m", "tidings.cli", "cluster", "up", "--brokers", "1", "--port", str(port)],
+            capture_output=True, text=True, cwd=tmp_path, timeout=60,
+        )  # fmt: skip
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and f"127.0.0.1:{port} is taken" in lines[0], r
+    assert not (tmp_path / "data").exists()

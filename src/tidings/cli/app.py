@@ -292,14 +292,25 @@ def cluster_up(
         int, typer.Option(help="Spread brokers over this many zones.", callback=_at_least("--zones", 1))
     ] = 1,
     data_dir: Annotated[Path, typer.Option(envvar="TIDINGS_DATA_DIR")] = Path("data"),
-    port: Annotated[int, typer.Option(help="First broker's port; the others follow.")] = 8080,
+    port: Annotated[
+        int, typer.Option(help="First broker's port; the others follow.", callback=_at_least("--port", 1))
+    ] = 8080,
 ) -> None:
     """Private etcd + N brokers on loopback, in the foreground; Ctrl-C stops everything.
 
     Restarting on the same --data-dir keeps journals and their data. If this process dies (even
     by SIGKILL), its brokers and etcd get SIGTERM and exit."""
+    import socket
+
     from tidings.cluster import LocalCluster
 
+    for at in range(port, port + brokers):  # (before anything starts: one line, not a broker's death)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", at))
+            except OSError as exc:
+                usage(f"--port {port}: 127.0.0.1:{at} is taken ({exc.strerror}): give another --port "
+                      f"(the brokers use {brokers} ports from it)")  # fmt: skip
     lc = LocalCluster(brokers=brokers, zones=zones, data_dir=data_dir, port=port)
     stop = False
 
