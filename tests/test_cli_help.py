@@ -39,3 +39,18 @@ def test_version_and_completion() -> None:
     r = _tidings("--version")
     assert r.returncode == 0 and r.stdout == f"tidings {version('tidings')}\n", r
     assert "--install-completion" in _tidings("-h").stdout
+
+
+@pytest.mark.parametrize("command", [("broker",), ("cluster", "up")], ids=" ".join)
+def test_every_flag_of_a_long_running_command_has_help_and_its_variable(command: tuple[str, ...]) -> None:
+    """As the README says: `broker` and `cluster up` take every flag from a TIDINGS_* variable too."""
+    import typer.main
+
+    cmd = typer.main.get_command(app)
+    for name in command:
+        cmd = cmd.commands[name]  # type: ignore[attr-defined]
+    for param in cmd.params:
+        if param.name in ("help",) or not param.param_type_name == "option":
+            continue
+        assert param.help, f"{' '.join(command)} --{param.name} has no help text"
+        assert str(param.envvar or "").startswith("TIDINGS_"), f"{' '.join(command)} --{param.name} has no variable"

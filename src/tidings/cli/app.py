@@ -1,7 +1,8 @@
 """`tidings`: run a local cluster or a broker, and manage journals.
 
 Client commands reach the cluster through `--broker HOST:PORT` (env TIDINGS_BROKER, default
-127.0.0.1:8080); any broker will do. Every flag has a TIDINGS_* environment variable.
+127.0.0.1:8080); any broker will do. Every flag of `broker` and `cluster up` has a TIDINGS_*
+environment variable too (named in each command's -h).
 """
 
 from __future__ import annotations
@@ -141,7 +142,9 @@ def broker(
             envvar="TIDINGS_ETCD", help="etcd endpoint HOST:PORT.", callback=_endpoint("--etcd (TIDINGS_ETCD)")
         ),
     ],
-    zone: Annotated[str, typer.Option(envvar="TIDINGS_ZONE")] = "local",
+    zone: Annotated[
+        str, typer.Option(envvar="TIDINGS_ZONE", help="Failure zone; replicas spread over zones.")
+    ] = "local",
     id: Annotated[str, typer.Option("--id", envvar="TIDINGS_ID", help="Broker suffix, unique in its zone.")] = "b0",
     listen: Annotated[
         str,
@@ -160,17 +163,25 @@ def broker(
             callback=_endpoint("--replication-listen", optional=True),
         ),
     ] = "",
-    data_dir: Annotated[Path, typer.Option(envvar="TIDINGS_DATA_DIR")] = Path("data/broker"),
+    data_dir: Annotated[
+        Path, typer.Option(envvar="TIDINGS_DATA_DIR", help="Where spools of journals without stores live.")
+    ] = Path("data/broker"),
     root: Annotated[str, typer.Option(envvar="TIDINGS_ROOT", help="etcd key prefix.")] = "/tidings/cluster",
-    journal_limit: Annotated[int, typer.Option(envvar="TIDINGS_JOURNAL_LIMIT")] = 1024,
+    journal_limit: Annotated[
+        int, typer.Option(envvar="TIDINGS_JOURNAL_LIMIT", help="Most journal replicas this broker takes.")
+    ] = 1024,
     metrics: Annotated[
         str,
         typer.Option(
             envvar="TIDINGS_METRICS", help="HOST:PORT for /metrics; '' off.", callback=_endpoint("--metrics", True)
         ),
     ] = "",
-    stall_timeout: Annotated[float, typer.Option(envvar="TIDINGS_STALL_TIMEOUT")] = 10.0,
-    min_append_rate: Annotated[int, typer.Option(envvar="TIDINGS_MIN_APPEND_RATE")] = 16 * 1024,
+    stall_timeout: Annotated[
+        float, typer.Option(envvar="TIDINGS_STALL_TIMEOUT", help="Seconds an append may send nothing before it fails.")
+    ] = 10.0,
+    min_append_rate: Annotated[
+        int, typer.Option(envvar="TIDINGS_MIN_APPEND_RATE", help="Bytes/s below which a slow append is cut off.")
+    ] = 16 * 1024,
     pulse_interval: Annotated[
         float,
         typer.Option(
@@ -199,7 +210,9 @@ def broker(
             help="Seconds a replica waits before persisting a fragment its primary has not (the primary does at once).",
         ),
     ] = 60.0,
-    log_level: Annotated[str, typer.Option(envvar="TIDINGS_LOG_LEVEL", callback=_log_level)] = "info",
+    log_level: Annotated[
+        str, typer.Option(envvar="TIDINGS_LOG_LEVEL", help="debug, info, warning or error.", callback=_log_level)
+    ] = "info",
 ) -> None:
     """Run one broker in the foreground. Prints `READY HOST:PORT` once it serves; SIGTERM hands
     its journals to other brokers (at most --exit-timeout seconds), then exits. It exits with 1 if
@@ -287,13 +300,23 @@ def _exit_unless_stopped_within(seconds: float, who: str):  # -> threading.Timer
 
 @cluster.command("up")
 def cluster_up(
-    brokers: Annotated[int, typer.Option(help="Number of brokers.", callback=_at_least("--brokers", 1))] = 3,
+    brokers: Annotated[
+        int, typer.Option(envvar="TIDINGS_BROKERS", help="Number of brokers.", callback=_at_least("--brokers", 1))
+    ] = 3,
     zones: Annotated[
-        int, typer.Option(help="Spread brokers over this many zones.", callback=_at_least("--zones", 1))
+        int,
+        typer.Option(
+            envvar="TIDINGS_ZONES", help="Spread brokers over this many zones.", callback=_at_least("--zones", 1)
+        ),
     ] = 1,
-    data_dir: Annotated[Path, typer.Option(envvar="TIDINGS_DATA_DIR")] = Path("data"),
+    data_dir: Annotated[
+        Path, typer.Option(envvar="TIDINGS_DATA_DIR", help="etcd's and the brokers' data; kept across restarts.")
+    ] = Path("data"),
     port: Annotated[
-        int, typer.Option(help="First broker's port; the others follow.", callback=_at_least("--port", 1))
+        int,
+        typer.Option(
+            envvar="TIDINGS_PORT", help="First broker's port; the others follow.", callback=_at_least("--port", 1)
+        ),
     ] = 8080,
 ) -> None:
     """Private etcd + N brokers on loopback, in the foreground; Ctrl-C stops everything.
