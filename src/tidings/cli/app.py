@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, NoReturn
@@ -719,17 +720,40 @@ def publish(
     key: Annotated[
         str, typer.Option(help="With a selector: pick each message's journal by this field (rendezvous hashing).")
     ] = "",
+    skip_invalid: Annotated[
+        bool, typer.Option(help="Report a line that is no JSON object (or lacks --key) and go on, instead of stopping.")
+    ] = False,
+    flush_interval: Annotated[
+        float, typer.Option(help="Seconds a line may wait for others to share its append (at most 1000 a batch).")
+    ] = 0.05,
 ) -> None:
-    """Publish JSON lines from stdin as committed messages (each gets a sequencing UUID)."""
+    """Publish JSON lines from stdin as committed messages (each gets a sequencing UUID), as they
+    come: `tail -f log | tidings publish j` commits each line within about --flush-interval. A line
+    that already has a "uuid" field is refused: the publisher sets every message's UUID."""
     import msgspec
 
     from tidings.client import AppendService
     from tidings.message import JournalList, Mapping, Publisher, random_mapping, rendezvous_mapping
 
-    decode = msgspec.json.Decoder(dict).decode
     is_selector = "=" in target or target.startswith("!")
+    if key and not is_selector:
+        usage(f"--key picks a journal among those a selector matches; {target!r} names one journal: drop --key")
+    decode = msgspec.json.Decoder(dict).decode
 
-    async def go() -> tuple[int, set[str]]:
+    def check(lineno: int, line: bytes) -> dict:
+        """A line's message, or ValueError saying what is wrong with it."""
+        try:
+            msg = decode(line)
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"stdin line {lineno} is not a JSON object ({exc})") from None
+        if "uuid" in msg:
+            raise ValueError(f'stdin line {lineno} has its own "uuid" field: the publisher sets it; rename the field')
+        if key and key not in msg:
+            raise ValueError(f"stdin line {lineno} has no {key!r} field (--key) to pick its journal by")
+        return msg
+
+    async def go() -> tuple[int, set[str], str]:
+        lines = _stdin_lines()
         async with _client(broker) as c:
             journals = await JournalList(c, target).start() if is_selector else None
             mapping: Mapping | str = target
@@ -738,37 +762,67 @@ def publish(
                     raise TidingsError(f"no journal matches the selector {target!r}; see `tidings journals list`")
                 mapping = rendezvous_mapping(journals, lambda m: str(m.get(key))) if key else random_mapping(journals)
             pub = Publisher(AppendService(c), journals=journals)
-            sent, written, batch = 0, set(), []
-            pending = []
-            bad = ""
+            sent, written, bad, lineno, more = 0, set(), "", 0, True
+            try:
+                while more and not bad:
+                    batch: list[dict] = []
+                    deadline = None
+                    while len(batch) < 1000:
+                        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                        try:
+                            line = await asyncio.wait_for(lines.get(), timeout)
+                        except TimeoutError:
+                            break
+                        if line is None:
+                            more = False
+                            break
+                        lineno += 1
+                        if not line.strip():
+                            continue
+                        try:
+                            batch.append(check(lineno, line))
+                        except ValueError as exc:
+                            if not skip_invalid:
+                                bad = str(exc)
+                                break
+                            err.print(f"skipped {exc}", highlight=False)
+                        deadline = deadline or time.monotonic() + flush_interval
+                    if batch:  # (committed before the next batch is read: a line is never held longer)
+                        written.update(r.journal for r in await (await pub.publish_committed(mapping, *batch)))
+                        sent += len(batch)
+            finally:
+                if journals is not None:
+                    await journals.aclose()
+            return sent, written, bad
 
-            async def flush() -> None:
-                nonlocal sent, batch
-                if batch:
-                    pending.append(await pub.publish_committed(mapping, *batch))
-                    sent, batch = sent + len(batch), []
-
-            for lineno, line in enumerate(sys.stdin.buffer, 1):
-                if not line.strip():
-                    continue
-                try:
-                    batch.append(decode(line))
-                except msgspec.DecodeError as exc:
-                    bad = f"stdin line {lineno} is not a JSON object ({exc})"
-                    break
-                if len(batch) >= 1000:
-                    await flush()
-            await flush()
-            for fut in pending:
-                written.update(r.journal for r in await fut)
-            if journals is not None:
-                await journals.aclose()
-            if bad:
-                raise TidingsError(f"{bad}; the {sent} messages before it were published, nothing after it")
-            return sent, written
-
-    sent, written = _run(go())
+    sent, written, bad = _run(go())
+    if bad:
+        raise TidingsError(f"{bad}; the {sent} messages before it were published, nothing after it")
     err.print(f"published {sent} messages to {', '.join(sorted(written)) or 'no journal'}", highlight=False)
+
+
+def _stdin_lines() -> asyncio.Queue[bytes | None]:
+    """Lines of stdin as a reader thread gets them (None at its end): the event loop never waits on a
+    terminal or a pipe, so Ctrl-C stops a publish at once (the thread is a daemon: it dies with us)."""
+    import threading
+
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue[bytes | None](maxsize=10_000)
+
+    def put(line: bytes | None) -> None:
+        asyncio.run_coroutine_threadsafe(queue.put(line), loop).result()
+
+    def pump() -> None:  # (os.read: no lock of sys.stdin's held by a thread still reading at exit)
+        fd, rest = sys.stdin.fileno(), b""
+        while chunk := os.read(fd, 1 << 16):
+            *whole, rest = (rest + chunk).split(b"\n")
+            for line in whole:
+                put(line + b"\n")
+        if rest:
+            put(rest)
+        put(None)
+
+    threading.Thread(target=pump, name="stdin", daemon=True).start()
+    return queue
 
 
 @journals.command("fragments")

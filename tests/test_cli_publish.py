@@ -1,0 +1,76 @@
+"""`tidings publish` as a user runs it (issue 8, items 9, 11, 12), against a real cluster: it commits
+lines as they come (stdin still open), stops at once on Ctrl-C keeping what it committed, refuses a
+line's own "uuid", --key with a journal name, a line lacking the --key field, and with
+--skip-invalid reports bad lines and goes on; the README's example reads back without a warning."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+
+from tests.support.waiting import wait_until
+from tests.test_cli import run
+from tidings.message import read_committed
+
+
+async def _messages(cluster, journal: str) -> list[dict]:
+    async with cluster.client(0) as c:
+        return [env.message async for env in read_committed(c, journal, block=False)]
+
+
+async def test_publish_commits_each_line_as_it_comes_and_stops_at_once_on_ctrl_c(cluster) -> None:
+    await cluster.create_journal("cli/tail", 1, labels={"content-type": "application/x-ndjson"})
+    env = {**os.environ, "TIDINGS_BROKER": cluster.brokers[0].endpoint}
+    p = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tidings.cli", "publish", "cli/tail",
+        stdin=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    try:
+        assert p.stdin is not None and p.stderr is not None
+        p.stdin.write(b'{"n": 1}\n')  # (and left open, as `tail -f` leaves it)
+        await p.stdin.drain()
+
+        async def committed() -> bool:
+            return [m["n"] for m in await _messages(cluster, "cli/tail")] == [1]
+
+        await wait_until(committed, 30)
+        p.send_signal(signal.SIGINT)
+        code = await asyncio.wait_for(p.wait(), 30)
+        errors = await p.stderr.read()
+    finally:
+        if p.returncode is None:
+            p.kill()
+            await p.wait()
+    assert code == 130 and b"Traceback" not in errors, (code, errors)
+    assert [m["n"] for m in await _messages(cluster, "cli/tail")] == [1]
+
+
+async def test_publish_refuses_what_it_cannot_publish_once(cluster) -> None:
+    ep = cluster.brokers[0].endpoint
+    await cluster.create_journal("cli/p", 1, labels={"content-type": "application/x-ndjson", "topic": "p"})
+    r = await run("publish", "cli/p", "--key", "n", broker=ep, stdin=b'{"n": 1}\n')
+    assert r.returncode == 2 and b"drop --key" in r.stderr, r
+    r = await run("publish", "cli/p", broker=ep, stdin=b'{"n": 2, "uuid": "mine"}\n')
+    assert r.returncode == 1 and b'has its own "uuid" field' in r.stderr, r
+    r = await run("publish", "topic=p", "--key", "n", broker=ep, stdin=b'{"n": 3}\n{"m": 4}\n')
+    assert r.returncode == 1 and b"stdin line 2 has no 'n' field" in r.stderr, r
+    r = await run("publish", "cli/p", "--skip-invalid", broker=ep, stdin=b'{"n": 5}\nnot json\n{"n": 6}\n')
+    lines = r.stderr.decode().splitlines()
+    assert r.returncode == 0 and lines[0].startswith("skipped stdin line 2 is not a JSON object"), r
+    assert lines[1] == "published 2 messages to cli/p", r
+    assert [m["n"] for m in await _messages(cluster, "cli/p")] == [3, 5, 6]
+
+
+async def test_the_readmes_example_reads_back_without_a_warning(cluster) -> None:
+    ep = cluster.brokers[0].endpoint
+    await cluster.create_journal("cli/readme", 1, labels={"content-type": "application/x-ndjson"})
+    r = await run("journals", "append", "cli/readme", broker=ep, stdin=b'{"greeting": "hello"}\n')
+    assert r.returncode == 0, r
+    r = await run("publish", "cli/readme", broker=ep, stdin=b'{"user": "ann"}\n{"user": "bob"}\n')
+    r = await run("journals", "read", "cli/readme", "--committed", broker=ep)
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert r.returncode == 0 and r.stderr == b"", r
+    assert [row.get("greeting") or row["user"] for row in rows] == ["hello", "ann", "bob"]
