@@ -52,3 +52,13 @@ async def test_read_committed_honours_offsets_and_limits(cluster) -> None:
     assert [json.loads(line)["n"] for line in r.stdout.splitlines()] == [2]
     r = await run("journals", "read", "cli/three", "--committed", "--max-messages", "2", broker=ep)
     assert [json.loads(line)["n"] for line in r.stdout.splitlines()] == [1, 2] and r.returncode == 0
+
+
+async def test_a_piped_table_is_not_cut_at_80_columns(cluster) -> None:
+    """Piped, rich tables were cut to 80 columns: a long name or label set came out wrapped or '…'."""
+    ep = cluster.brokers[0].endpoint
+    name = "cli/a/very/long/journal/name/that/goes/on/and/on/for/quite/a/while"
+    await cluster.create_journal(name, 1, labels={"app": "something-long", "team": "another-long-value"})
+    r = await run("journals", "list", broker=ep)
+    row = next(line for line in r.stdout.decode().splitlines() if name in line)
+    assert "app=something-long,team=another-long-value" in row, r.stdout.decode()

@@ -38,7 +38,7 @@ cluster = typer.Typer(help="Run a local cluster (private etcd + brokers).", no_a
 app.add_typer(journals, name="journals")
 app.add_typer(cluster, name="cluster")
 err = Console(stderr=True, soft_wrap=True)  # (a line is not cut at 80 columns when piped)
-out = Console(soft_wrap=True)
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 100_000)  # (piped: tables not cut at 80)
 
 
 def usage(message: str) -> NoReturn:
