@@ -387,8 +387,8 @@ def journals_apply(
     broker: BrokerOpt = DEFAULT_BROKER,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would change; change nothing.")] = False,
 ) -> None:
-    """Create, update or delete journals from a YAML file (see `tidings.protocol.specs`); prints per
-    journal what changed: created, updated (the fields, old -> new), deleted, unchanged."""
+    """Create, update or delete journals from a YAML file (every field, with its default: docs/specs.md);
+    prints per journal what changed: created, updated (the fields, old -> new), deleted, unchanged."""
     _apply_file(file, broker, dry_run)
 
 
