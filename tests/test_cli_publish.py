@@ -74,3 +74,45 @@ async def test_the_readmes_example_reads_back_without_a_warning(cluster) -> None
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert r.returncode == 0 and r.stderr == b"", r
     assert [row.get("greeting") or row["user"] for row in rows] == ["hello", "ann", "bob"]
+
+
+async def test_append_waiting_on_stdin_stops_at_once_on_ctrl_c_and_commits_nothing(cluster) -> None:
+    """`journals append` read stdin on its event loop: Ctrl-C did nothing while it waited (a
+    terminal, or a pipe nobody writes); now a thread reads, and the append, all or nothing, is dropped."""
+    from pathlib import Path
+
+    await cluster.create_journal("cli/ctrl-c", 1)
+    env = {**os.environ, "TIDINGS_BROKER": cluster.brokers[0].endpoint}
+    read_end, write_end = os.pipe()  # (a pipe, as a shell gives: asyncio's PIPE would be a socket pair)
+    p = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tidings.cli", "journals", "append", "cli/ctrl-c",
+        stdin=read_end, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    os.close(read_end)
+
+    def waiting_on_stdin() -> bool:
+        """A thread of it blocked reading the pipe (Linux names the wait in /proc)."""
+        assert p.returncode is None, f"append exited before Ctrl-C: {p.returncode}"
+        for task in Path(f"/proc/{p.pid}/task").iterdir():
+            try:
+                if "pipe_read" in (task / "wchan").read_text():
+                    return True
+            except FileNotFoundError:  # (a thread that ended meanwhile)
+                pass
+        return False
+
+    try:
+        assert p.stderr is not None
+        os.write(write_end, b"half of what was meant ")
+        await wait_until(waiting_on_stdin, 30)
+        p.send_signal(signal.SIGINT)
+        code = await asyncio.wait_for(p.wait(), 10)
+        errors = await p.stderr.read()
+    finally:
+        os.close(write_end)
+        if p.returncode is None:
+            p.kill()
+            await p.wait()
+    assert code == 130 and b"Traceback" not in errors, (code, errors)
+    async with cluster.client(0) as c:
+        assert await c.write_head("cli/ctrl-c") == 0

@@ -612,21 +612,22 @@ def journals_append(
     if file is not None and not file.is_file():
         usage(f"--file {str(file)!r} is not a file: give the path of a file to append, or pipe to stdin")
 
-    def chunks():
-        src = open(file, "rb") if file else sys.stdin.buffer
-        try:
+    def from_file():
+        with open(file, "rb") as src:  # type: ignore[arg-type]
             while chunk := src.read(256 * 1024):
                 yield chunk
-        finally:
-            if file:
-                src.close()
+
+    async def from_stdin():  # (a thread reads: Ctrl-C stops the append at once; nothing is committed)
+        queue = _stdin(lines=False)
+        while (chunk := await queue.get()) is not None:
+            yield chunk
 
     async def go():
         from tidings.protocol.status import WrongAppendOffsetError
 
         async with _client(broker) as c:
             try:
-                return await c.append(journal, chunks(), offset=offset)
+                return await c.append(journal, from_file() if file else from_stdin(), offset=offset)
             except WrongAppendOffsetError:
                 head = await c.write_head(journal)
                 raise TidingsError(
@@ -753,7 +754,7 @@ def publish(
         return msg
 
     async def go() -> tuple[int, set[str], str]:
-        lines = _stdin_lines()
+        lines = _stdin()
         async with _client(broker) as c:
             journals = await JournalList(c, target).start() if is_selector else None
             mapping: Mapping | str = target
@@ -801,19 +802,23 @@ def publish(
     err.print(f"published {sent} messages to {', '.join(sorted(written)) or 'no journal'}", highlight=False)
 
 
-def _stdin_lines() -> asyncio.Queue[bytes | None]:
-    """Lines of stdin as a reader thread gets them (None at its end): the event loop never waits on a
-    terminal or a pipe, so Ctrl-C stops a publish at once (the thread is a daemon: it dies with us)."""
+def _stdin(lines: bool = True) -> asyncio.Queue[bytes | None]:
+    """stdin as a reader thread gets it, a line (or with `lines` False a read of up to 64 KiB) per
+    item, None at its end: the event loop never waits on a terminal or a pipe, so Ctrl-C stops a
+    command at once (the thread is a daemon: it dies with us)."""
     import threading
 
-    loop, queue = asyncio.get_running_loop(), asyncio.Queue[bytes | None](maxsize=10_000)
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue[bytes | None](maxsize=10_000 if lines else 64)
 
-    def put(line: bytes | None) -> None:
-        asyncio.run_coroutine_threadsafe(queue.put(line), loop).result()
+    def put(item: bytes | None) -> None:
+        asyncio.run_coroutine_threadsafe(queue.put(item), loop).result()
 
     def pump() -> None:  # (os.read: no lock of sys.stdin's held by a thread still reading at exit)
         fd, rest = sys.stdin.fileno(), b""
         while chunk := os.read(fd, 1 << 16):
+            if not lines:
+                put(chunk)
+                continue
             *whole, rest = (rest + chunk).split(b"\n")
             for line in whole:
                 put(line + b"\n")
