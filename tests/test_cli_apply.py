@@ -92,3 +92,6 @@ async def test_edit_applies_what_the_editor_changed_at_the_revision_it_read(clus
     assert kept.parent == tmp_path and "replication: [" in await asyncio.to_thread(kept.read_text)
     r = await run("journals", "edit", "cli/hello", "--selector", "app=cli", broker=ep, env={"EDITOR": "true"})
     assert r.returncode == 2 and b"one of them" in r.stderr
+    r = await run("journals", "edit", "cli/hello", broker=ep, env={"EDITOR": "no-such-editor", "VISUAL": ""})
+    lines = r.stderr.decode().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "cannot run the editor 'no-such-editor'" in lines[0], r

@@ -538,7 +538,11 @@ def journals_edit(
         f.write(text)
     path = Path(f.name)
     editor = os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi"
-    code = subprocess.call([*shlex.split(editor), str(path)])
+    try:
+        code = subprocess.call([*shlex.split(editor), str(path)])
+    except (OSError, ValueError) as exc:  # (not found, not runnable, unbalanced quotes)
+        path.unlink()
+        usage(f"cannot run the editor {editor!r} ({exc}): set $EDITOR (or $VISUAL) to one, e.g. EDITOR=nano")
     if code != 0:
         raise TidingsError(f"{editor} exited with {code}: nothing applied (your edit is in {path})")
     if path.read_text() == text:
