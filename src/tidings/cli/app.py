@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 import yaml
@@ -37,6 +37,9 @@ journals = typer.Typer(help="Create, list, append to and read journals.", no_arg
 cluster = typer.Typer(help="Run a local cluster (private etcd + brokers).", no_args_is_help=True, **_PLAIN)  # type: ignore[arg-type]
 app.add_typer(journals, name="journals")
 app.add_typer(cluster, name="cluster")
+# Client commands say what went wrong in one line of their own; the library's log records (an
+# AppendService's retry advice, say) would add lines naming APIs. `broker` configures logging.
+logging.getLogger("tidings").addHandler(logging.NullHandler())
 err = Console(stderr=True, soft_wrap=True)  # (a line is not cut at 80 columns when piped)
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 100_000)  # (piped: tables not cut at 80)
 
@@ -55,15 +58,15 @@ def _endpoint(flag: str, optional: bool = False) -> Callable[[str], str]:
         if optional and value == "":
             return value
         host, colon, port = value.rpartition(":")
-        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not colon or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
             usage(f"{flag} {value!r} is not HOST:PORT: give a host and a port from 1 to 65535, e.g. 127.0.0.1:8080")
         return value
 
     return check
 
 
-def _at_least(flag: str, least: int) -> Callable[[int], int]:
-    def check(value: int) -> int:
+def _at_least(flag: str, least: int) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
         if value < least:
             usage(f"{flag} is {value}: give {least} or more")
         return value
@@ -77,6 +80,20 @@ def _log_level(value: str) -> str:
     return value
 
 
+def _journal_name(value: str) -> str:
+    """A journal argument's name checked before anything connects (a usage error, not a broker's refusal)."""
+    from tidings.protocol import validate
+    from tidings.protocol.status import ValidationError
+
+    if value:
+        try:
+            validate.journal_name(value, "journal")
+        except ValidationError as exc:
+            usage(str(exc))
+    return value
+
+
+JournalArg = Annotated[str, typer.Argument(help="A journal name, e.g. shop/orders.", callback=_journal_name)]
 BrokerOpt = Annotated[
     str,
     typer.Option(
@@ -328,6 +345,8 @@ def cluster_up(
 
     from tidings.cluster import LocalCluster
 
+    if port + brokers - 1 > 65535:
+        usage(f"--port {port}: the {brokers} brokers' ports would pass 65535: give a lower --port")
     for at in range(port, port + brokers):  # (before anything starts: one line, not a broker's death)
         with socket.socket() as probe:
             try:
@@ -398,6 +417,8 @@ def _apply_file(file: Path, broker: str, dry_run: bool = False) -> None:
             loaded = yaml.safe_load(f)
     except OSError as exc:
         usage(f"cannot read {file}: {exc.strerror or exc}")
+    except UnicodeDecodeError as exc:
+        usage(f"{file} is not UTF-8 text ({exc.reason} at byte {exc.start}): save it as UTF-8")
     except yaml.YAMLError as exc:
         usage(f"{file} is not valid YAML: {' '.join(str(exc).split())}")
     docs = documents(loaded)
@@ -429,7 +450,7 @@ def _plan(
     for d, spec in specs:
         name, cur = spec.name, current.get(spec.name)
         if "revision" in d:
-            rev = int(d["revision"])
+            rev = d["revision"]  # (a whole number: spec_from_dict checked it)
             if cur is None and rev:
                 raise TidingsError(
                     f"{file}: journal {name!r} does not exist, but the file expects it at revision {rev}: "
@@ -481,7 +502,7 @@ def _check_stores(file: Path, specs: list[tuple[dict, pb.JournalSpec]]) -> None:
 
 @journals.command("delete")
 def journals_delete(
-    journal: str,
+    journal: JournalArg,
     broker: BrokerOpt = DEFAULT_BROKER,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
 ) -> None:
@@ -511,7 +532,7 @@ def journals_delete(
 
 @journals.command("edit")
 def journals_edit(
-    name: Annotated[str, typer.Argument(help="The journal to edit (or --selector).")] = "",
+    name: Annotated[str, typer.Argument(help="The journal to edit (or --selector).", callback=_journal_name)] = "",
     broker: BrokerOpt = DEFAULT_BROKER,
     selector: Annotated[str, typer.Option(help="Edit every journal it matches, e.g. app=shop.")] = "",
 ) -> None:
@@ -607,7 +628,7 @@ def journals_list(
 
 @journals.command("append")
 def journals_append(
-    journal: str,
+    journal: JournalArg,
     broker: BrokerOpt = DEFAULT_BROKER,
     file: Annotated[Path | None, typer.Option(help="Read content from FILE instead of stdin.")] = None,
     offset: Annotated[int, typer.Option(help="Expected write head (0: any).")] = 0,
@@ -622,9 +643,12 @@ def journals_append(
                 yield chunk
 
     async def from_stdin():  # (a thread reads: Ctrl-C stops the append at once; nothing is committed)
-        queue = _stdin(lines=False)
-        while (chunk := await queue.get()) is not None:
-            yield chunk
+        stdin = _Stdin(lines=False, slots=64)
+        try:
+            while (chunk := await stdin.get()) is not None:
+                yield chunk
+        finally:
+            stdin.stop()
 
     async def go():
         from tidings.protocol.status import WrongAppendOffsetError
@@ -644,7 +668,7 @@ def journals_append(
 
 @journals.command("read")
 def journals_read(
-    journal: str,
+    journal: JournalArg,
     broker: BrokerOpt = DEFAULT_BROKER,
     offset: Annotated[int, typer.Option(help="Start offset; -1 is the write head.")] = 0,
     block: Annotated[bool, typer.Option(help="Wait for and tail new content.")] = False,
@@ -676,6 +700,10 @@ def journals_read(
         from tidings.message import read_committed
 
         def garbage(j: str, g) -> None:
+            if 0 < end_offset <= g.end:  # (the range is bytes: a message it ends inside is cut, not bad)
+                err.print(f"--end-offset {end_offset} cuts the message at offset {g.begin}: not printed; end the "
+                          "range at a message's end (the next one's offset)", highlight=False)  # fmt: skip
+                return
             err.print(f"skipped undecodable bytes of {j} at [{g.begin}, {g.end}): {g.error}", highlight=False)
 
         encode, n = msgspec.json.Encoder().encode, 0
@@ -706,7 +734,7 @@ def journals_read(
 
 @journals.command("head")
 def journals_head(
-    journal: str, broker: BrokerOpt = DEFAULT_BROKER, as_json: Annotated[bool, typer.Option("--json")] = False
+    journal: JournalArg, broker: BrokerOpt = DEFAULT_BROKER, as_json: Annotated[bool, typer.Option("--json")] = False
 ) -> None:
     """Print the journal's write head: the offset its next append lands at."""
 
@@ -729,7 +757,11 @@ def publish(
         bool, typer.Option(help="Report a line that is no JSON object (or lacks --key) and go on, instead of stopping.")
     ] = False,
     flush_interval: Annotated[
-        float, typer.Option(help="Seconds a line may wait for others to share its append (at most 1000 a batch).")
+        float,
+        typer.Option(
+            help="Seconds a line may wait for others to share its append (at most 1000 a batch).",
+            callback=_at_least("--flush-interval", 0),
+        ),
     ] = 0.05,
 ) -> None:
     """Publish JSON lines from stdin as committed messages (each gets a sequencing UUID), as they
@@ -741,6 +773,8 @@ def publish(
     from tidings.message import JournalList, Mapping, Publisher, random_mapping, rendezvous_mapping
 
     is_selector = "=" in target or target.startswith("!")
+    if not is_selector:
+        _journal_name(target)
     if key and not is_selector:
         usage(f"--key picks a journal among those a selector matches; {target!r} names one journal: drop --key")
     decode = msgspec.json.Decoder(dict).decode
@@ -757,8 +791,13 @@ def publish(
             raise ValueError(f"stdin line {lineno} has no {key!r} field (--key) to pick its journal by")
         return msg
 
+    done = {"sent": 0, "through": 0}  # messages published, and the stdin line they reach
+
+    def so_far() -> str:
+        return f"published {done['sent']} messages (stdin lines 1 to {done['through']})"
+
     async def go() -> tuple[int, set[str], str]:
-        lines = _stdin()
+        lines = _Stdin()
         async with _client(broker) as c:
             journals = await JournalList(c, target).start() if is_selector else None
             mapping: Mapping | str = target
@@ -793,50 +832,87 @@ def publish(
                             err.print(f"skipped {exc}", highlight=False)
                         deadline = deadline or time.monotonic() + flush_interval
                     if batch:  # (committed before the next batch is read: a line is never held longer)
-                        written.update(r.journal for r in await (await pub.publish_committed(mapping, *batch)))
+                        try:
+                            results = await (await pub.publish_committed(mapping, *batch))
+                        except TidingsError as exc:
+                            raise TidingsError(
+                                f"{exc}; {so_far()}; the lines after those were not published (resend from "
+                                f"stdin line {done['through'] + 1})"
+                            ) from None
+                        written.update(r.journal for r in results)
                         sent += len(batch)
+                        done.update(sent=sent, through=lineno - bool(bad))
             finally:
+                lines.stop()
                 if journals is not None:
                     await journals.aclose()
             return sent, written, bad
 
-    sent, written, bad = _run(go())
+    try:
+        sent, written, bad = _run(go())
+    except KeyboardInterrupt:
+        err.print(f"interrupted: {so_far()}", highlight=False)
+        raise typer.Exit(130) from None
     if bad:
         raise TidingsError(f"{bad}; the {sent} messages before it were published, nothing after it")
     err.print(f"published {sent} messages to {', '.join(sorted(written)) or 'no journal'}", highlight=False)
 
 
-def _stdin(lines: bool = True) -> asyncio.Queue[bytes | None]:
+class _Stdin:
     """stdin as a reader thread gets it, a line (or with `lines` False a read of up to 64 KiB) per
-    item, None at its end: the event loop never waits on a terminal or a pipe, so Ctrl-C stops a
-    command at once (the thread is a daemon: it dies with us)."""
-    import threading
+    `get()`, None at its end: the event loop never waits on a terminal or a pipe, so Ctrl-C stops a
+    command at once. The thread (a daemon) hands items over with call_soon_threadsafe, at most
+    `slots` waiting, and gives up quietly once `stop()`ped or the loop is gone."""
 
-    loop, queue = asyncio.get_running_loop(), asyncio.Queue[bytes | None](maxsize=10_000 if lines else 64)
+    def __init__(self, lines: bool = True, slots: int = 10_000) -> None:
+        import threading
 
-    def put(item: bytes | None) -> None:
-        asyncio.run_coroutine_threadsafe(queue.put(item), loop).result()
+        self.lines = lines
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.slots = threading.Semaphore(slots)
+        self.stopped = threading.Event()
+        threading.Thread(target=self._pump, name="stdin", daemon=True).start()
 
-    def pump() -> None:  # (os.read: no lock of sys.stdin's held by a thread still reading at exit)
+    async def get(self) -> bytes | None:
+        item = await self.queue.get()
+        self.slots.release()
+        return item
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _put(self, item: bytes | None) -> bool:
+        while not self.slots.acquire(timeout=0.1):
+            if self.stopped.is_set():
+                return False
+        if self.stopped.is_set():
+            return False
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # (the loop is closed: the command is over)
+            return False
+        return True
+
+    def _pump(self) -> None:  # (os.read: no lock of sys.stdin's held by a thread still reading at exit)
         fd, rest = sys.stdin.fileno(), b""
         while chunk := os.read(fd, 1 << 16):
-            if not lines:
-                put(chunk)
+            if not self.lines:
+                if not self._put(chunk):
+                    return
                 continue
             *whole, rest = (rest + chunk).split(b"\n")
             for line in whole:
-                put(line + b"\n")
-        if rest:
-            put(rest)
-        put(None)
-
-    threading.Thread(target=pump, name="stdin", daemon=True).start()
-    return queue
+                if not self._put(line + b"\n"):
+                    return
+        if rest and not self._put(rest):
+            return
+        self._put(None)
 
 
 @journals.command("fragments")
 def journals_fragments(
-    journal: str, broker: BrokerOpt = DEFAULT_BROKER, as_json: Annotated[bool, typer.Option("--json")] = False
+    journal: JournalArg, broker: BrokerOpt = DEFAULT_BROKER, as_json: Annotated[bool, typer.Option("--json")] = False
 ) -> None:
     """List the journal's fragments (local spools and persisted files)."""
     from tidings.fragment.fragment import Fragment
@@ -859,7 +935,7 @@ def journals_fragments(
 
 
 @journals.command("reset-head")
-def journals_reset_head(journal: str, broker: BrokerOpt = DEFAULT_BROKER) -> None:
+def journals_reset_head(journal: JournalArg, broker: BrokerOpt = DEFAULT_BROKER) -> None:
     """Confirm that every earlier broker is gone: let appends continue at the fragment index's end.
 
     Needed after INDEX_HAS_GREATER_OFFSET. It issues a zero-byte append whose expected offset is

@@ -27,6 +27,7 @@ unchanged.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -67,12 +68,33 @@ def parse_size(value: Any, ctx: str) -> int:
 
 
 def parse_duration_ms(value: Any, ctx: str) -> int:
+    if isinstance(value, bool) or (isinstance(value, float) and not math.isfinite(value)):
+        raise ValidationError(ctx, f"{value!r} is not a duration like 30s, 500ms, 5m or 1h")
     if isinstance(value, int | float):
-        return int(value * 1000)
+        return round(value * 1000)
     m = _DURATION.match(str(value))
     if not m:
         raise ValidationError(ctx, f"{value!r} is not a duration like 30s, 500ms, 5m or 1h")
-    return int(float(m.group(1)) * _DUR_MS[m.group(2) or ""])
+    return round(float(m.group(1)) * _DUR_MS[m.group(2) or ""])
+
+
+def format_duration(ms: int) -> str:
+    """A duration exactly, in the largest unit that divides it (336h, 90s, 1500ms): what
+    `parse_duration_ms` reads back to the same milliseconds."""
+    if ms == 0:
+        return "0s"
+    for unit, size in (("h", 3_600_000), ("m", 60_000), ("s", 1000)):
+        if ms % size == 0:
+            return f"{ms // size}{unit}"
+    return f"{ms}ms"
+
+
+def _mapping(value: Any, ctx: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValidationError(ctx, f"{value!r} is not a mapping: give `key: value` pairs under it")
+    return value
 
 
 DEFAULT_FRAGMENT = {"length": "64MiB", "compression_codec": "none", "refresh_interval": "30s"}
@@ -87,7 +109,11 @@ def spec_from_dict(d: dict[str, Any], ctx: str = "journal") -> pb.JournalSpec:
     unknown = set(d) - known - STATUS_FIELDS
     if unknown:
         raise ValidationError(ctx, f"unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
-    frag = {**DEFAULT_FRAGMENT, **(d.get("fragment") or {})}
+    frag = {**DEFAULT_FRAGMENT, **_mapping(d.get("fragment"), f"{ctx}.fragment")}
+    if not isinstance(d.get("delete", False), bool):
+        raise ValidationError(f"{ctx}.delete", f"{d['delete']!r}: give true or false (unquoted)")
+    if "revision" in d and (_count(d["revision"], f"{ctx}.revision") < 0):
+        raise ValidationError(f"{ctx}.revision", f"{d['revision']} must be 0 or more")
     codec = str(frag.get("compression_codec", "none")).lower()
     if codec not in CODECS:
         raise ValidationError(f"{ctx}.fragment.compression_codec", f"{codec!r}: use none, gzip or zstd")
@@ -100,7 +126,7 @@ def spec_from_dict(d: dict[str, Any], ctx: str = "journal") -> pb.JournalSpec:
     spec = pb.JournalSpec(
         name=str(d.get("name", "")),
         replication=_count(d.get("replication", 1), f"{ctx}.replication"),
-        labels=lbl.label_set({str(k): str(v) for k, v in (d.get("labels") or {}).items()}),
+        labels=lbl.label_set({str(k): str(v) for k, v in _mapping(d.get("labels"), f"{ctx}.labels").items()}),
         flags=FLAGS[flags],
         max_append_rate=parse_size(d.get("max_append_rate", 0), f"{ctx}.max_append_rate"),
         fragment=pb.JournalSpec.FragmentSpec(
@@ -140,9 +166,9 @@ def spec_to_dict(spec: pb.JournalSpec) -> dict[str, Any]:
             "length": f.length,
             "compression_codec": CODEC_NAMES.get(f.compression_codec, "none"),
             "stores": list(f.stores),
-            "refresh_interval": f"{f.refresh_interval_ms / 1000:g}s",
-            "flush_interval": f"{f.flush_interval_ms / 1000:g}s",
-            "retention": f"{f.retention_ms / 1000:g}s",
+            "refresh_interval": format_duration(f.refresh_interval_ms),
+            "flush_interval": format_duration(f.flush_interval_ms),
+            "retention": format_duration(f.retention_ms),
         },
     } | _suspend_dict(spec)
 
@@ -166,7 +192,8 @@ def documents(loaded: Any) -> list[dict[str, Any]]:
 
 
 def spec_changes(old: pb.JournalSpec, new: pb.JournalSpec) -> dict[str, tuple[Any, Any]]:
-    """The fields `new` changes, by dotted path (``fragment.length``), with their old and new values."""
+    """The fields `new` changes, by dotted path (``fragment.length``), with their old and new values
+    (as `spec_to_dict` shows them, which is exact: durations in ms-precise units)."""
     return _diff(spec_to_dict(old), spec_to_dict(new), "")
 
 
