@@ -84,3 +84,33 @@ def test_cluster_up_on_a_taken_port_is_one_line_and_starts_nothing(tmp_path: Pat
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and f"127.0.0.1:{port} is taken" in lines[0], r
     assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "says"),
+    [
+        pytest.param(("journals", "apply", "{tmp}/empty.yaml"), {}, "empty.yaml is empty", id="empty-spec-file"),
+        pytest.param(
+            ("journals", "read", "a/b", "--committed", "--max-messages", "-1"),
+            {},
+            "--max-messages -1",
+            id="max-messages-negative",
+        ),
+        pytest.param(
+            ("journals", "read", "a/b", "--end-offset", "-1"),
+            {},
+            "--end-offset -1: give 0 or more",
+            id="end-offset-negative",
+        ),
+        pytest.param(("journals", "edit", "a/b"), {"EDITOR": "", "VISUAL": ""}, "needs $EDITOR", id="edit-no-editor"),
+    ],
+)
+def test_review_25_lesser_mistakes_are_one_line(tmp_path: Path, args: tuple[str, ...], env: dict, says: str) -> None:
+    (tmp_path / "empty.yaml").write_text("")
+    r = subprocess.run(
+        [sys.executable, "-m", "tidings.cli", *(a.format(tmp=tmp_path) for a in args)],
+        capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=tmp_path, timeout=60,
+        env={**os.environ, "TIDINGS_BROKER": "127.0.0.1:1", **env},
+    )  # fmt: skip
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and says in lines[0], r

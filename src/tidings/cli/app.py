@@ -421,6 +421,8 @@ def _apply_file(file: Path, broker: str, dry_run: bool = False) -> None:
         usage(f"{file} is not UTF-8 text ({exc.reason} at byte {exc.start}): save it as UTF-8")
     except yaml.YAMLError as exc:
         usage(f"{file} is not valid YAML: {' '.join(str(exc).split())}")
+    if loaded is None:
+        usage(f"{file} is empty: give a journal spec, a list of them, or journals: [...] (see docs/specs.md)")
     docs = documents(loaded)
     specs = [(d, spec_from_dict(d, f"{file.name}[{i}]")) for i, d in enumerate(docs)]
     names = [spec.name for _d, spec in specs]
@@ -506,8 +508,9 @@ def journals_delete(
     broker: BrokerOpt = DEFAULT_BROKER,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
 ) -> None:
-    """Delete a journal's spec, at the revision it has now (its brokers then drop it; fragments in
-    its stores stay, for a journal created again under the name or for readers of the store)."""
+    """Delete a journal's spec, at the revision it has now (its brokers then drop it). Its fragments
+    stay in its stores: a journal created again under the name finds them, and its first append
+    fails with INDEX_HAS_GREATER_OFFSET until `tidings journals reset-head NAME` (as in Gazette)."""
 
     async def lookup() -> pb.ListResponse.Journal | None:
         async with _client(broker) as c:
@@ -545,6 +548,11 @@ def journals_edit(
 
     if bool(name) == bool(selector):
         usage("give a journal NAME or --selector S (one of them)")
+    editor = os.environ.get("VISUAL") or os.environ.get("EDITOR") or ""
+    if not editor:
+        if not sys.stdin.isatty():
+            usage("journals edit needs $EDITOR (or $VISUAL) when no terminal can run vi")
+        editor = "vi"
     wanted = f"name={name}" if name else selector
 
     async def go() -> pb.ListResponse:
@@ -558,7 +566,6 @@ def journals_edit(
     with tempfile.NamedTemporaryFile("w", prefix="tidings-edit-", suffix=".yaml", delete=False) as f:
         f.write(text)
     path = Path(f.name)
-    editor = os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi"
     try:
         code = subprocess.call([*shlex.split(editor), str(path)])
     except (OSError, ValueError) as exc:  # (not found, not runnable, unbalanced quotes)
@@ -685,10 +692,14 @@ def journals_read(
     from --offset to --end-offset (the write head unless --block)."""
     if offset < -1:
         usage(f"--offset {offset}: give 0 or more, or -1 for the write head")
-    if end_offset < 0 or 0 < end_offset < offset:
+    if end_offset < 0:
+        usage(f"--end-offset {end_offset}: give 0 or more (0 for none)")
+    if 0 < end_offset < offset:
         usage(f"--end-offset {end_offset} is before --offset {offset}: give one after it, or 0 for none")
-    if max_messages < 0 or ((with_offsets or max_messages) and not committed):
-        usage("--with-offsets and --max-messages (0 or more) go with --committed")
+    if max_messages < 0:
+        usage(f"--max-messages {max_messages}: give 0 or more (0 for no limit)")
+    if (with_offsets or max_messages) and not committed:
+        usage("--with-offsets and --max-messages go with --committed")
 
     async def raw(c) -> None:
         async for chunk in c.read(journal, offset, block=block, end_offset=end_offset):
