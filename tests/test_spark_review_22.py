@@ -162,12 +162,17 @@ def test_a_stream_with_a_wrong_metadata_column_type_fails_with_our_line(spark, l
         .schema("offset STRING, id BIGINT")
         .load()
     )
+    msg = stream_error(df, tmp_path)
+    assert "column 'offset'" in msg and "UnboundLocalError" not in msg, msg[:1500]
+
+
+def stream_error(df, tmp_path) -> str:
+    """What a streaming query over `df` fails with (a noop sink; it must fail within a minute)."""
     query = df.writeStream.format("noop").option("checkpointLocation", str(tmp_path / "cp")).start()
     try:
         query.awaitTermination(60)
     except Exception:
-        pass
+        pass  # (the failure is read below, from the query)
     finally:
         query.stop()
-    msg = str(query.exception())
-    assert "column 'offset'" in msg and "UnboundLocalError" not in msg, msg[:1500]
+    return str(query.exception())

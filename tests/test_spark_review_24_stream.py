@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.test_spark_review_22 import stream_error
 from tests.test_spark_source import P1, line, ndjson_journal
 from tidings.message.uuid import OUTSIDE_TXN
 
@@ -29,14 +30,7 @@ def test_a_bad_stream_option_with_an_explicit_schema_fails_with_our_one_line(
         .schema("id BIGINT")
         .load()
     )
-    query = df.writeStream.format("noop").option("checkpointLocation", str(tmp_path / "cp")).start()
-    try:
-        query.awaitTermination(60)
-    except Exception:
-        pass
-    finally:
-        query.stop()
-    msg = str(query.exception())
+    msg = stream_error(df, tmp_path)
     assert option in msg and "UnboundLocalError" not in msg, msg[:2000]
     ours = [ln for ln in msg.splitlines() if 'File "' in ln and "pyspark" not in ln]
     assert len(ours) <= 1, msg[:2000]  # (PySpark's stream runner adds its own frames to any error)
