@@ -155,10 +155,15 @@ def _mixed_appends() -> list[bytes]:
             p5 += rnd.choice([5, -3])
             lines.append(line(P[5], T0 + p5 * U, OUTSIDE_TXN, id=next(nid)))
     lines.append(line(P[1], T0 + p1 * U, ACK_TXN))
+    return appends_of(lines, 1024)
+
+
+def appends_of(lines: list[bytes], size: int) -> list[bytes]:
+    """Lines grouped into appends of just over `size` bytes each (the last may be smaller)."""
     appends, cur = [], b""
     for x in lines:
         cur += x
-        if len(cur) > 1024:
+        if len(cur) > size:
             appends.append(cur)
             cur = b""
     return [*appends, cur] if cur else appends

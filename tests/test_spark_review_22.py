@@ -97,29 +97,28 @@ def test_offsets_naming_a_journal_the_query_does_not_read_are_refused(spark, loc
 def test_a_message_split_across_appends_at_a_micro_batch_end_is_delivered(spark, local_cluster, tmp_path) -> None:
     """A micro-batch ends at the write head, taken as a message boundary; a raw append that ended
     mid-line (the batch planner guards against exactly this) splits the message into two corrupt rows."""
-    journal = "spark/r22-split"
+    got = split_across_appends(spark, local_cluster, "spark/r22-split", tmp_path)
+    assert [i for _, i in got] == [1, 2, 3]
+
+
+def split_across_appends(spark, lc, journal: str, tmp_path, labels: dict | None = None, **options: str) -> list:
+    """Two Trigger.AvailableNow runs over an ndjson journal whose first append ends 10 bytes into
+    message 2 and whose second append finishes it and adds message 3: the rows of both runs."""
     second = line(P1, 2, OUTSIDE_TXN, id=2)
-    ndjson_journal(local_cluster, journal, line(P1, 1, OUTSIDE_TXN, id=1) + second[:10])
-    cp = str(tmp_path / "cp")
-    first = run_available_now(spark, local_cluster, journal, cp)
-    with Client(local_cluster.endpoints[0]) as c:
+    ndjson_journal(lc, journal, line(P1, 1, OUTSIDE_TXN, id=1) + second[:10], **({"labels": labels} if labels else {}))
+    cp, raw = str(tmp_path / "cp"), options.get("format") == "raw"
+    first = run_available_now(spark, lc, journal, cp, raw=raw, **options)
+    with Client(lc.endpoints[0]) as c:
         c.append(journal, second[10:] + line(P1, 3, OUTSIDE_TXN, id=3))
-    again = run_available_now(spark, local_cluster, journal, cp)
-    assert [i for _, i in first + again] == [1, 2, 3]
+    return first + run_available_now(spark, lc, journal, cp, raw=raw, **options)
 
 
 def test_a_raw_stream_waits_for_a_line_a_raw_append_left_unfinished(spark, local_cluster, tmp_path) -> None:
     """Read uncommitted (offsets straight to the write heads, no scan), the same: a line is one row."""
-    journal = "spark/r22-split-raw"
-    second = line(P1, 2, OUTSIDE_TXN, id=2)
-    ndjson_journal(local_cluster, journal, line(P1, 1, OUTSIDE_TXN, id=1) + second[:10])
-    cp = str(tmp_path / "cp")
-    opts = {"format": "raw", "readCommitted": "false"}
-    first = run_available_now(spark, local_cluster, journal, cp, raw=True, **opts)
-    with Client(local_cluster.endpoints[0]) as c:
-        c.append(journal, second[10:] + line(P1, 3, OUTSIDE_TXN, id=3))
-    again = run_available_now(spark, local_cluster, journal, cp, raw=True, **opts)
-    assert [json.loads(v)["id"] for _, v in first + again] == [1, 2, 3]
+    got = split_across_appends(
+        spark, local_cluster, "spark/r22-split-raw", tmp_path, format="raw", readCommitted="false"
+    )
+    assert [json.loads(v)["id"] for _, v in got] == [1, 2, 3]
 
 
 def test_a_typo_in_option_schema_is_reported_at_the_typo(spark, local_cluster) -> None:

@@ -6,10 +6,11 @@ import json
 
 import pytest
 
+from tests.test_spark_review_22 import split_across_appends
 from tests.test_spark_source import P1, P2, line, ndjson_journal
 from tests.test_spark_stream import run_available_now
 from tidings.client import Client
-from tidings.message.uuid import ACK_TXN, CONTINUE_TXN, OUTSIDE_TXN
+from tidings.message.uuid import ACK_TXN, CONTINUE_TXN
 
 MINUTE = 60 * 10_000_000 << 4  # a minute of UUID clock: 100 ns ticks, 4 sequence bits
 
@@ -42,21 +43,11 @@ def test_a_raw_stream_waits_at_a_torn_head_of_an_ndjson_journal_with_a_charset(s
     the guard compared the label to NDJSON exactly: it was off and a line split by a raw append
     that ended mid-line becomes two rows. (Today it fails earlier: _read_raw and scan make the same
     exact comparison, so a raw read of such a journal dies in a TypeError traceback.)"""
-    journal = "spark/r23-charset"
-    second = line(P1, 2, OUTSIDE_TXN, id=2)
-    ndjson_journal(
-        local_cluster,
-        journal,
-        line(P1, 1, OUTSIDE_TXN, id=1) + second[:10],
-        labels={"content-type": "application/x-ndjson; charset=utf-8"},
+    labels = {"content-type": "application/x-ndjson; charset=utf-8"}
+    got = split_across_appends(
+        spark, local_cluster, "spark/r23-charset", tmp_path, labels, format="raw", readCommitted="false"
     )
-    cp = str(tmp_path / "cp")
-    opts = {"format": "raw", "readCommitted": "false"}
-    first = run_available_now(spark, local_cluster, journal, cp, raw=True, **opts)
-    with Client(local_cluster.endpoints[0]) as c:
-        c.append(journal, second[10:] + line(P1, 3, OUTSIDE_TXN, id=3))
-    again = run_available_now(spark, local_cluster, journal, cp, raw=True, **opts)
-    values = [v for _, v in first + again]
+    values = [v for _, v in got]
     assert [json.loads(v)["id"] for v in values] == [1, 2, 3], values
 
 

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from tests.support.waiting import wait_until
-from tests.test_spark_partitions import T0, single_rows, split_rows
+from tests.test_spark_partitions import T0, appends_of, single_rows, split_rows
 from tests.test_spark_source import ndjson_journal
 from tidings.client import Client
 from tidings.fragment.store import store_for
@@ -96,15 +96,7 @@ def _journal_lines(seed: int, odd: float) -> list[bytes]:
 def test_a_split_read_of_odd_uuids_in_big_chunks_equals_one_reader(local_cluster, seed, odd) -> None:
     journal = f"review24/odd-{seed}"
     ndjson_journal(local_cluster, journal, fragment={"length": "16KiB"})
-    lines = _journal_lines(seed, odd)
-    appends, cur = [], b""
-    for x in lines:
-        cur += x
-        if len(cur) > 6000:
-            appends.append(cur)
-            cur = b""
-    if cur:
-        appends.append(cur)
+    appends = appends_of(_journal_lines(seed, odd), 6000)
     with Client(local_cluster.endpoints[0]) as c:
         for content in appends:
             c.append(journal, content)

@@ -430,12 +430,16 @@ def offset_for(c: Client, journal: str, offsets: str | dict[str, int], default: 
     """A journal's offset for `offsets` (earliest, latest, or a JSON object where -2/-1 mean those)."""
     which: str | int = offsets if isinstance(offsets, str) else offsets.get(journal, default)
     if which in ("earliest", -2):  # the first byte it holds (retention may have removed earlier ones), as Kafka's
-        head = c.write_head(journal)  # (first: an append after it lands at or past it, never skipped)
-        return min((f.spec.begin for f in c.fragments(journal).fragments), default=head)  # (none held: its next byte)
+        return first_held(c, journal, c.write_head(journal))  # (the head first: an append after it is never skipped)
     if which in ("latest", -1):
         return c.write_head(journal)
     assert isinstance(which, int)
     return which
+
+
+def first_held(c: Client, journal: str, head: int) -> int:
+    """The first byte `journal` holds, or `head` (its next byte) when retention left none."""
+    return min((f.spec.begin for f in c.fragments(journal).fragments), default=head)
 
 
 def starting_offset(c: Client, opts: SourceOptions, journal: str) -> int:
@@ -452,7 +456,7 @@ def starting_offset(c: Client, opts: SourceOptions, journal: str) -> int:
             f"tidings source: option 'startingOffsets' gives journal {journal!r} offset {at}, past its write head "
             f"{head}: give an offset at or below it, or earliest / latest"
         )
-    if at < (first := offset_for(c, journal, "earliest", "earliest")):
+    if at < (first := first_held(c, journal, head)):
         if opts.fail_on_data_loss:
             raise UsageError(
                 f"tidings source: option 'startingOffsets' gives journal {journal!r} offset {at}, but it holds bytes "
