@@ -621,7 +621,8 @@ def journals_list(
     else:
         t = Table("name", "R", "primary", "replicas", "labels", "revision")
         for row in rows:
-            lbls = ",".join(f"{k}={v}" for k, v in row["labels"].items())
+            values = row["labels"].items()
+            lbls = ",".join(f"{k}={one}" for k, v in values for one in (v if isinstance(v, list) else [v]))
             t.add_row(
                 row["name"],
                 str(row["replication"]),
@@ -705,7 +706,7 @@ def journals_read(
         async for chunk in c.read(journal, offset, block=block, end_offset=end_offset):
             sys.stdout.buffer.write(chunk.content)
 
-    async def messages(c) -> None:
+    async def messages(c, head: int) -> None:
         import msgspec
 
         from tidings.message import read_committed
@@ -718,7 +719,7 @@ def journals_read(
             err.print(f"skipped undecodable bytes of {j} at [{g.begin}, {g.end}): {g.error}", highlight=False)
 
         encode, n = msgspec.json.Encoder().encode, 0
-        start = offset if offset >= 0 else await c.write_head(journal)
+        start = offset if offset >= 0 else head
         reader = read_committed(
             c, journal, block=block, on_garbage=garbage, offsets={journal: start}, end_offsets={journal: end_offset}
         )
@@ -731,10 +732,11 @@ def journals_read(
 
     async def go() -> None:
         async with _client(broker) as c:
-            if not block and offset > (head := await c.write_head(journal)):
+            head = await c.write_head(journal) if offset < 0 or not block else 0
+            if not block and offset > head:
                 usage(f"--offset {offset} is past the write head {head} of {journal!r}: give one at or below it, "
                       "or --block to wait for it")  # fmt: skip
-            await (messages(c) if committed else raw(c))
+            await (messages(c, head) if committed else raw(c))
         sys.stdout.buffer.flush()
 
     try:
@@ -802,10 +804,13 @@ def publish(
             raise ValueError(f"stdin line {lineno} has no {key!r} field (--key) to pick its journal by")
         return msg
 
-    done = {"sent": 0, "through": 0}  # messages published, and the stdin line they reach
+    done = {"sent": 0, "through": 0, "flight": 0}  # messages published, the stdin line they reach, a batch's last
 
     def so_far() -> str:
-        return f"published {done['sent']} messages (stdin lines 1 to {done['through']})"
+        said = f"published {done['sent']} messages (stdin lines 1 to {done['through']})"
+        if done["flight"]:  # (interrupted while a batch's appends were out: they may commit yet)
+            said += f"; lines {done['through'] + 1} to {done['flight']} were being published and may have been"
+        return said
 
     async def go() -> tuple[int, set[str], str]:
         lines = _Stdin()
@@ -818,6 +823,31 @@ def publish(
                 mapping = rendezvous_mapping(journals, lambda m: str(m.get(key))) if key else random_mapping(journals)
             pub = Publisher(AppendService(c), journals=journals)
             sent, written, bad, lineno, more = 0, set(), "", 0, True
+
+            async def publish_batch(batch: list[dict], first: int, last: int) -> int:
+                """Publish a batch, an append per journal (each all or nothing); on a failure, say
+                exactly which journals' messages of stdin lines `first`..`last` were published."""
+                groups: dict[str, list[dict]] = {}
+                for msg in batch:
+                    groups.setdefault(mapping if isinstance(mapping, str) else mapping(msg), []).append(msg)
+                futures = [await pub.publish_committed(name, *msgs) for name, msgs in groups.items()]
+                outcomes = await asyncio.gather(*futures, return_exceptions=True)
+                failed = {n: o for n, o in zip(groups, outcomes, strict=True) if isinstance(o, BaseException)}
+                ok = [n for n in groups if n not in failed]
+                written.update(ok)
+                if not failed:
+                    return len(batch)
+                exc = next(iter(failed.values()))
+                if not isinstance(exc, TidingsError):
+                    raise exc
+                of_ok = sum(len(groups[n]) for n in ok)
+                span = f"line {first}" if first == last else f"lines {first} to {last}"
+                partly = f", and {of_ok} of {span} (those for {', '.join(ok)})" if ok else ""
+                raise TidingsError(
+                    f"{exc}; published {done['sent'] + of_ok} messages (stdin lines 1 to {first - 1}{partly}); "
+                    f"not published: {span} for {', '.join(failed)}, and every line after {last}"
+                )
+
             try:
                 while more and not bad:
                     batch: list[dict] = []
@@ -843,16 +873,10 @@ def publish(
                             err.print(f"skipped {exc}", highlight=False)
                         deadline = deadline or time.monotonic() + flush_interval
                     if batch:  # (committed before the next batch is read: a line is never held longer)
-                        try:
-                            results = await (await pub.publish_committed(mapping, *batch))
-                        except TidingsError as exc:
-                            raise TidingsError(
-                                f"{exc}; {so_far()}; the lines after those were not published (resend from "
-                                f"stdin line {done['through'] + 1})"
-                            ) from None
-                        written.update(r.journal for r in results)
-                        sent += len(batch)
-                        done.update(sent=sent, through=lineno - bool(bad))
+                        last = lineno - bool(bad)
+                        done["flight"] = last
+                        sent += await publish_batch(batch, done["through"] + 1, last)
+                        done.update(sent=sent, through=last, flight=0)
             finally:
                 lines.stop()
                 if journals is not None:

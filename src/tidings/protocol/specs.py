@@ -4,7 +4,7 @@ A file holds one journal mapping, a list of them, or ``{journals: [...]}``. Fiel
 
     name: examples/orders          # required
     replication: 3                 # 1..5, default 1
-    labels: {app: shop}            # content-type here selects message framing
+    labels: {app: shop}            # content-type here selects message framing; [a, b]: several values
     flags: read-write              # read-write | read-only | write-only
     max_append_rate: 0             # bytes/s, 0 = unlimited
     fragment:
@@ -126,7 +126,11 @@ def spec_from_dict(d: dict[str, Any], ctx: str = "journal") -> pb.JournalSpec:
     spec = pb.JournalSpec(
         name=str(d.get("name", "")),
         replication=_count(d.get("replication", 1), f"{ctx}.replication"),
-        labels=lbl.label_set({str(k): str(v) for k, v in _mapping(d.get("labels"), f"{ctx}.labels").items()}),
+        labels=lbl.label_set(
+            (str(k), str(one))
+            for k, v in _mapping(d.get("labels"), f"{ctx}.labels").items()
+            for one in (v if isinstance(v, list) else [v])  # (a name may have several values: a list)
+        ),
         flags=FLAGS[flags],
         max_append_rate=parse_size(d.get("max_append_rate", 0), f"{ctx}.max_append_rate"),
         fragment=pb.JournalSpec.FragmentSpec(
@@ -159,7 +163,7 @@ def spec_to_dict(spec: pb.JournalSpec) -> dict[str, Any]:
     return {
         "name": spec.name,
         "replication": spec.replication,
-        "labels": {k: v for k, v in lbl.pairs(spec.labels)},
+        "labels": _labels_dict(spec.labels),
         "flags": FLAG_NAMES.get(spec.flags, "read-write"),
         "max_append_rate": spec.max_append_rate,
         "fragment": {
@@ -171,6 +175,15 @@ def spec_to_dict(spec: pb.JournalSpec) -> dict[str, Any]:
             "retention": format_duration(f.retention_ms),
         },
     } | _suspend_dict(spec)
+
+
+def _labels_dict(labels: pb.LabelSet) -> dict[str, str | list[str]]:
+    """Labels as YAML shows them: name: value, or name: [values] for a name with several (as Gazette
+    allows), so that listed specs apply back without dropping any."""
+    values: dict[str, list[str]] = {}
+    for name, value in lbl.pairs(labels):
+        values.setdefault(name, []).append(value)
+    return {k: v[0] if len(v) == 1 else v for k, v in values.items()}
 
 
 def _suspend_dict(spec: pb.JournalSpec) -> dict[str, Any]:
