@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import grpc
 
@@ -67,6 +67,7 @@ async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.Serv
     offset = req.offset if req.offset >= 0 else replica.write_head
     first = True
     listed = False
+    vanished = None  # a listed fragment found missing from its store
     while req.end_offset == 0 or offset < req.end_offset:
         found = index.query(offset)
         if found is None:
@@ -95,28 +96,48 @@ async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.Serv
                 return  # the replica moved away; the client re-resolves and continues
             continue
         frag, file = found
+        stream = None
+        if file is None and not req.metadata_only:
+            try:
+                stream = await asyncio.to_thread(store_for(frag.backing_store).open, frag)
+            except FileNotFoundError:
+                # Removed from its store since the last listing (retention, `journals prune`): list the
+                # stores again, after which the read moves on from the journal's new first byte.
+                if frag == vanished:
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE, f"fragment {frag.content_name()} of {req.journal!r} is gone"
+                    )
+                vanished = frag
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(READ_REFRESH_TIMEOUT):
+                        await replica.refresh_now()
+                continue
         if frag.begin > offset:
             log.info("journal %s: read skips [%d, %d): no fragment holds it", req.journal, offset, frag.begin)
             offset = frag.begin
         until = frag.end if req.end_offset == 0 else min(frag.end, req.end_offset)
-        await context.write(
-            pb.ReadResponse(
-                status=pb.OK,
-                header=res.header if first else None,
-                offset=offset,
-                write_head=replica.write_head,
-                fragment=frag.to_proto(),
-                fragment_url=store_for(frag.backing_store).url(frag) if frag.backing_store else "",
-            )
-        )
-        first = False
-        if req.metadata_only:
-            return
         try:
-            offset = await _send_content(context, frag, file, offset, until)
+            await context.write(
+                pb.ReadResponse(
+                    status=pb.OK,
+                    header=res.header if first else None,
+                    offset=offset,
+                    write_head=replica.write_head,
+                    fragment=frag.to_proto(),
+                    fragment_url=store_for(frag.backing_store).url(frag) if frag.backing_store else "",
+                )
+            )
+            first = False
+            if req.metadata_only:
+                return
+            offset = await _send_content(context, frag, file if file is not None else stream, offset, until)
         except OSError as exc:  # a store that fails mid-read: the client retries from its offset
             log.warning("journal %s: reading fragment %s failed: %s", req.journal, frag.content_name(), exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"reading journal {req.journal!r} at {offset}: {exc}")
+        finally:
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(stream.close)
 
 
 async def _wait_for_change(index, closed: asyncio.Event) -> None:
@@ -129,35 +150,30 @@ async def _wait_for_change(index, closed: asyncio.Event) -> None:
             t.cancel()
 
 
-async def _send_content(context, frag, file: SpoolFile | None, offset: int, until: int) -> int:
-    """Stream [offset, until) of `frag` from its local file or its store; returns the new offset."""
-    if file is not None:
+async def _send_content(context, frag, source: SpoolFile | BinaryIO, offset: int, until: int) -> int:
+    """Stream [offset, until) of `frag` from its local file or its opened store file; returns the new offset."""
+    if isinstance(source, SpoolFile):
         while offset < until:
-            data = file.pread(min(CHUNK, until - offset), offset - frag.begin)
+            data = source.pread(min(CHUNK, until - offset), offset - frag.begin)
             if not data:
-                raise OSError(f"spool file {file.path} ends before the committed offset {offset}")
+                raise OSError(f"spool file {source.path} ends before the committed offset {offset}")
             await context.write(pb.ReadResponse(offset=offset, content=data))
             metrics.READ_BYTES.inc(len(data))
             offset += len(data)
         return offset
-    stream = await asyncio.to_thread(store_for(frag.backing_store).open, frag)
-    try:
-        skip = offset - frag.begin
-        while skip > 0:
-            data = await asyncio.to_thread(stream.read, min(CHUNK, skip))
-            if not data:
-                raise OSError(f"fragment {frag.content_name()} is shorter than its name says")
-            skip -= len(data)
-        while offset < until:
-            data = await asyncio.to_thread(stream.read, min(CHUNK, until - offset))
-            if not data:
-                raise OSError(f"fragment {frag.content_name()} is shorter than its name says")
-            await context.write(pb.ReadResponse(offset=offset, content=data))
-            metrics.READ_BYTES.inc(len(data))
-            offset += len(data)
-    finally:
-        with contextlib.suppress(Exception):
-            stream.close()
+    skip = offset - frag.begin
+    while skip > 0:
+        data = await asyncio.to_thread(source.read, min(CHUNK, skip))
+        if not data:
+            raise OSError(f"fragment {frag.content_name()} is shorter than its name says")
+        skip -= len(data)
+    while offset < until:
+        data = await asyncio.to_thread(source.read, min(CHUNK, until - offset))
+        if not data:
+            raise OSError(f"fragment {frag.content_name()} is shorter than its name says")
+        await context.write(pb.ReadResponse(offset=offset, content=data))
+        metrics.READ_BYTES.inc(len(data))
+        offset += len(data)
     return offset
 
 

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tidings.fragment import _metrics, retention
 from tidings.fragment.fragment import Fragment
 from tidings.fragment.index import FragmentIndex
 from tidings.fragment.spool import Recovered, Spool, SpoolFile, recover
@@ -316,6 +317,26 @@ class Replica:
             if isinstance(file, SpoolFile):
                 file.mark_persisted(frag.end)
         self._wake_refresh_waiters()
+
+    async def prune(self, now: float | None = None) -> retention.Plan | None:
+        """Remove the persisted fragments the spec's retention lets go (`fragment.retention`), then list
+        the stores again so the index forgets them at once. None when retention is off or there are
+        no stores. Called on the journal's primary only (one broker removes, readers see it first)."""
+        retention_s = self.spec.fragment.retention_ms / 1000
+        if retention_s <= 0 or not self.stores or self.closed.is_set():
+            return None
+        await self.refresh_now()
+        held = [frag for frag, _file in self.index.fragments()]
+        plan = retention.plan(self.journal, held, retention_s, time.time() if now is None else now)
+        if plan.aged:
+            await asyncio.to_thread(retention.remove, plan.aged)
+            _metrics.FRAGMENTS_PRUNED.inc(len(plan.aged))
+            _metrics.FRAGMENT_PRUNED_BYTES.inc(plan.aged_bytes)
+            log.info("journal %s: retention removed %d fragments [%d, %d) (%d bytes); it now starts at %d",
+                     self.journal, len(plan.aged), min(f.begin for f in plan.aged), max(f.end for f in plan.aged),
+                     plan.aged_bytes, plan.begin)  # fmt: skip
+            await self.refresh_now()
+        return plan
 
     def _wake_refresh_waiters(self) -> None:
         refreshed, self._refreshed = self._refreshed, asyncio.Event()

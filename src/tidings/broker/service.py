@@ -105,6 +105,9 @@ class BrokerConfig:
     default_store: str = ""  # the fragment store of journals whose spec names none ("": local only)
     persist_delay: float = 60.0  # seconds a replica waits before persisting what the primary did not
     replication_listen: str = ""  # HOST:PORT for peers' replication streams ("": --listen's host, any port)
+    # Seconds between retention passes: each journal's primary removes the persisted fragments its
+    # fragment.retention lets go (Kafka's log.retention.check.interval: 5 minutes). 0: never (prune by hand).
+    prune_interval: float = 300.0
 
 
 class Broker:
@@ -176,6 +179,8 @@ class Broker:
                 self._metrics_server, _thread = start_http_server(int(mport), addr=mhost)
             self.allocator = Allocator(self.etcd, self.keyspace, cfg.root, (cfg.zone, cfg.suffix))
             self._tasks.append(asyncio.create_task(self.allocator.run(), name=f"allocator:{cfg.suffix}"))
+            if cfg.prune_interval > 0:
+                self._tasks.append(asyncio.create_task(self._prune_loop(), name=f"retention:{cfg.suffix}"))
             self._verify_unassigned()
             undo.pop_all()  # started: stop() undoes it all from here on
         log.info("broker %s/%s serving on %s", cfg.zone, cfg.suffix, self.endpoint)
@@ -411,6 +416,22 @@ class Broker:
             replica.fragment_persisted(fragment, file)
         elif isinstance(file, SpoolFile):
             file.mark_persisted(fragment.end)
+
+    async def _prune_loop(self) -> None:
+        """Enforce retention (Gazette leaves it to a cron job running `gazctl journals prune`): every
+        `prune_interval`, the primary of each journal with a retention removes its aged fragments."""
+        while True:
+            await asyncio.sleep(self.config.prune_interval)  # (a schedule, not a wait for a condition)
+            for replica in list(self.resolver.replicas.values()):
+                if replica.spec.fragment.retention_ms <= 0 or replica.closed.is_set():
+                    continue
+                res = await self.resolver.resolve(replica.journal)
+                if res.status != pb.OK or res.replica is not replica or not res.is_primary:
+                    continue
+                try:
+                    await replica.prune()
+                except Exception as exc:  # a store outage: the next pass tries again
+                    log.warning("journal %s: enforcing retention failed: %s", replica.journal, exc)
 
     async def _pulse(self, replica: Replica) -> None:
         """Keep the pipeline synchronized and consistency advertised when no client appends.

@@ -8,6 +8,7 @@ environment variable too (named in each command's -h).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ from rich.table import Table
 
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
-from tidings.protocol.specs import documents, given, spec_changes, spec_from_dict, spec_to_dict
+from tidings.protocol.specs import documents, format_duration, given, spec_changes, spec_from_dict, spec_to_dict
 from tidings.protocol.status import TidingsError, ValidationError
 
 # Plain help (rich_markup_mode=None): no boxes cut to the terminal, no "<bool>" beside every flag;
@@ -228,6 +229,15 @@ def broker(
             help="Seconds a replica waits before persisting a fragment its primary has not (the primary does at once).",
         ),
     ] = 60.0,
+    prune_interval: Annotated[
+        float,
+        typer.Option(
+            envvar="TIDINGS_PRUNE_INTERVAL",
+            help="Seconds between retention passes (each journal's primary removes the fragments its "
+            "fragment.retention lets go); 0 never (run `journals prune` yourself).",
+            callback=_at_least("--prune-interval", 0),
+        ),
+    ] = 300.0,
     log_level: Annotated[
         str, typer.Option(envvar="TIDINGS_LOG_LEVEL", help="debug, info, warning or error.", callback=_log_level)
     ] = "info",
@@ -259,6 +269,7 @@ def broker(
         exit_timeout=exit_timeout,
         default_store=default_store,
         persist_delay=persist_delay,
+        prune_interval=prune_interval,
     )
 
     async def run() -> int:
@@ -702,8 +713,13 @@ def journals_read(
     if (with_offsets or max_messages) and not committed:
         usage("--with-offsets and --max-messages go with --committed")
 
+    def jumped(j: str, begin: int, end: int) -> None:
+        err.print(f"{j} holds no bytes [{begin}, {end}) any more (removed by retention?): reading on at {end}",
+                  highlight=False)  # fmt: skip
+
     async def raw(c) -> None:
-        async for chunk in c.read(journal, offset, block=block, end_offset=end_offset):
+        on_jump = functools.partial(jumped, journal)
+        async for chunk in c.reader(journal, offset, block=block, end_offset=end_offset, on_jump=on_jump):
             sys.stdout.buffer.write(chunk.content)
 
     async def messages(c, head: int) -> None:
@@ -721,7 +737,13 @@ def journals_read(
         encode, n = msgspec.json.Encoder().encode, 0
         start = offset if offset >= 0 else head
         reader = read_committed(
-            c, journal, block=block, on_garbage=garbage, offsets={journal: start}, end_offsets={journal: end_offset}
+            c,
+            journal,
+            block=block,
+            on_garbage=garbage,
+            on_jump=jumped,
+            offsets={journal: start},
+            end_offsets={journal: end_offset},
         )
         async for env in reader:
             line = {"offset": env.begin, "message": env.message} if with_offsets else env.message
@@ -743,6 +765,53 @@ def journals_read(
         _run(go())
     except BrokenPipeError:
         os._exit(0)
+
+
+@journals.command("prune")
+def journals_prune(
+    broker: BrokerOpt = DEFAULT_BROKER,
+    selector: Annotated[str, typer.Option(help="Prune the journals it matches, e.g. app=shop (default: all).")] = "",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would go; remove nothing.")] = False,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Remove the persisted fragments each journal's fragment.retention lets go (gazctl's prune), from
+    its stores, reached from here. Only the oldest go, in offset order, so a journal never gets a hole
+    in its middle: it starts later, and readers of a removed offset jump to its first byte. Brokers do
+    this themselves every --prune-interval."""
+    from tidings.fragment import retention
+    from tidings.fragment.fragment import Fragment
+
+    async def go() -> None:
+        async with _client(broker) as c:
+            resp = await c.list(labels.parse_selector(selector) if selector else None)
+            if not resp.journals:
+                raise TidingsError(f"no journal matches --selector {selector!r} (see `tidings journals list`)")
+            now = time.time()
+            for j in resp.journals:
+                name, retention_ms = j.spec.name, j.spec.fragment.retention_ms
+                listed = await c.fragments(name)
+                held = [Fragment.from_proto(e.spec) for e in listed.fragments]
+                plan = retention.plan(name, held, retention_ms / 1000, now)
+                if plan.aged and not dry_run:
+                    try:
+                        await asyncio.to_thread(retention.remove, plan.aged)
+                    except Exception as exc:
+                        raise TidingsError(f"removing fragments of {name!r} from its store failed: {exc}") from None
+                row = {"journal": name, "retention": format_duration(retention_ms), "removed": len(plan.aged),
+                       "removed_bytes": plan.aged_bytes, "kept": len(plan.kept), "kept_bytes": plan.kept_bytes,
+                       "begin": plan.begin, "dry_run": dry_run}  # fmt: skip
+                print(json.dumps(row) if as_json else _prune_line(row), flush=True)
+
+    _run(go())
+
+
+def _prune_line(row: dict) -> str:
+    name, kept = row["journal"], f"kept {row['kept']} ({row['kept_bytes']} bytes)"
+    if row["retention"] == "0s":
+        return f"{name}: retention 0s (keep for ever): {kept}"
+    verb = "would remove" if row["dry_run"] else "removed"
+    return (f"{name}: {verb} {row['removed']} fragments ({row['removed_bytes']} bytes) older than "
+            f"{row['retention']}; {kept}; it starts at offset {row['begin']}")  # fmt: skip
 
 
 @journals.command("head")

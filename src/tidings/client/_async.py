@@ -576,6 +576,8 @@ class Reader:
                 if resp.status != pb.OK:
                     return  # gone or not yet there: the caller's loop re-resolves
                 if resp.content:
+                    if resp.offset != self.offset:
+                        self._jump_to(resp.offset)
                     self.offset = resp.offset + len(resp.content)
                     yield ReadChunk(resp.offset, resp.content, self.write_head)
         finally:

@@ -17,10 +17,13 @@ Main types:
 - `Persister` (persister.py): the broker's named background loop that uploads completed
   fragments, retrying with backoff and never dropping one.
 - `Spool` (spool.py): the replica's transactional memory of its journal, a state machine.
+- `retention` (retention.py): which persisted fragments a journal's retention lets go (an aged
+  prefix, never the newest), for the brokers' schedule and `journals prune`.
 
 Seed: gazette-transactional-appends.txt, *Components* (Fragment, Spool, persisting).
 Metrics (fragment/_metrics.py): tidings_fragments_persisted_total,
-tidings_fragment_persist_failures_total, tidings_fragment_persisted_bytes_total.
+tidings_fragment_persist_failures_total, tidings_fragment_persisted_bytes_total,
+tidings_fragments_pruned_total, tidings_fragment_pruned_bytes_total.
 
 Blocking work (file I/O, compression, store calls) belongs in `asyncio.to_thread`; the store and
 codec functions block, the index and persister do not.

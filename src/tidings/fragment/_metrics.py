@@ -16,3 +16,11 @@ FRAGMENT_PERSISTED_BYTES = Counter(
     "tidings_fragment_persisted_bytes_total",
     "Raw (uncompressed) content bytes of persisted fragments.",
 )
+FRAGMENTS_PRUNED = Counter(
+    "tidings_fragments_pruned_total",
+    "Persisted fragments this broker removed as their journal's retention let them go.",
+)
+FRAGMENT_PRUNED_BYTES = Counter(
+    "tidings_fragment_pruned_bytes_total",
+    "Raw (uncompressed) content bytes of the fragments retention removed.",
+)
