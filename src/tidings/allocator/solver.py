@@ -17,7 +17,21 @@ the over-represented zone. Slot 0 (primary) stays with its member unless that as
 removed; an item left without slot 0 promotes its surviving assignment with the lowest slot,
 consistent ones first; new assignments take slots after the largest one. Items are handled in
 name order and members' loads are updated as the solver goes, so the result is deterministic
-and spreads load; nothing that is allowed to stay is moved, keeping churn low.
+and spreads load.
+
+Balance (Gazette's allocator balances through its flow network; we move explicitly, and gently).
+Only when every item has settled (consistent Route, at most R replicas) and no member is leaving
+or over-full, up to ``BALANCE_MOVES`` journals change hands in a round:
+- a replica moves from a member holding at least two more than another to that one, keeping zone
+  spread: it is marked undesired, so the item gets its new replica there first (R+1) and loses the
+  old one once the new Route is consistent (the trim prefers the most loaded holder, even a
+  primary when another holder is less loaded: a new member thus receives journals);
+- then primaries spread: along the shortest chain of settled journals, each journal's primary
+  swaps slots with one of its replicas, taking one primary from a member leading at least two
+  more than another to that one (after a rolling restart, primaries sit on the brokers that
+  stayed up; this spreads them again). A swap is a Route change like any other: the new primary
+  synchronizes its pipeline before it takes appends.
+Each move lowers the spread of loads, so rounds reach a fixed point.
 """
 
 from __future__ import annotations
@@ -27,9 +41,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-__all__ = ["Current", "Slot", "SolverItem", "SolverMember", "solve"]
+__all__ = ["BALANCE_MOVES", "Current", "Slot", "SolverItem", "SolverMember", "solve"]
 
 MemberId = tuple[str, str]  # (zone, suffix)
+
+BALANCE_MOVES = 4
+"""Balancing moves (a replica to a less loaded member, or a primary to a member leading fewer)
+begun at once; the next ones begin when every item has settled (a consistent Route, at most R
+replicas), so a rebalance never has more than these few journals changing hands."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +128,22 @@ def solve(
         m = by_id[mid]
         return m.exiting or m.journal_limit <= 0
 
+    # Balance, gently: once every item has settled, move a few replicas from the most to the least loaded members.
+    active = sorted((m for m in by_id.values() if not leaving(m.id)), key=lambda m: m.id)
+    settled = all(it.consistent and len(live[it.name]) <= it.replication for it in ordered)
+    budget = BALANCE_MOVES if settled and not undesired else 0
+    preferred: dict[str, MemberId] = {}  # item -> the member its next replica goes to
+    projected = Counter(load)
+    while len(preferred) < budget:
+        move = _balance_move(active, on_member, live, {it.name: it for it in ordered}, projected, preferred)
+        if move is None:
+            break
+        name, src, dst = move
+        undesired.add((name, src))
+        preferred[name] = dst
+        projected[src] -= 1
+        projected[dst] += 1
+
     # Item-level: trim desired replicas over R, then remove undesired ones where allowed.
     desired: dict[str, list[Current]] = {}
     kept_by_item: dict[str, list[Current]] = {}
@@ -117,9 +152,16 @@ def solve(
         good = [a for a in assigned if (item.name, a.member) not in undesired]
         if len(good) > item.replication:
             zones = Counter(a.member[0] for a in good)
-            trim = sorted(
+            least = min(load[a.member] for a in good)
+            trim = sorted(  # the primary stays, unless its member holds more than another holder (a balancing move)
                 good,
-                key=lambda a: (a.slot == 0, -zones[a.member[0]], -load[a.member], -a.slot, a.member),
+                key=lambda a: (
+                    a.slot == 0 and load[a.member] == least,
+                    -zones[a.member[0]],
+                    -load[a.member],
+                    -a.slot,
+                    a.member,
+                ),
             )[: len(good) - item.replication]
             undesired.update((item.name, a.member) for a in trim)
             good = [a for a in good if a not in trim]
@@ -150,7 +192,10 @@ def solve(
         adds: list[MemberId] = []
 
         def pick(
-            uncovered_only: bool, holders: set[MemberId] = holders, zones_covered: set[str] = zones_covered
+            uncovered_only: bool,
+            holders: set[MemberId] = holders,
+            zones_covered: set[str] = zones_covered,
+            best: MemberId | None = preferred.get(item.name),
         ) -> MemberId | None:
             options = [
                 m
@@ -161,6 +206,8 @@ def solve(
             ]
             if not options:
                 return None
+            if best is not None and any(m.id == best for m in options):
+                return best
             return min(options, key=lambda m: (m.zone in zones_covered, load[m.id], m.id)).id
 
         for _ in range(item.replication - len(desired[item.name])):
@@ -178,7 +225,96 @@ def solve(
                 load[mid] += 1
 
         out[item.name] = _slots(kept, adds)
+
+    # Primaries spread (same budget): swap primaries along a chain of journals, from a member leading
+    # at least two more than another to that one (each journal's primary to one of its replicas).
+    if budget > len(preferred):
+        unchanged = [
+            it.name for it in ordered if sorted(out[it.name]) == sorted(Slot(a.member, a.slot) for a in live[it.name])
+        ]
+        _spread_primaries(out, unchanged, {m.id for m in active}, budget - len(preferred))
     return out
+
+
+def _spread_primaries(out: dict[str, list[Slot]], names: list[str], active: set[MemberId], budget: int) -> None:
+    """Swap primaries of journals `names` (their slots unchanged this round) in `out`, at most `budget`."""
+    primaries = Counter(slots[0].member for slots in out.values() if slots)
+    swapped: set[str] = set()
+    while budget > 0:
+        edges: dict[MemberId, list[tuple[str, Slot]]] = {}  # a primary -> (journal, a replica that could lead it)
+        for name in names:
+            slots = out[name]
+            if name not in swapped and slots:
+                edges.setdefault(slots[0].member, []).extend((name, sl) for sl in slots[1:] if sl.member in active)
+        path = _primary_path(sorted(active), primaries, edges)
+        if path is None or len(path) > budget:
+            return
+        for name, heir in path:
+            slots = out[name]
+            lead = slots[0]
+            rest = [sl for sl in slots[1:] if sl != heir]
+            out[name] = sorted([Slot(heir.member, 0), Slot(lead.member, heir.slot), *rest], key=lambda sl: sl.slot)
+            primaries[lead.member] -= 1
+            primaries[heir.member] += 1
+            swapped.add(name)
+        budget -= len(path)
+
+
+def _primary_path(
+    members: list[MemberId], primaries: Counter[MemberId], edges: dict[MemberId, list[tuple[str, Slot]]]
+) -> list[tuple[str, Slot]] | None:
+    """The shortest chain of swaps taking one primary from a member to one leading at least two fewer
+    (members in between lead as many as before), from the member leading most; None if there is none."""
+    for src in sorted(members, key=lambda mid: (-primaries[mid], mid)):
+        paths: dict[MemberId, list[tuple[str, Slot]]] = {src: []}
+        queue = [src]
+        for at in queue:
+            for name, heir in edges.get(at, []):
+                if heir.member in paths:
+                    continue
+                path = [*paths[at], (name, heir)]
+                if primaries[heir.member] <= primaries[src] - 2:
+                    return path
+                paths[heir.member] = path
+                queue.append(heir.member)
+    return None
+
+
+def _balance_move(
+    active: list[SolverMember],
+    on_member: dict[MemberId, list[tuple[str, Current]]],
+    live: dict[str, list[Current]],
+    items: dict[str, SolverItem],
+    load: Counter[MemberId],
+    moving: dict[str, MemberId],
+) -> tuple[str, MemberId, MemberId] | None:
+    """A replica to move from a member to one holding at least two fewer: (item, from, to), or None.
+
+    Only a settled item's replica moves (its Route consistent, exactly R replicas, not already
+    moving), a non-primary first (a primary goes only once its successor is synchronized), to a
+    member with spare capacity that does not hold the item and keeps its zone spread (same zone
+    as the one it leaves, or a zone the item's other replicas do not cover).
+    """
+    for src in sorted(active, key=lambda m: (-load[m.id], m.id)):
+        for dst in sorted(active, key=lambda m: (load[m.id], m.id)):
+            if load[src.id] - load[dst.id] < 2:
+                break
+            if load[dst.id] >= dst.journal_limit:
+                continue
+            for name, _a in sorted(on_member.get(src.id, []), key=lambda na: (na[1].slot == 0, na[0])):
+                item = items.get(name)
+                held = live.get(name, [])
+                if item is None or name in moving or len(held) != item.replication:
+                    continue
+                if not item.consistent or not all(h.consistent for h in held):
+                    continue
+                others = {h.member for h in held if h.member != src.id}
+                if dst.id in others:
+                    continue
+                if dst.zone != src.zone and dst.zone in {z for z, _ in others}:
+                    continue
+                return name, src.id, dst.id
+    return None
 
 
 def _slots(kept: list[Current], adds: list[MemberId]) -> list[Slot]:
