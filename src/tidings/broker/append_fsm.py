@@ -134,6 +134,7 @@ class AppendFSM:
         self.broker = broker
         self.req = req
         self.pulse = pulse  # the replica's own keep-alive, not a client's append
+        self._born = time.monotonic()
         self.journal = req.journal
         self.state = S.RESOLVE
         self.status = pb.OK
@@ -638,7 +639,6 @@ class AppendFSM:
             compression_codec=proposal.codec,
         )
         await self._send_final(final, proposal)
-        metrics.APPENDED_BYTES.inc(self._length)
 
     async def _send_rollback(self, reason: str, code: grpc.StatusCode | None = None) -> None:
         self._held = None  # never forwarded: the peers do not have it
@@ -679,5 +679,13 @@ class AppendFSM:
         if acks.error is not None:
             self.commit = None
             return self._fail(pb.OK, f"replication failed: {acks.error}")
-        metrics.COMMITS.inc()
+        if self.pulse:
+            metrics.PULSES.inc()
+        else:
+            metrics.COMMITS.inc()
+            metrics.APPENDED_BYTES.inc(self._length)
+            metrics.APPEND_SECONDS.observe(time.monotonic() - self._born)
+            if self.broker.config.metrics_journals:
+                metrics.JOURNAL_COMMITS.labels(self.journal).inc()
+                metrics.JOURNAL_APPENDED_BYTES.labels(self.journal).inc(self._length)
         return S.FINISHED

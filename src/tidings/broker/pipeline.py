@@ -29,6 +29,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from tidings.broker import _metrics as metrics
 from tidings.broker.transport import ReplicaStream, StreamError
 from tidings.fragment.spool import Spool
 from tidings.protocol import protocol_pb2 as pb
@@ -80,6 +81,7 @@ class Pipeline:
             self._receive_loop(), name=f"pipeline-acks:{spool.journal}"
         )
         self._receiver.add_done_callback(self._receiver_done)
+        metrics.PIPELINES.inc()
 
     def __repr__(self) -> str:
         return f"Pipeline({self.spool.journal!r}, peers={[s.endpoint for s in self.streams]}, broken={self.broken!r})"
@@ -153,6 +155,7 @@ class Pipeline:
         if self._closing:
             return
         self._closing = True
+        metrics.PIPELINES.dec()
         self.broken = self.broken or "shut down"
         self.spool.rollback()
         self._return_spool(self.spool)

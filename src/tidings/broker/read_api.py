@@ -39,7 +39,8 @@ CHUNK = 256 * 1024
 READ_REFRESH_TIMEOUT = 10.0  # seconds a read at a hole below the write head waits for a store listing
 
 
-async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.ServicerContext) -> None:
+async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.ServicerContext) -> int:
+    """Serve one Read RPC; the Status it ended with (for the RPC counter)."""
     try:
         validate.read_request(req)
     except ValidationError as exc:
@@ -47,27 +48,28 @@ async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.Serv
     res = await broker.resolver.resolve(req.journal, req.header.etcd.revision if req.HasField("header") else 0)
     if res.status != pb.OK:
         await context.write(pb.ReadResponse(status=res.status, header=res.header))
-        return
+        return res.status
     if res.spec.flags == pb.JournalSpec.O_WRONLY:
         await context.write(pb.ReadResponse(status=pb.NOT_ALLOWED, header=res.header))
-        return
+        return pb.NOT_ALLOWED
     replica = res.replica
     if replica is None:
         if req.do_not_proxy or not res.route.members:
             status = pb.NOT_JOURNAL_BROKER if res.route.members else pb.NO_JOURNAL_PRIMARY_BROKER
             await context.write(pb.ReadResponse(status=status, header=res.header))
-            return
+            return status
         await _proxy(broker, req, res, context)
-        return
+        return pb.OK
     index = replica.index
     store_error = await replica.wait_ready()
     if store_error is not None:
         await context.write(pb.ReadResponse(status=pb.FRAGMENT_STORE_UNHEALTHY, header=res.header))
-        return
+        return pb.FRAGMENT_STORE_UNHEALTHY
     offset = req.offset if req.offset >= 0 else replica.write_head
     first = True
     listed = False
     vanished = None  # a listed fragment found missing from its store
+    counter = metrics.JOURNAL_READ_BYTES.labels(req.journal) if broker.config.metrics_journals else None
     while req.end_offset == 0 or offset < req.end_offset:
         found = index.query(offset)
         if found is None:
@@ -90,10 +92,10 @@ async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.Serv
                         write_head=replica.write_head,
                     )
                 )
-                return
+                return pb.OFFSET_NOT_YET_AVAILABLE
             await _wait_for_change(index, replica.closed)
             if replica.closed.is_set():
-                return  # the replica moved away; the client re-resolves and continues
+                return pb.OK  # the replica moved away; the client re-resolves and continues
             continue
         frag, file = found
         stream = None
@@ -129,8 +131,8 @@ async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.Serv
             )
             first = False
             if req.metadata_only:
-                return
-            offset = await _send_content(context, frag, file if file is not None else stream, offset, until)
+                return pb.OK
+            offset = await _send_content(context, frag, file if file is not None else stream, offset, until, counter)
         except OSError as exc:  # a store that fails mid-read: the client retries from its offset
             log.warning("journal %s: reading fragment %s failed: %s", req.journal, frag.content_name(), exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"reading journal {req.journal!r} at {offset}: {exc}")
@@ -138,6 +140,7 @@ async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.Serv
             if stream is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(stream.close)
+    return pb.OK
 
 
 async def _wait_for_change(index, closed: asyncio.Event) -> None:
@@ -150,7 +153,7 @@ async def _wait_for_change(index, closed: asyncio.Event) -> None:
             t.cancel()
 
 
-async def _send_content(context, frag, source: SpoolFile | BinaryIO, offset: int, until: int) -> int:
+async def _send_content(context, frag, source: SpoolFile | BinaryIO, offset: int, until: int, counter=None) -> int:
     """Stream [offset, until) of `frag` from its local file or its opened store file; returns the new offset."""
     if isinstance(source, SpoolFile):
         while offset < until:
@@ -159,6 +162,8 @@ async def _send_content(context, frag, source: SpoolFile | BinaryIO, offset: int
                 raise OSError(f"spool file {source.path} ends before the committed offset {offset}")
             await context.write(pb.ReadResponse(offset=offset, content=data))
             metrics.READ_BYTES.inc(len(data))
+            if counter is not None:
+                counter.inc(len(data))
             offset += len(data)
         return offset
     skip = offset - frag.begin
@@ -173,6 +178,8 @@ async def _send_content(context, frag, source: SpoolFile | BinaryIO, offset: int
             raise OSError(f"fragment {frag.content_name()} is shorter than its name says")
         await context.write(pb.ReadResponse(offset=offset, content=data))
         metrics.READ_BYTES.inc(len(data))
+        if counter is not None:
+            counter.inc(len(data))
         offset += len(data)
     return offset
 

@@ -42,14 +42,14 @@ class Resolution:
     @property
     def is_primary(self) -> bool:
         r = self.header.route
-        return r.primary >= 0 and _same(r.members[r.primary], self.header.process_id)
+        return r.primary >= 0 and same_process(r.members[r.primary], self.header.process_id)
 
     def primary_endpoint(self) -> str | None:
         r = self.header.route
         return r.endpoints[r.primary] if r.primary >= 0 and r.endpoints else None
 
 
-def _same(a: pb.ProcessId, b: pb.ProcessId) -> bool:
+def same_process(a: pb.ProcessId, b: pb.ProcessId) -> bool:
     return a.zone == b.zone and a.suffix == b.suffix
 
 

@@ -28,6 +28,7 @@ import logging
 import shutil
 import socket
 import time
+from collections import Counter
 from pathlib import Path
 
 import grpc
@@ -43,7 +44,7 @@ from tidings.broker.read_api import serve_read
 from tidings.broker.recovery import RecoveryChecks, verify_unassigned
 from tidings.broker.replica import Replica, spool_directory
 from tidings.broker.replicate_api import serve_replicate
-from tidings.broker.resolver import Resolver
+from tidings.broker.resolver import Resolver, same_process
 from tidings.broker.transport import Dialer, FailedStream, ReplicaStream, ReplicationServer
 from tidings.fragment.fragment import Fragment
 from tidings.fragment.persister import Persister
@@ -100,7 +101,7 @@ class BrokerConfig:
     # a minute). Route changes pulse at once; dead connections are found by the transport's keep-alive.
     pulse_interval: float = 60.0
     lease_ttl: int = 5
-    metrics_listen: str | None = None  # "127.0.0.1:PORT" serves /metrics
+    metrics_listen: str | None = None  # HOST:PORT serving /metrics; "auto": the gRPC port + 1000 (or any free one)
     exit_timeout: float = 60.0
     default_store: str = ""  # the fragment store of journals whose spec names none ("": local only)
     persist_delay: float = 60.0  # seconds a replica waits before persisting what the primary did not
@@ -108,6 +109,7 @@ class BrokerConfig:
     # Seconds between retention passes: each journal's primary removes the persisted fragments its
     # fragment.retention lets go (Kafka's log.retention.check.interval: 5 minutes). 0: never (prune by hand).
     prune_interval: float = 300.0
+    metrics_journals: bool = False  # per-journal series (one per journal: mind the cardinality)
 
 
 class Broker:
@@ -164,21 +166,22 @@ class Broker:
                     f"broker cannot listen for replication on {listen} ({err}); pass another --replication-listen"
                 ) from None
             undo.push_async_callback(self.replication.aclose)
+            self.metrics_endpoint = ""
+            if cfg.metrics_listen:
+                self.metrics_endpoint = self._serve_metrics(cfg.metrics_listen, host, port)
+                undo.callback(self._stop_metrics)
             self.spec = spec = pb.BrokerSpec(
                 id=self.process_id,
                 endpoint=self.endpoint,
                 journal_limit=cfg.journal_limit,
                 replication_endpoint=self.replication.endpoint,
+                metrics_endpoint=self.metrics_endpoint,
             )
             self.announcement: Announcement = await announce(self.etcd, cfg.root, spec, ttl=cfg.lease_ttl)
             undo.push_async_callback(self.announcement.aclose, ETCD_STOP_TIMEOUT)
-            if cfg.metrics_listen:
-                from prometheus_client import start_http_server
-
-                mhost, mport = cfg.metrics_listen.rsplit(":", 1)
-                self._metrics_server, _thread = start_http_server(int(mport), addr=mhost)
             self.allocator = Allocator(self.etcd, self.keyspace, cfg.root, (cfg.zone, cfg.suffix))
             self._tasks.append(asyncio.create_task(self.allocator.run(), name=f"allocator:{cfg.suffix}"))
+            self._tasks.append(asyncio.create_task(self._gauge_loop(), name=f"gauges:{cfg.suffix}"))
             if cfg.prune_interval > 0:
                 self._tasks.append(asyncio.create_task(self._prune_loop(), name=f"retention:{cfg.suffix}"))
             self._verify_unassigned()
@@ -223,11 +226,35 @@ class Broker:
             await ch.close()
         await self.dialer.aclose()
         await self.etcd.aclose()
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server.server_close()
+        self._stop_metrics()
         self.stopped.set()
         log.info("%s stopped", who)
+
+    def _serve_metrics(self, listen: str, host: str, port: int) -> str:
+        """Serve /metrics on `listen` (HOST:PORT), or with "auto" on the gRPC port + 1000 of the same host
+        (any free port if that one is taken); the endpoint it serves on."""
+        from prometheus_client import start_http_server
+
+        tries = [listen.rsplit(":", 1)]
+        if listen == "auto":
+            tries = [[host, str(port + 1000 if 0 < port <= 64535 else 0)], [host, "0"]]
+        for i, (mhost, mport) in enumerate(tries):
+            try:
+                self._metrics_server, _thread = start_http_server(int(mport), addr=mhost)
+            except OSError as err:
+                if i + 1 < len(tries):
+                    continue
+                raise UsageError(
+                    f"broker cannot serve metrics on {mhost}:{mport} ({err}): pass another --metrics"
+                ) from None
+            return f"{mhost}:{self._metrics_server.server_port}"
+        raise AssertionError("unreachable")
+
+    def _stop_metrics(self) -> None:
+        server, self._metrics_server = self._metrics_server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
 
     async def _record_resume_offsets(self, held: list[Replica]) -> None:
         """For each journal we still held, with every byte persisted: record its end in its spec
@@ -417,6 +444,33 @@ class Broker:
         elif isinstance(file, SpoolFile):
             file.mark_persisted(fragment.end)
 
+    async def _gauge_loop(self) -> None:
+        """Set this broker's share of the gauges every GAUGE_INTERVAL (and take it back when stopped)."""
+        gauges = (metrics.JOURNALS, metrics.PRIMARIES, metrics.PERSIST_QUEUE, metrics.STORES_UNHEALTHY)
+        shown = [0] * len(gauges)
+        try:
+            while True:
+                replicas = list(self.resolver.replicas.values())
+                state, me = self.resolver.state, self.process_id
+                led = 0
+                for r in replicas:
+                    route = state.route(r.journal)
+                    if route.primary >= 0 and same_process(route.members[route.primary], me):
+                        led += 1
+                now = [
+                    len(replicas),
+                    led,
+                    self.persister.statistics().queued,
+                    sum(r.store_error is not None for r in replicas),
+                ]
+                for i, gauge in enumerate(gauges):
+                    gauge.inc(now[i] - shown[i])
+                shown = now
+                await asyncio.sleep(metrics.GAUGE_INTERVAL)  # (a schedule, not a wait for a condition)
+        finally:
+            for i, gauge in enumerate(gauges):
+                gauge.dec(shown[i])
+
     async def _prune_loop(self) -> None:
         """Enforce retention (Gazette leaves it to a cron job running `gazctl journals prune`): every
         `prune_interval`, the primary of each journal with a retention removes its aged fragments."""
@@ -487,6 +541,7 @@ class Broker:
                     mod_revision=item.mod_revision,
                     create_revision=item.create_revision,
                     route=state.route(name),
+                    consistent=state.is_consistent(name),
                 )
             )
         return resp
@@ -520,6 +575,27 @@ class Broker:
         await self.keyspace.wait_for_revision(revision, timeout=10)
         status = pb.OK if ok else pb.ETCD_TRANSACTION_FAILED
         return pb.ApplyResponse(status=status, header=self.resolver.header(pb.Route(primary=-1)))
+
+    def members_response(self) -> pb.MembersResponse:
+        """Every live member (its spec from etcd), with the journals assigned to it and those it leads."""
+        state = self.resolver.state
+        journals: Counter[tuple[str, str]] = Counter()
+        primaries: Counter[tuple[str, str]] = Counter()
+        for name in state.items:
+            for a in state.assignments.get(name, []):
+                journals[a.member] += 1
+            route = state.route(name)
+            if route.primary >= 0:
+                lead = route.members[route.primary]
+                primaries[(lead.zone, lead.suffix)] += 1
+        resp = pb.MembersResponse(status=pb.OK, header=self.resolver.header(pb.Route(primary=-1)))
+        for mid in sorted(state.members):
+            resp.members.append(
+                pb.MembersResponse.Member(
+                    spec=state.members[mid].spec, journals=journals[mid], primaries=primaries[mid]
+                )
+            )
+        return resp
 
     async def list_fragments(self, req: pb.FragmentsRequest) -> pb.FragmentsResponse:
         validate.journal_name(req.journal, "fragments.journal")
@@ -572,7 +648,8 @@ def _recover_all(data_dir: Path, revisions: dict[str, int]) -> dict[str, Recover
 
 
 class _Servicer(pb_grpc.JournalServicer):
-    """gRPC entry points; bad input becomes INVALID_ARGUMENT naming the field, never a crash."""
+    """gRPC entry points; bad input becomes INVALID_ARGUMENT naming the field, never a crash. Every RPC
+    is counted by its outcome (tidings_rpc_status_total; Append counts its own)."""
 
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
@@ -581,36 +658,69 @@ class _Servicer(pb_grpc.JournalServicer):
         return await serve_append(self.broker, context)
 
     async def Read(self, request, context):
-        await serve_read(self.broker, request, context)
+        with _counted("read", context) as outcome:
+            outcome.append(await serve_read(self.broker, request, context))
 
     async def List(self, request, context):
-        try:
-            validate.selector(request.selector)
-        except ValidationError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        broker = self.broker
-        while True:
-            revision = broker.keyspace.revision
-            await context.write(broker.list_response(request.selector))
-            if not request.watch:
-                return
-            await broker.keyspace.wait_for_update(revision)
+        with _counted("list", context) as outcome:
+            try:
+                validate.selector(request.selector)
+            except ValidationError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            broker = self.broker
+            while True:
+                revision = broker.keyspace.revision
+                await context.write(broker.list_response(request.selector))
+                if not request.watch:
+                    outcome.append(pb.OK)
+                    return
+                await broker.keyspace.wait_for_update(revision)
 
     async def Apply(self, request, context):
-        try:
-            resp = await self.broker.apply(request)
-        except ValidationError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except TransportError as exc:  # etcd is unreachable: the client may retry
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"apply: {exc}")
-        metrics.RPC_STATUS.labels("apply", pb.Status.Name(resp.status)).inc()
-        return resp
+        with _counted("apply", context) as outcome:
+            try:
+                resp = await self.broker.apply(request)
+            except ValidationError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except TransportError as exc:  # etcd is unreachable: the client may retry
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"apply: {exc}")
+            outcome.append(resp.status)
+            return resp
+
+    async def ListMembers(self, request, context):
+        with _counted("list_members", context) as outcome:
+            outcome.append(pb.OK)
+            return self.broker.members_response()
 
     async def ListFragments(self, request, context):
-        try:
-            return await self.broker.list_fragments(request)
-        except ValidationError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        with _counted("list_fragments", context) as outcome:
+            try:
+                resp = await self.broker.list_fragments(request)
+            except ValidationError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            outcome.append(resp.status)
+            return resp
+
+
+@contextlib.contextmanager
+def _counted(rpc: str, context: grpc.aio.ServicerContext):  # -> Iterator[list[int]]
+    """Count one RPC by its outcome: the Status the body appends to the list yielded, else the gRPC
+    code it aborted with (CANCELLED when the client went away, UNKNOWN for a surprise)."""
+    outcome: list[int] = []
+    try:
+        yield outcome
+    except grpc.aio.AbortError:
+        code = context.code()
+        metrics.RPC_STATUS.labels(rpc, code.name if isinstance(code, grpc.StatusCode) else "ABORTED").inc()
+        raise
+    except asyncio.CancelledError:
+        metrics.RPC_STATUS.labels(rpc, "CANCELLED").inc()
+        raise
+    except Exception:
+        metrics.RPC_STATUS.labels(rpc, "UNKNOWN").inc()
+        raise
+    else:
+        metrics.RPC_STATUS.labels(rpc, pb.Status.Name(outcome[-1]) if outcome else "OK").inc()
 
 
 def _journal_list(names: list[str], most: int = 5) -> str:

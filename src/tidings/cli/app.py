@@ -36,8 +36,10 @@ _PLAIN = {"rich_markup_mode": None, "context_settings": {"help_option_names": ["
 app = typer.Typer(help=__doc__, no_args_is_help=True, pretty_exceptions_enable=False, **_PLAIN)  # type: ignore[arg-type]
 journals = typer.Typer(help="Create, list, append to and read journals.", no_args_is_help=True, **_PLAIN)  # type: ignore[arg-type]
 cluster = typer.Typer(help="Run a local cluster (private etcd + brokers).", no_args_is_help=True, **_PLAIN)  # type: ignore[arg-type]
+members = typer.Typer(help="The cluster's brokers.", no_args_is_help=True, **_PLAIN)  # type: ignore[arg-type]
 app.add_typer(journals, name="journals")
 app.add_typer(cluster, name="cluster")
+app.add_typer(members, name="members")
 # Client commands say what went wrong in one line of their own; the library's log records (an
 # AppendService's retry advice, say) would add lines naming APIs. `broker` configures logging.
 logging.getLogger("tidings").addHandler(logging.NullHandler())
@@ -51,16 +53,18 @@ def usage(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
-def _endpoint(flag: str, optional: bool = False) -> Callable[[str], str]:
-    """A flag's check that its value is HOST:PORT ('' too when `optional`), before anything connects
-    (`localhost` alone went to port 443, `foo:bar` to a resolver error)."""
+def _endpoint(flag: str, optional: bool = False, also: tuple[str, ...] = ()) -> Callable[[str], str]:
+    """A flag's check that its value is HOST:PORT ('' too when `optional`, or one of `also`), before
+    anything connects (`localhost` alone went to port 443, `foo:bar` to a resolver error)."""
 
     def check(value: str) -> str:
-        if optional and value == "":
+        if (optional and value == "") or value in also:
             return value
         host, colon, port = value.rpartition(":")
         if not colon or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-            usage(f"{flag} {value!r} is not HOST:PORT: give a host and a port from 1 to 65535, e.g. 127.0.0.1:8080")
+            words = "".join(f", {w!r}" for w in (*also, *([""] if optional else [])))
+            usage(f"{flag} {value!r} is not HOST:PORT{words and ' or ' + words[2:]}: give a host and a port from 1 "
+                  "to 65535, e.g. 127.0.0.1:8080")  # fmt: skip
         return value
 
     return check
@@ -192,9 +196,20 @@ def broker(
     metrics: Annotated[
         str,
         typer.Option(
-            envvar="TIDINGS_METRICS", help="HOST:PORT for /metrics; '' off.", callback=_endpoint("--metrics", True)
+            envvar="TIDINGS_METRICS",
+            help="HOST:PORT serving Prometheus /metrics; auto: --listen's host and port + 1000 (any free port if "
+            "taken); '' off. Printed at start and in `tidings members list`.",
+            callback=_endpoint("--metrics", True, also=("auto",)),
         ),
-    ] = "",
+    ] = "auto",
+    metrics_journals: Annotated[
+        bool,
+        typer.Option(
+            envvar="TIDINGS_METRICS_JOURNALS",
+            help="Per-journal series too (appended and read bytes, commits): one series per journal, so only "
+            "where journals are few.",
+        ),
+    ] = False,
     stall_timeout: Annotated[
         float, typer.Option(envvar="TIDINGS_STALL_TIMEOUT", help="Seconds an append may send nothing before it fails.")
     ] = 10.0,
@@ -242,7 +257,8 @@ def broker(
         str, typer.Option(envvar="TIDINGS_LOG_LEVEL", help="debug, info, warning or error.", callback=_log_level)
     ] = "info",
 ) -> None:
-    """Run one broker in the foreground. Prints `READY HOST:PORT` once it serves; SIGTERM hands
+    """Run one broker in the foreground. Prints `READY HOST:PORT` once it serves (then `METRICS HOST:PORT`
+    if it serves /metrics); SIGTERM hands
     its journals to other brokers (at most --exit-timeout seconds), then exits. It exits with 1 if
     its etcd lease is lost (etcd unreachable for longer than --lease-ttl)."""
     from tidings._tasks import dump_tasks_on_sigusr1
@@ -262,6 +278,7 @@ def broker(
         root=root,
         journal_limit=journal_limit,
         metrics_listen=metrics or None,
+        metrics_journals=metrics_journals,
         stall_timeout=stall_timeout,
         min_append_rate=min_append_rate,
         pulse_interval=pulse_interval,
@@ -292,7 +309,10 @@ def broker(
             b = starting.result()
         except OSError as exc:
             raise TidingsError(f"broker {zone}/{id} could not start: {exc}") from None
-        print(f"READY {b.endpoint}", flush=True)
+        metrics_at = f" METRICS {b.metrics_endpoint}" if b.metrics_endpoint else ""
+        print(f"READY {b.endpoint}{metrics_at}", flush=True)
+        if b.metrics_endpoint:
+            log.info("broker %s/%s: metrics on http://%s/metrics", zone, id, b.metrics_endpoint)
         lost = asyncio.ensure_future(b.announcement.lost.wait())
         await asyncio.wait([signalled, lost], return_when=asyncio.FIRST_COMPLETED)
         graceful = not lost.done()
@@ -347,6 +367,14 @@ def cluster_up(
             envvar="TIDINGS_PORT", help="First broker's port; the others follow.", callback=_at_least("--port", 1)
         ),
     ] = 8080,
+    metrics_port: Annotated[
+        int,
+        typer.Option(
+            envvar="TIDINGS_METRICS_PORT",
+            help="First broker's /metrics port; the others follow (0: each broker's port + 1000, or any free one).",
+            callback=_at_least("--metrics-port", 0),
+        ),
+    ] = 0,
 ) -> None:
     """Private etcd + N brokers on loopback, in the foreground; Ctrl-C stops everything.
 
@@ -356,16 +384,21 @@ def cluster_up(
 
     from tidings.cluster import LocalCluster
 
-    if port + brokers - 1 > 65535:
-        usage(f"--port {port}: the {brokers} brokers' ports would pass 65535: give a lower --port")
-    for at in range(port, port + brokers):  # (before anything starts: one line, not a broker's death)
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", at))
-            except OSError as exc:
-                usage(f"--port {port}: 127.0.0.1:{at} is taken ({exc.strerror}): give another --port "
-                      f"(the brokers use {brokers} ports from it)")  # fmt: skip
-    lc = LocalCluster(brokers=brokers, zones=zones, data_dir=data_dir, port=port)
+    for flag, first in (("--port", port), ("--metrics-port", metrics_port)):
+        if not first:
+            continue
+        if first + brokers - 1 > 65535:
+            usage(f"{flag} {first}: the {brokers} brokers' ports would pass 65535: give a lower {flag}")
+        for at in range(first, first + brokers):  # (before anything starts: one line, not a broker's death)
+            with socket.socket() as probe:
+                try:
+                    probe.bind(("127.0.0.1", at))
+                except OSError as exc:
+                    usage(f"{flag} {first}: 127.0.0.1:{at} is taken ({exc.strerror}): give another {flag} "
+                          f"(the brokers use {brokers} ports from it)")  # fmt: skip
+    if metrics_port and not (metrics_port + brokers <= port or port + brokers <= metrics_port):
+        usage(f"--metrics-port {metrics_port} overlaps the brokers' ports from --port {port}: give another")
+    lc = LocalCluster(brokers=brokers, zones=zones, data_dir=data_dir, port=port, metrics_port=metrics_port)
     stop = False
 
     def on_signal(*_: object) -> None:
@@ -380,7 +413,8 @@ def cluster_up(
             out.print(f"cleared {lc.cleared} member keys left by an earlier run", highlight=False)
         out.print(f"etcd     {lc.etcd_endpoint}")
         for b in lc.brokers:
-            out.print(f"broker   {b.endpoint}  zone={b.zone} id={b.suffix}")
+            metrics_at = f"  metrics=http://{b.metrics_endpoint}/metrics" if b.metrics_endpoint else ""
+            out.print(f"broker   {b.endpoint}  zone={b.zone} id={b.suffix}{metrics_at}", highlight=False)
         out.print(f"store    {lc.store_url}  (for journals without stores)")
         out.print("ready; Ctrl-C stops the cluster", style="bold")
         while not stop and all(b.alive() for b in lc.brokers):
@@ -1053,6 +1087,133 @@ def journals_reset_head(journal: JournalArg, broker: BrokerOpt = DEFAULT_BROKER)
 
     result = _run(go())
     print(json.dumps({"journal": journal, "write_head": result.end if result else 0}))
+
+
+# -- members and status --------------------------------------------------------------------
+
+
+def _member_rows(resp: pb.MembersResponse) -> list[dict]:
+    return [
+        {
+            "zone": m.spec.id.zone,
+            "id": m.spec.id.suffix,
+            "endpoint": m.spec.endpoint,
+            "journals": m.journals,
+            "primaries": m.primaries,
+            "journal_limit": m.spec.journal_limit,
+            "exiting": m.spec.exiting,
+            "metrics": f"http://{m.spec.metrics_endpoint}/metrics" if m.spec.metrics_endpoint else "",
+        }
+        for m in resp.members
+    ]
+
+
+def _members_table(rows: list[dict]) -> Table:
+    t = Table("zone", "id", "endpoint", "journals", "primaries", "exiting", "metrics")
+    for r in rows:
+        t.add_row(r["zone"], r["id"], r["endpoint"], str(r["journals"]), str(r["primaries"]),
+                  "yes" if r["exiting"] else "", r["metrics"])  # fmt: skip
+    return t
+
+
+@members.command("list")
+def members_list(broker: BrokerOpt = DEFAULT_BROKER, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """The brokers of the cluster: zone, id, endpoint, journals held and led, exiting, metrics address."""
+
+    async def go() -> pb.MembersResponse:
+        async with _client(broker) as c:
+            return await c.members()
+
+    rows = _member_rows(_run(go()))
+    if as_json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        out.print(_members_table(rows))
+
+
+STATUS_CONCURRENCY = 16  # journals asked about at once by `tidings status`
+
+
+async def _journal_status(c, j: pb.ListResponse.Journal) -> dict:
+    """One journal's line of `tidings status`: its route, heads and size, and what is wrong with it."""
+    spec, route = j.spec, j.route
+    names = [f"{m.zone}/{m.suffix}" for m in route.members]
+    row: dict[str, Any] = {
+        "name": spec.name,
+        "replication": spec.replication,
+        "primary": names[route.primary] if route.primary >= 0 else "",
+        "replicas": names,
+        "consistent": j.consistent,
+        "head": None,
+        "persisted_head": None,
+        "first_byte": None,
+        "size": None,
+        "problems": [],
+    }
+    problems = row["problems"]
+    if route.primary < 0:
+        problems.append("no primary")
+    if len(names) < spec.replication:
+        problems.append(f"under-replicated: {len(names)} of {spec.replication} replicas")
+    if not j.consistent:
+        problems.append("route not yet synchronized by its primary")
+    if route.primary < 0:
+        return row
+    try:
+        head = (await c.probe(spec.name, -1)).write_head
+        frags = [e.spec for e in (await c.fragments(spec.name)).fragments]
+    except TidingsError as exc:
+        problems.append(str(exc))
+        return row
+    first = min((f.begin for f in frags), default=head)
+    row |= {
+        "head": head,
+        "persisted_head": max((f.end for f in frags if f.backing_store), default=0),
+        "first_byte": first,
+        "size": head - first,
+    }
+    return row
+
+
+@app.command()
+def status(broker: BrokerOpt = DEFAULT_BROKER, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """One screen: the brokers, each journal with its primary, replicas, synchronization, write head,
+    persisted head and size held, and anything unhealthy (it exits 0 either way: see `problems`)."""
+
+    async def go() -> tuple[pb.MembersResponse, list[dict]]:
+        async with _client(broker) as c:
+            member_resp, listed = await asyncio.gather(c.members(), c.list())
+            limit = asyncio.Semaphore(STATUS_CONCURRENCY)
+
+            async def one(j: pb.ListResponse.Journal) -> dict:
+                async with limit:
+                    return await _journal_status(c, j)
+
+            return member_resp, list(await asyncio.gather(*(one(j) for j in listed.journals)))
+
+    member_resp, rows = _run(go())
+    member_rows = _member_rows(member_resp)
+    problems = [f"broker {m['zone']}/{m['id']} is exiting" for m in member_rows if m["exiting"]]
+    problems += [f"journal {r['name']}: {p}" for r in rows for p in r["problems"]]
+    if as_json:
+        print(json.dumps({"members": member_rows, "journals": rows, "problems": problems}))
+        return
+    out.print(f"members ({len(member_rows)})", style="bold")
+    out.print(_members_table(member_rows))
+    t = Table("journal", "R", "primary", "replicas", "synced", "head", "persisted", "size", "problems")
+    for r in rows:
+        shown = ["" if r[k] is None else str(r[k]) for k in ("head", "persisted_head", "size")]
+        t.add_row(r["name"], str(r["replication"]), r["primary"], " ".join(r["replicas"]),
+                  "yes" if r["consistent"] else "no", *shown, "; ".join(r["problems"]))  # fmt: skip
+    out.print(f"journals ({len(rows)})", style="bold")
+    out.print(t)
+    if problems:
+        out.print(f"{len(problems)} problem{'s' if len(problems) > 1 else ''}:", style="bold red")
+        for p in problems:
+            out.print(f"  {p}", highlight=False)
+    else:
+        out.print("healthy", style="bold green")
 
 
 @app.command()

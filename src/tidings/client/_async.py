@@ -328,6 +328,10 @@ class AsyncClient:
             raise for_status(resp.status)(", ".join(c.upsert.name or c.delete for c in changes))
         return resp
 
+    async def members(self) -> pb.MembersResponse:
+        """The cluster's brokers (their member specs), with the journals each holds and leads."""
+        return await self._unary("", lambda stub: stub.ListMembers(pb.MembersRequest()))
+
     async def fragments(self, journal: str) -> pb.FragmentsResponse:
         """The journal's fragments: local spools and persisted files (with their store URLs)."""
         resp = await self._unary(journal, lambda stub: stub.ListFragments(pb.FragmentsRequest(journal=journal)))

@@ -141,6 +141,9 @@ class Client:
     def fragments(self, journal: str) -> pb.FragmentsResponse:
         return self.run(self.aio.fragments(journal))
 
+    def members(self) -> pb.MembersResponse:
+        return self.run(self.aio.members())
+
 
 class SyncAppender:
     """The sync twin of Appender: `with client.appender(j) as a: a.write(...)` commits on success."""

@@ -41,6 +41,7 @@ class BrokerProcess:
     ) -> None:
         self.zone, self.suffix, self.port = zone, suffix, port
         self.endpoint = f"127.0.0.1:{port}"
+        self.metrics_endpoint = ""  # where it serves /metrics, from its READY line
         self.data_dir = data_dir
         self.args = [
             sys.executable,
@@ -89,7 +90,10 @@ class BrokerProcess:
             ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
             if ready:
                 buf += os.read(self.proc.stdout.fileno(), 4096)
-                if b"READY" in buf:
+                if b"READY" in buf and b"\n" in buf[buf.index(b"READY") :]:
+                    words = buf[buf.index(b"READY") :].split(b"\n", 1)[0].decode().split()
+                    if "METRICS" in words[:-1]:  # READY HOST:PORT [METRICS HOST:PORT]
+                        self.metrics_endpoint = words[words.index("METRICS") + 1]
                     return self
         self.kill()
         raise ClusterError(f"broker {self.suffix} not ready within {timeout:g}s; see {self.data_dir / 'broker.log'}")
@@ -119,7 +123,8 @@ class BrokerProcess:
 
 
 class LocalCluster:
-    """etcd + N brokers over Z zones; broker i listens on `port + i` (0: free ports)."""
+    """etcd + N brokers over Z zones; broker i listens on `port + i` (0: free ports), and serves /metrics
+    on `metrics_port + i` (0: its own choice, see `tidings broker --metrics`)."""
 
     def __init__(
         self,
@@ -129,9 +134,11 @@ class LocalCluster:
         port: int = 0,
         etcd: str | None = None,
         root: str = DEFAULT_ROOT,
+        metrics_port: int = 0,
     ) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.n, self.zones, self.port = brokers, zones, port
+        self.metrics_port = metrics_port  # broker i serves /metrics on it + i (0: each its port + 1000, or any)
         self.root = root
         self.etcd_proc: EtcdProcess | None = None
         self.etcd_endpoint = etcd
@@ -148,6 +155,8 @@ class LocalCluster:
         zone = f"zone-{chr(ord('a') + i % self.zones)}"
         assert self.etcd_endpoint is not None
         extra = ["--default-store", self.store_url, *self.extra]  # journals without stores persist here
+        if self.metrics_port:
+            extra = ["--metrics", f"127.0.0.1:{self.metrics_port + i}", *extra]
         return BrokerProcess(
             self.etcd_endpoint, zone, f"broker-{i}", port, self.data_dir / f"broker-{i}", extra, self.root
         )

@@ -82,18 +82,20 @@ class ProcessId(_message.Message):
     def __init__(self, zone: _Optional[str] = ..., suffix: _Optional[str] = ...) -> None: ...
 
 class BrokerSpec(_message.Message):
-    __slots__ = ("id", "endpoint", "journal_limit", "exiting", "replication_endpoint")
+    __slots__ = ("id", "endpoint", "journal_limit", "exiting", "replication_endpoint", "metrics_endpoint")
     ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     JOURNAL_LIMIT_FIELD_NUMBER: _ClassVar[int]
     EXITING_FIELD_NUMBER: _ClassVar[int]
     REPLICATION_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     id: ProcessId
     endpoint: str
     journal_limit: int
     exiting: bool
     replication_endpoint: str
-    def __init__(self, id: _Optional[_Union[ProcessId, _Mapping]] = ..., endpoint: _Optional[str] = ..., journal_limit: _Optional[int] = ..., exiting: _Optional[bool] = ..., replication_endpoint: _Optional[str] = ...) -> None: ...
+    metrics_endpoint: str
+    def __init__(self, id: _Optional[_Union[ProcessId, _Mapping]] = ..., endpoint: _Optional[str] = ..., journal_limit: _Optional[int] = ..., exiting: _Optional[bool] = ..., replication_endpoint: _Optional[str] = ..., metrics_endpoint: _Optional[str] = ...) -> None: ...
 
 class JournalSpec(_message.Message):
     __slots__ = ("name", "replication", "labels", "fragment", "flags", "max_append_rate", "suspend")
@@ -331,16 +333,18 @@ class ListRequest(_message.Message):
 class ListResponse(_message.Message):
     __slots__ = ("status", "header", "journals")
     class Journal(_message.Message):
-        __slots__ = ("spec", "mod_revision", "route", "create_revision")
+        __slots__ = ("spec", "mod_revision", "route", "create_revision", "consistent")
         SPEC_FIELD_NUMBER: _ClassVar[int]
         MOD_REVISION_FIELD_NUMBER: _ClassVar[int]
         ROUTE_FIELD_NUMBER: _ClassVar[int]
         CREATE_REVISION_FIELD_NUMBER: _ClassVar[int]
+        CONSISTENT_FIELD_NUMBER: _ClassVar[int]
         spec: JournalSpec
         mod_revision: int
         route: Route
         create_revision: int
-        def __init__(self, spec: _Optional[_Union[JournalSpec, _Mapping]] = ..., mod_revision: _Optional[int] = ..., route: _Optional[_Union[Route, _Mapping]] = ..., create_revision: _Optional[int] = ...) -> None: ...
+        consistent: bool
+        def __init__(self, spec: _Optional[_Union[JournalSpec, _Mapping]] = ..., mod_revision: _Optional[int] = ..., route: _Optional[_Union[Route, _Mapping]] = ..., create_revision: _Optional[int] = ..., consistent: _Optional[bool] = ...) -> None: ...
     STATUS_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     JOURNALS_FIELD_NUMBER: _ClassVar[int]
@@ -371,6 +375,29 @@ class ApplyResponse(_message.Message):
     status: Status
     header: Header
     def __init__(self, status: _Optional[_Union[Status, str]] = ..., header: _Optional[_Union[Header, _Mapping]] = ...) -> None: ...
+
+class MembersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MembersResponse(_message.Message):
+    __slots__ = ("status", "header", "members")
+    class Member(_message.Message):
+        __slots__ = ("spec", "journals", "primaries")
+        SPEC_FIELD_NUMBER: _ClassVar[int]
+        JOURNALS_FIELD_NUMBER: _ClassVar[int]
+        PRIMARIES_FIELD_NUMBER: _ClassVar[int]
+        spec: BrokerSpec
+        journals: int
+        primaries: int
+        def __init__(self, spec: _Optional[_Union[BrokerSpec, _Mapping]] = ..., journals: _Optional[int] = ..., primaries: _Optional[int] = ...) -> None: ...
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    header: Header
+    members: _containers.RepeatedCompositeFieldContainer[MembersResponse.Member]
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., header: _Optional[_Union[Header, _Mapping]] = ..., members: _Optional[_Iterable[_Union[MembersResponse.Member, _Mapping]]] = ...) -> None: ...
 
 class FragmentsRequest(_message.Message):
     __slots__ = ("header", "journal", "do_not_proxy")

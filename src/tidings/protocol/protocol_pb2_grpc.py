@@ -59,6 +59,11 @@ class JournalStub:
                 request_serializer=tidings_dot_protocol_dot_protocol__pb2.FragmentsRequest.SerializeToString,
                 response_deserializer=tidings_dot_protocol_dot_protocol__pb2.FragmentsResponse.FromString,
                 _registered_method=True)
+        self.ListMembers = channel.unary_unary(
+                '/tidings.protocol.Journal/ListMembers',
+                request_serializer=tidings_dot_protocol_dot_protocol__pb2.MembersRequest.SerializeToString,
+                response_deserializer=tidings_dot_protocol_dot_protocol__pb2.MembersResponse.FromString,
+                _registered_method=True)
 
 
 class JournalServicer:
@@ -94,6 +99,12 @@ class JournalServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListMembers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JournalServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +132,11 @@ def add_JournalServicer_to_server(servicer, server):
                     servicer.ListFragments,
                     request_deserializer=tidings_dot_protocol_dot_protocol__pb2.FragmentsRequest.FromString,
                     response_serializer=tidings_dot_protocol_dot_protocol__pb2.FragmentsResponse.SerializeToString,
+            ),
+            'ListMembers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListMembers,
+                    request_deserializer=tidings_dot_protocol_dot_protocol__pb2.MembersRequest.FromString,
+                    response_serializer=tidings_dot_protocol_dot_protocol__pb2.MembersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +274,33 @@ class Journal:
             '/tidings.protocol.Journal/ListFragments',
             tidings_dot_protocol_dot_protocol__pb2.FragmentsRequest.SerializeToString,
             tidings_dot_protocol_dot_protocol__pb2.FragmentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListMembers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tidings.protocol.Journal/ListMembers',
+            tidings_dot_protocol_dot_protocol__pb2.MembersRequest.SerializeToString,
+            tidings_dot_protocol_dot_protocol__pb2.MembersResponse.FromString,
             options,
             channel_credentials,
             insecure,
