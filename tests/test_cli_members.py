@@ -69,10 +69,11 @@ def test_members_list_status_and_metrics(local_cluster) -> None:
     assert "healthy" in tidings("status", broker=ep).stdout.decode()
 
     pages = [_scrape(m["metrics"]) for m in rows]
-    assert sum(p.get("tidings_commits_total", 0) for p in pages) == 2  # the two appends, not the pulses
+    # The two appends, each after its zero-byte barrier (`journals append` learns where it lands), not the pulses.
+    assert sum(p.get("tidings_commits_total", 0) for p in pages) == 4
     assert sum(p.get("tidings_appended_bytes_total", 0) for p in pages) == 150
     assert sum(p.get("tidings_pulses_total", 0) for p in pages) > 0
-    assert sum(p.get("tidings_append_seconds_count", 0) for p in pages) == 2
+    assert sum(p.get("tidings_append_seconds_count", 0) for p in pages) == 4
 
     def gauges() -> bool:  # (set every 2 s by each broker)
         pages = [_scrape(m["metrics"]) for m in rows]

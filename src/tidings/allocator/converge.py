@@ -58,6 +58,7 @@ from tidings.keyspace import (
     put_op,
 )
 from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.specs import desired_replication
 from tidings.protocol.status import TransportError, UsageError
 
 __all__ = ["MAX_TXN_OPS", "Allocator", "AllocatorStats", "Change", "advertise_consistency", "plan"]
@@ -123,7 +124,9 @@ def plan(state: State) -> list[Change]:
     """The changes that take ``state`` to the solver's desired assignments (pure)."""
     routes = {j: state.route(j) for j in state.assignments}
     members = [SolverMember(m.id, m.spec.journal_limit, m.spec.exiting) for m in state.members.values()]
-    items = [SolverItem(name, it.spec.replication, state.is_consistent(name)) for name, it in state.items.items()]
+    items = [
+        SolverItem(name, desired_replication(it.spec), state.is_consistent(name)) for name, it in state.items.items()
+    ]
     current = {
         j: [Current(a.member, a.slot, routes_equivalent(a.value, routes[j])) for a in assigned]
         for j, assigned in state.assignments.items()

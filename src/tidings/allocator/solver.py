@@ -152,11 +152,13 @@ def solve(
         good = [a for a in assigned if (item.name, a.member) not in undesired]
         if len(good) > item.replication:
             zones = Counter(a.member[0] for a in good)
-            least = min(load[a.member] for a in good)
-            trim = sorted(  # the primary stays, unless its member holds more than another holder (a balancing move)
+            # The primary stays, unless one replica is extra and its member holds more than another
+            # holder's (a balancing move: a lone primary moved through over-subscription).
+            one_extra, least = len(good) == item.replication + 1, min(load[a.member] for a in good)
+            trim = sorted(
                 good,
                 key=lambda a: (
-                    a.slot == 0 and load[a.member] == least,
+                    a.slot == 0 and not (one_extra and load[a.member] > least),
                     -zones[a.member[0]],
                     -load[a.member],
                     -a.slot,

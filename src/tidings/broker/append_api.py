@@ -146,9 +146,10 @@ async def _serve_append(broker: Broker, context: grpc.aio.ServicerContext, journ
         return await _proxy(broker, fsm, first, client, context)
     if end is AppendState.FINISHED:
         assert fsm.commit is not None
+        status = pb.SUSPENDED if fsm.suspended else pb.OK  # (a suspend request: the journal is suspended)
         return _respond(
             "append",
-            pb.AppendResponse(status=pb.OK, header=header, commit=fsm.commit, registers=fsm.registers),
+            pb.AppendResponse(status=status, header=header, commit=fsm.commit, registers=fsm.registers),
         )
     await client.drain()  # an early answer: let the client finish writing first
     if fsm.status != pb.OK:

@@ -44,12 +44,17 @@ from tidings.fragment.spool import Spool, apply_registers
 from tidings.keyspace import mod_revision_is, put_op
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.specs import desired_replication
 from tidings.protocol.status import TidingsError, ValidationError
 
 if TYPE_CHECKING:
     from tidings.broker.service import Broker
 
 log = logging.getLogger(__name__)
+
+NONE, PARTIAL, FULL = pb.JournalSpec.Suspend.NONE, pb.JournalSpec.Suspend.PARTIAL, pb.JournalSpec.Suspend.FULL
+RESUME_WAIT = 30.0  # seconds an append that resumed a journal waits for its replicas before failing
+IDLE_WITHOUT_FLUSH_INTERVAL = 24 * 3600.0  # seconds since its last fragment persisted: idle (Gazette's default)
 
 
 class AppendState(enum.Enum):
@@ -135,6 +140,9 @@ class AppendFSM:
         self.req = req
         self.pulse = pulse  # the replica's own keep-alive, not a client's append
         self._born = time.monotonic()
+        self.next_suspend: pb.JournalSpec.Suspend | None = None  # what UPDATE_SUSPEND writes (None: clear it)
+        self.suspended = False  # a suspend request found the journal suspended: answer SUSPENDED once committed
+        self._resuming_until = 0.0  # (loop time) this append resumed the journal: wait this long for its replicas
         self.journal = req.journal
         self.state = S.RESOLVE
         self.status = pb.OK
@@ -290,6 +298,10 @@ class AppendFSM:
                 self._shut_down_pipeline()
                 self._release_pipeline()
         self.resolved = res
+        if res.status == pb.SUSPENDED and self.req.suspend == pb.AppendRequest.SUSPEND_RESUME:
+            assert res.spec is not None  # fully suspended: resume it where it stopped (its replicas come back)
+            self.next_suspend = pb.JournalSpec.Suspend(level=NONE, offset=res.spec.suspend.offset)
+            return S.UPDATE_SUSPEND
         if res.status != pb.OK:
             return self._fail(res.status)
         if not res.is_primary:
@@ -461,11 +473,15 @@ class AppendFSM:
         """
         assert self.resolved is not None and self.resolved.spec is not None
         members = len(self.resolved.route.members)
-        desired = self.resolved.spec.replication
+        desired = desired_replication(self.resolved.spec)
         if members > desired:
             self.read_through_rev = self.resolved.header.etcd.revision + 1
             return S.RESOLVE
         if members < desired:
+            if asyncio.get_running_loop().time() < self._resuming_until:
+                # This append resumed the journal: its replicas are on their way (the allocator adds them).
+                self.read_through_rev = self.resolved.header.etcd.revision + 1
+                return S.RESOLVE
             if members == 0 or self.resolved.route.primary < 0:
                 return self._fail(pb.NO_JOURNAL_PRIMARY_BROKER)
             return self._fail(pb.INSUFFICIENT_JOURNAL_BROKERS)
@@ -517,14 +533,16 @@ class AppendFSM:
         if req.check_registers.include.labels or req.check_registers.exclude.labels:
             if not labels.registers_match(req.check_registers, self.registers):
                 return self._fail(pb.REGISTER_MISMATCH)
-        resume = self.resolved.spec.suspend.offset
+        suspend = self.resolved.spec.suspend
+        resume, level = suspend.offset, suspend.level
         if spool.end < resume:
             self.roll_to_offset = resume  # where the last holders left the journal
             return S.SEND_PIPELINE_SYNC
-        if resume and (spool.end > resume or not self.pulse):
+        if level == NONE and resume and (spool.end > resume or not self.pulse):
             # Resumed: the offset has served, and a stale one must not linger (every replica lost before the
             # next append, a new primary would roll to it and write over what was appended there). A pulse
             # at exactly the offset leaves it: brokers stopping together record it while the primary pulses.
+            self.next_suspend = None
             return S.UPDATE_SUSPEND
         index_min, index_max = replica.index.begin_offset, replica.index.end_offset
         max_offset = max(spool.end, index_max)
@@ -539,14 +557,54 @@ class AppendFSM:
         if req.offset != 0 and spool.end != max_offset:
             self.roll_to_offset = max_offset  # the operator's explicit reset-head
             return S.SEND_PIPELINE_SYNC
+        suspending = self._suspension(level, index_min == index_max)
+        if suspending is not None:
+            return suspending
         if spool.fragment.begin == index_min and spool.end:
             self.roll_to_offset = spool.end
         return S.STREAM_CONTENT
 
+    def _suspension(self, level: int, empty: bool) -> AppendState | None:
+        """The request's suspension control against the journal's level (Gazette's), once the pipeline
+        is synchronized and the offsets check out; None to go on and commit (a zero-byte suspend
+        request that found the journal already partially suspended answers SUSPENDED once committed).
+
+        A RESUME (every client append) of a suspended journal clears its suspension (the spool is at
+        its offset already) and its replicas come back; NO_RESUME (the pulse) fails SUSPENDED.
+        IF_FLUSHED and NOW suspend: fully when the journal holds nothing (no replicas, no pipeline, no
+        pulse), else partially (one replica, which rolls its spool now so the last fragment persists),
+        for IF_FLUSHED only when every fragment is persisted and the last is older than the journal's
+        flush interval (24 hours without one), the sign of an idle journal.
+        """
+        mode = self.req.suspend
+        if level != NONE and mode == pb.AppendRequest.SUSPEND_RESUME:
+            self.next_suspend = None
+            return S.UPDATE_SUSPEND
+        if level != NONE and mode == pb.AppendRequest.SUSPEND_NO_RESUME:
+            return self._fail(pb.SUSPENDED)
+        if mode not in (pb.AppendRequest.SUSPEND_IF_FLUSHED, pb.AppendRequest.SUSPEND_NOW):
+            return None
+        assert self.resolved is not None and self.resolved.spec is not None
+        spool = self.spool
+        if level != FULL and empty and not spool.fragment.content_length:
+            self.next_suspend = pb.JournalSpec.Suspend(level=FULL, offset=spool.end)
+            return S.UPDATE_SUSPEND
+        if level == NONE:
+            flush = self.resolved.spec.fragment.flush_interval_ms / 1000 or IDLE_WITHOUT_FLUSH_INTERVAL
+            last = self.replica.index.last_mod_time
+            idle = last > 0 and last <= time.time() - flush
+            if idle or mode == pb.AppendRequest.SUSPEND_NOW:
+                self.next_suspend = pb.JournalSpec.Suspend(level=PARTIAL, offset=spool.end)
+                self.roll_to_offset = spool.end  # the next commit completes the spool's fragment: it persists
+                return S.UPDATE_SUSPEND
+        self.suspended = level == PARTIAL
+        return None
+
     async def _on_update_suspend(self) -> AppendState:
-        """Clear the journal's resume offset once its spool has reached it (Gazette's
-        stateUpdateSuspend, resuming): left in place, it would roll a later primary forward to a stale
-        offset after every replica of the journal was lost. Guarded by the spec's revision.
+        """Write the journal's suspension (`next_suspend`, None clears it) into its spec, guarded by the
+        spec's revision (Gazette's stateUpdateSuspend). Clearing: a resume offset is cleared once the
+        spool has reached it, as left in place it would roll a later primary forward to a stale offset
+        after every replica of the journal was lost.
 
         -> RESOLVE at the revision of the write (or the next one, if it lost a race).
         """
@@ -556,14 +614,22 @@ class AppendFSM:
             return S.RESOLVE
         spec = pb.JournalSpec()
         spec.CopyFrom(item.spec)
-        spec.ClearField("suspend")
+        if self.next_suspend is None or self.next_suspend == pb.JournalSpec.Suspend():
+            spec.ClearField("suspend")
+        else:
+            spec.suspend.CopyFrom(self.next_suspend)
+        if item.spec.suspend.level != NONE and spec.suspend.level == NONE:
+            self._resuming_until = asyncio.get_running_loop().time() + RESUME_WAIT
+        if self.next_suspend is not None and self.next_suspend.level != NONE:
+            log.info("journal %s: suspension %s at offset %d", self.journal,
+                     pb.JournalSpec.Suspend.Level.Name(self.next_suspend.level), self.next_suspend.offset)  # fmt: skip
         key = keys.item_key(self.broker.config.root, self.journal)
         try:
             ok, revision = await self.broker.etcd.txn(
                 [mod_revision_is(key, item.mod_revision)], [put_op(key, spec.SerializeToString())]
             )
         except TidingsError as exc:
-            return self._fail(pb.OK, f"clearing the journal's resume offset in etcd failed: {exc}")
+            return self._fail(pb.OK, f"updating the journal's suspension in etcd failed: {exc}")
         self.read_through_rev = revision if ok else self.broker.keyspace.revision + 1
         return S.RESOLVE
 
@@ -599,6 +665,9 @@ class AppendFSM:
         elif self.resolved.spec.flags == pb.JournalSpec.O_RDONLY:  # type: ignore[union-attr]
             self.status = pb.NOT_ALLOWED
             await self._send_rollback("journal is read-only")
+        elif self.req.suspend != pb.AppendRequest.SUSPEND_RESUME:
+            self.client_error = ValidationError("append.suspend", "an append controlling suspension carries no content")
+            await self._send_rollback(str(self.client_error), grpc.StatusCode.INVALID_ARGUMENT)
         else:
             if self._held is not None:
                 self._sent = True

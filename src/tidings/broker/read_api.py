@@ -46,8 +46,9 @@ async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.Serv
     except ValidationError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     res = await broker.resolver.resolve(req.journal, req.header.etcd.revision if req.HasField("header") else 0)
-    if res.status != pb.OK:
-        await context.write(pb.ReadResponse(status=res.status, header=res.header))
+    if res.status != pb.OK:  # (a fully suspended journal holds nothing: its next append lands at its offset)
+        head = res.spec.suspend.offset if res.status == pb.SUSPENDED and res.spec is not None else 0
+        await context.write(pb.ReadResponse(status=res.status, header=res.header, write_head=head))
         return res.status
     if res.spec.flags == pb.JournalSpec.O_WRONLY:
         await context.write(pb.ReadResponse(status=pb.NOT_ALLOWED, header=res.header))

@@ -125,7 +125,8 @@ class Resolver:
         if item is None:
             return Resolution(pb.JOURNAL_NOT_FOUND, self.header(pb.Route(primary=-1)))
         route = state.route(journal)
-        return Resolution(pb.OK, self.header(route), item.spec, self.replicas.get(journal))
+        status = pb.SUSPENDED if item.spec.suspend.level == pb.JournalSpec.Suspend.FULL else pb.OK
+        return Resolution(status, self.header(route), item.spec, self.replicas.get(journal))
 
     async def aclose(self) -> None:
         """Close every replica (their spools complete and go to the persister); ignore later updates."""

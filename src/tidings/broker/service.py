@@ -80,6 +80,7 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
+AUTO_SUSPEND_PULSES = 15  # stable pulses (no route change) before an idle journal may be suspended (Gazette's)
 ETCD_STOP_TIMEOUT = 2.0  # seconds for each etcd call while stopping: a gone etcd must not hold a stop up
 CLOSE_TIMEOUT = 5.0  # seconds for the replicas to close while stopping (they take milliseconds, unless stuck)
 
@@ -110,6 +111,7 @@ class BrokerConfig:
     # fragment.retention lets go (Kafka's log.retention.check.interval: 5 minutes). 0: never (prune by hand).
     prune_interval: float = 300.0
     metrics_journals: bool = False  # per-journal series (one per journal: mind the cardinality)
+    auto_suspend: bool = False  # suspend idle journals (Gazette's AutoSuspend; see Broker._pulse)
 
 
 class Broker:
@@ -494,21 +496,32 @@ class Broker:
         the route changes. When this broker is no longer primary its pipeline is shut down so
         the new primary can take the spool. A pulse that overruns its timeout is cancelled, which
         the FSM survives at any state (it gives back what it holds).
+
+        A pulse never resumes a suspended journal (SUSPEND_NO_RESUME), and a suspended journal is
+        pulsed only when its route changes. With `auto_suspend` (Gazette's AutoSuspend), a pulse after
+        AUTO_SUSPEND_PULSES stable ones (no route change) asks to suspend the journal if it is idle.
         """
+        stable = 0
         while not replica.closed.is_set():
             changed = replica.route_changed
+            auto = self.config.auto_suspend and stable >= AUTO_SUSPEND_PULSES
+            mode = pb.AppendRequest.SUSPEND_IF_FLUSHED if auto else pb.AppendRequest.SUSPEND_NO_RESUME
             try:
                 async with asyncio.timeout(max(5.0, self.config.pulse_interval * 3)):
-                    await self._pulse_once(replica)
+                    await self._pulse_once(replica, mode)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.debug("journal %s: pulse: %s", replica.journal, exc)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.config.pulse_interval):
-                    await changed.wait()
+            if replica.spec.suspend.level != pb.JournalSpec.Suspend.NONE:
+                await changed.wait()  # suspended: no periodic pulse
+            else:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.config.pulse_interval):
+                        await changed.wait()
+            stable = 0 if changed.is_set() else stable + 1
 
-    async def _pulse_once(self, replica: Replica) -> None:
+    async def _pulse_once(self, replica: Replica, mode: int = pb.AppendRequest.SUSPEND_NO_RESUME) -> None:
         res = await self.resolver.resolve(replica.journal)
         if res.status != pb.OK or res.replica is not replica:
             return
@@ -520,7 +533,8 @@ class Broker:
         async def next_message() -> pb.AppendRequest | None:
             return next(messages)
 
-        fsm = AppendFSM(self, pb.AppendRequest(journal=replica.journal, do_not_proxy=True), pulse=True)
+        req = pb.AppendRequest(journal=replica.journal, do_not_proxy=True, suspend=mode)  # type: ignore[arg-type]
+        fsm = AppendFSM(self, req, pulse=True)
         await fsm.run(next_message)
         if fsm.error:
             log.debug("journal %s: pulse ended in %s: %s", replica.journal, fsm.state, fsm.error)

@@ -27,7 +27,15 @@ from rich.table import Table
 
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
-from tidings.protocol.specs import documents, format_duration, given, spec_changes, spec_from_dict, spec_to_dict
+from tidings.protocol.specs import (
+    desired_replication,
+    documents,
+    format_duration,
+    given,
+    spec_changes,
+    spec_from_dict,
+    spec_to_dict,
+)
 from tidings.protocol.status import TidingsError, ValidationError
 
 # Plain help (rich_markup_mode=None): no boxes cut to the terminal, no "<bool>" beside every flag;
@@ -148,10 +156,11 @@ def _run(coro):
         return asyncio.run(coro)
 
 
-def _client(broker: str):
+def _client(broker: str, deadline: float = 0.0):
+    """A client of `broker`: with a `deadline`, retrying transient failures for that many seconds."""
     from tidings.client import AsyncClient
 
-    return AsyncClient(broker, retries=8)
+    return AsyncClient(broker, retries=1_000_000 if deadline else 8, deadline=deadline)
 
 
 # -- broker and cluster --------------------------------------------------------------------
@@ -244,6 +253,14 @@ def broker(
             help="Seconds a replica waits before persisting a fragment its primary has not (the primary does at once).",
         ),
     ] = 60.0,
+    auto_suspend: Annotated[
+        bool,
+        typer.Option(
+            envvar="TIDINGS_AUTO_SUSPEND",
+            help="Suspend idle journals (all persisted, the last fragment older than the journal's flush "
+            "interval, or 24h): they then cost no pipeline and no pulse; the next append resumes them.",
+        ),
+    ] = False,
     prune_interval: Annotated[
         float,
         typer.Option(
@@ -287,6 +304,7 @@ def broker(
         default_store=default_store,
         persist_delay=persist_delay,
         prune_interval=prune_interval,
+        auto_suspend=auto_suspend,
     )
 
     async def run() -> int:
@@ -679,44 +697,121 @@ def journals_list(
         out.print(t)
 
 
+DeadlineOpt = Annotated[
+    float,
+    typer.Option(
+        "--deadline",
+        help="Seconds to go on retrying transient failures (a primary just killed, a broker restarting) after "
+        "the first one, before giving up.",
+        callback=_at_least("--deadline", 0),
+    ),
+]
+
+
 @journals.command("append")
 def journals_append(
     journal: JournalArg,
     broker: BrokerOpt = DEFAULT_BROKER,
     file: Annotated[Path | None, typer.Option(help="Read content from FILE instead of stdin.")] = None,
     offset: Annotated[int, typer.Option(help="Expected write head (0: any).")] = 0,
+    deadline: DeadlineOpt = 30.0,
 ) -> None:
-    """Append stdin (or --file) atomically; print the committed span as JSON."""
+    """Append stdin (or --file) atomically; print the committed span as JSON. Transient failures are
+    retried for up to --deadline seconds, never twice into the journal: each attempt is guarded by
+    the write head it expects, and after an answer lost in transport the journal is looked at."""
     if file is not None and not file.is_file():
         usage(f"--file {str(file)!r} is not a file: give the path of a file to append, or pipe to stdin")
 
-    def from_file():
-        with open(file, "rb") as src:  # type: ignore[arg-type]
-            while chunk := src.read(256 * 1024):
-                yield chunk
-
-    async def from_stdin():  # (a thread reads: Ctrl-C stops the append at once; nothing is committed)
-        stdin = _Stdin(lines=False, slots=64)
-        try:
-            while (chunk := await stdin.get()) is not None:
-                yield chunk
-        finally:
-            stdin.stop()
-
     async def go():
-        from tidings.protocol.status import WrongAppendOffsetError
+        from tidings.client import AppendResult
+        from tidings.protocol.status import TransportError, WrongAppendOffsetError
 
-        async with _client(broker) as c:
-            try:
-                return await c.append(journal, from_file() if file else from_stdin(), offset=offset)
-            except WrongAppendOffsetError:
-                head = await c.write_head(journal)
-                raise TidingsError(
-                    f"journal {journal!r}: --offset {offset} is not its write head {head}: nothing was appended; "
-                    f"append at --offset {head}, or 0 for wherever the head is"
-                ) from None
+        src = _Content.of_file(file) if file else await _Content.of_stdin()
+        async with _client(broker, deadline) as c:
+            head = (await c.append(journal, b"")).end  # (a barrier: where the append lands, with no other writer)
+            attempt, failing_since = 0, 0.0
+            while True:
+                try:  # (refusals, which leave nothing written, are retried by the client until the deadline)
+                    return await c.append(journal, src.chunks, offset=offset, retry_unknown=False)
+                except WrongAppendOffsetError:
+                    raise TidingsError(
+                        f"journal {journal!r}: --offset {offset} is not its write head {await c.write_head(journal)}: "
+                        "nothing was appended; append at that --offset, or 0 for wherever the head is"
+                    ) from None
+                except TransportError as exc:  # the answer was lost: did it commit?
+                    failing_since = failing_since or time.monotonic()
+                    if not exc.retriable or c.retry.expired(failing_since):
+                        raise
+                    await c.backoff(attempt)
+                    attempt += 1
+                    now = (await c.append(journal, b"")).end
+                    if now == head:
+                        continue  # nothing landed: try again
+                    if now == head + src.size and (sha1 := await src.sum_at(c, journal, head)):
+                        return AppendResult(journal, head, now, {}, sha1)
+                    raise TidingsError(
+                        f"journal {journal!r}: an attempt's answer was lost ({exc}) and the journal moved from "
+                        f"{head} to {now} meanwhile: whether the content landed is unknown; check with `tidings "
+                        f"journals read {journal} --offset {head}` before appending it again"
+                    ) from None
 
     print(json.dumps(_run(go()).to_json()))
+
+
+class _Content:
+    """What `journals append` sends: a file it reads again for each attempt, from `start`, `size` bytes
+    (stdin from a pipe or a terminal is first kept in a temporary file, read by a thread so that
+    Ctrl-C stops it at once; nothing is appended before stdin ends, as an append is all or nothing)."""
+
+    def __init__(self, fd: int, start: int, size: int, keep: Any = None) -> None:
+        self.fd, self.start, self.size, self._keep = fd, start, size, keep
+
+    @classmethod
+    def of_file(cls, path: Path) -> _Content:
+        f = open(path, "rb")
+        return cls(f.fileno(), 0, os.fstat(f.fileno()).st_size, f)
+
+    @classmethod
+    async def of_stdin(cls) -> _Content:
+        import stat
+        import tempfile
+
+        fd = sys.stdin.fileno()
+        info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode):  # `< file`: read it in place
+            start = os.lseek(fd, 0, os.SEEK_CUR)
+            return cls(fd, start, info.st_size - start)
+        spool = tempfile.TemporaryFile(prefix="tidings-append-")
+        stdin, size = _Stdin(lines=False, slots=64), 0
+        try:
+            while (chunk := await stdin.get()) is not None:
+                await asyncio.to_thread(spool.write, chunk)
+                size += len(chunk)
+        finally:
+            stdin.stop()
+        spool.flush()
+        return cls(spool.fileno(), 0, size, spool)
+
+    def chunks(self):  # -> Iterator[bytes]: a fresh read of the content, for one attempt
+        at, end = self.start, self.start + self.size
+        while at < end:
+            chunk = os.pread(self.fd, min(256 * 1024, end - at), at)
+            if not chunk:
+                raise TidingsError(f"the content to append shrank while it was read ({at - self.start} of {self.size} "
+                                   "bytes): nothing was appended")  # fmt: skip
+            at += len(chunk)
+            yield chunk
+
+    async def sum_at(self, c, journal: str, begin: int) -> str:
+        """The content's SHA1 (hex) if the journal holds exactly it at [begin, begin + size), else ""."""
+        import hashlib
+
+        ours, theirs = hashlib.sha1(), hashlib.sha1()
+        for chunk in self.chunks():
+            ours.update(chunk)
+        async for chunk in c.read(journal, begin, end_offset=begin + self.size):
+            theirs.update(chunk.content)
+        return ours.hexdigest() if ours.digest() == theirs.digest() else ""
 
 
 @journals.command("read")
@@ -801,6 +896,47 @@ def journals_read(
         os._exit(0)
 
 
+@journals.command("suspend")
+def journals_suspend(
+    name: Annotated[str, typer.Argument(help="The journal to suspend (or --selector).", callback=_journal_name)] = "",
+    broker: BrokerOpt = DEFAULT_BROKER,
+    selector: Annotated[str, typer.Option(help="Suspend every journal it matches, e.g. app=shop.")] = "",
+    force: Annotated[
+        bool, typer.Option("--force", help="Suspend even journals with content not yet persisted, or recent.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Suspend idle journals (gazctl's journals suspend): one holding nothing keeps no replica at all,
+    others one replica serving reads; either costs no pipeline and no pulse. A journal is idle when
+    everything it holds is persisted and its last fragment is older than its flush interval (24h
+    without one); --force suspends it anyway. Its next append resumes it."""
+    if bool(name) == bool(selector):
+        usage("give a journal NAME or --selector S (one of them)")
+
+    async def go() -> None:
+        async with _client(broker) as c:
+            listed = await c.list(labels.parse_selector(selector or f"name={name}"))
+            if not listed.journals:
+                what = f"journal {name!r} does not exist" if name else f"no journal matches --selector {selector!r}"
+                raise TidingsError(f"{what} (see `tidings journals list`)")
+            for j in listed.journals:
+                done = await c.suspend(j.spec.name, force)
+                level = ""
+                if done:
+                    after = await c.list(labels.parse_selector(f"name={j.spec.name}"))
+                    spec = next((k.spec for k in after.journals if k.spec.name == j.spec.name), j.spec)
+                    level = pb.JournalSpec.Suspend.Level.Name(spec.suspend.level).lower()
+                if as_json:
+                    print(json.dumps({"journal": j.spec.name, "suspended": done, "level": level}), flush=True)
+                elif done:
+                    print(f"{j.spec.name}: suspended ({level})", flush=True)
+                else:
+                    print(f"{j.spec.name}: not suspended: it holds content not yet persisted, or persisted within "
+                          "its flush interval (--force to suspend it anyway)", flush=True)  # fmt: skip
+
+    _run(go())
+
+
 @journals.command("prune")
 def journals_prune(
     broker: BrokerOpt = DEFAULT_BROKER,
@@ -879,10 +1015,13 @@ def publish(
             callback=_at_least("--flush-interval", 0),
         ),
     ] = 0.05,
+    retry_deadline: DeadlineOpt = 30.0,
 ) -> None:
     """Publish JSON lines from stdin as committed messages (each gets a sequencing UUID), as they
     come: `tail -f log | tidings publish j` commits each line within about --flush-interval. A line
-    that already has a "uuid" field is refused: the publisher sets every message's UUID."""
+    that already has a "uuid" field is refused: the publisher sets every message's UUID. Transient
+    failures are retried for up to --deadline seconds (each batch lands once: after an answer lost
+    in transport the journal is searched for it before a retry)."""
     import msgspec
 
     from tidings.client import AppendService
@@ -917,7 +1056,7 @@ def publish(
 
     async def go() -> tuple[int, set[str], str]:
         lines = _Stdin()
-        async with _client(broker) as c:
+        async with _client(broker, retry_deadline) as c:
             journals = await JournalList(c, target).start() if is_selector else None
             mapping: Mapping | str = target
             if journals is not None:
@@ -1152,10 +1291,15 @@ async def _journal_status(c, j: pb.ListResponse.Journal) -> dict:
         "problems": [],
     }
     problems = row["problems"]
+    level = spec.suspend.level
+    row["suspended"] = pb.JournalSpec.Suspend.Level.Name(level).lower() if level else ""
+    if level == pb.JournalSpec.Suspend.FULL:  # (no replicas, nothing held: its next append lands at its offset)
+        return row | {"head": spec.suspend.offset, "persisted_head": spec.suspend.offset, "size": 0}
+    desired = desired_replication(spec)
     if route.primary < 0:
         problems.append("no primary")
-    if len(names) < spec.replication:
-        problems.append(f"under-replicated: {len(names)} of {spec.replication} replicas")
+    if len(names) < desired:
+        problems.append(f"under-replicated: {len(names)} of {desired} replicas")
     if not j.consistent:
         problems.append("route not yet synchronized by its primary")
     if route.primary < 0:
@@ -1201,11 +1345,11 @@ def status(broker: BrokerOpt = DEFAULT_BROKER, as_json: Annotated[bool, typer.Op
         return
     out.print(f"members ({len(member_rows)})", style="bold")
     out.print(_members_table(member_rows))
-    t = Table("journal", "R", "primary", "replicas", "synced", "head", "persisted", "size", "problems")
+    t = Table("journal", "R", "primary", "replicas", "synced", "suspended", "head", "persisted", "size", "problems")
     for r in rows:
         shown = ["" if r[k] is None else str(r[k]) for k in ("head", "persisted_head", "size")]
         t.add_row(r["name"], str(r["replication"]), r["primary"], " ".join(r["replicas"]),
-                  "yes" if r["consistent"] else "no", *shown, "; ".join(r["problems"]))  # fmt: skip
+                  "yes" if r["consistent"] else "no", r["suspended"], *shown, "; ".join(r["problems"]))  # fmt: skip
     out.print(f"journals ({len(rows)})", style="bold")
     out.print(t)
     if problems:

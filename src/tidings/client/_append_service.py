@@ -63,6 +63,7 @@ import dataclasses
 import logging
 import os
 import tempfile
+import time
 import weakref
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, BinaryIO
@@ -517,12 +518,15 @@ class AppendService:
                 q.head = await client.write_head(journal)  # a lower bound of where this batch lands
         attempt = 0
         ambiguous = False
+        failing_since = 0.0  # with the client's retry deadline, retries stop that long after the first failure
         while True:
             if ambiguous:
                 try:
                     found = await self._find_committed(q, batch)
                 except StatusError as exc:
                     if exc.retriable:
+                        if client.retry.expired(failing_since):
+                            raise
                         await client.backoff(min(attempt, 10))
                         attempt += 1
                         continue
@@ -530,6 +534,8 @@ class AppendService:
                     found = None
                 except TransportError as exc:
                     log.info("journal %s: looking for a failed append: %s", journal, exc)
+                    if client.retry.expired(failing_since):
+                        raise
                     await client.backoff(min(attempt, 10))
                     attempt += 1
                     continue
@@ -560,6 +566,9 @@ class AppendService:
                 self._bytes += batch.size
                 q.head = result.end
                 return result
+            failing_since = failing_since or time.monotonic()
+            if client.retry.expired(failing_since) and not ambiguous:
+                raise err  # (an ambiguous failure is first looked for: the deadline ends the search)
             self._retries += 1
             log.info("journal %s: append of %d bytes failed (%s); retrying", journal, batch.size, err)
             await client.backoff(min(attempt, 10))

@@ -33,6 +33,7 @@ from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.protocol_pb2_grpc import JournalStub
 from tidings.protocol.status import (
     StatusError,
+    SuspendedError,
     TidingsError,
     TransportError,
     UsageError,
@@ -45,6 +46,8 @@ __all__ = ["Appender", "AsyncClient", "Reader"]
 log = logging.getLogger(__name__)
 
 Content = bytes | bytearray | memoryview | Iterable[bytes] | AsyncIterable[bytes]
+"""What an append sends: bytes, or chunks (sync or async). `append` also takes a function returning a
+fresh Content, which it calls for each attempt, so that such content is retried like bytes."""
 DOWN_FOR = 2.0  # seconds an unreachable endpoint is avoided
 ATTEMPT_TIMEOUT = 30.0  # seconds an append of bytes may wait for its answer (plus one per MiB)
 APPEND_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Journal'].full_name}/Append"
@@ -70,9 +73,9 @@ class AsyncClient:
                 ...
     """
 
-    def __init__(self, endpoint: str, retries: int = 20, *, zone: str | None = None) -> None:
+    def __init__(self, endpoint: str, retries: int = 20, *, zone: str | None = None, deadline: float = 0.0) -> None:
         self.endpoint = endpoint
-        self.retry = RetryPolicy(attempts=retries)
+        self.retry = RetryPolicy(attempts=retries, deadline=deadline)
         self.routes = RouteCache(endpoint, zone)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, JournalStub] = {}
@@ -156,35 +159,44 @@ class AsyncClient:
     async def append(
         self,
         journal: str,
-        content: Content = b"",
+        content: Content | Callable[[], Content] = b"",
         *,
         offset: int = 0,
         check_registers: pb.LabelSelector | None = None,
         union_registers: pb.LabelSet | None = None,
         subtract_registers: pb.LabelSet | None = None,
         timeout: float | None = None,
+        suspend: int = pb.AppendRequest.SUSPEND_RESUME,
+        retry_unknown: bool = True,
     ) -> AppendResult:
         """Append `content` atomically; returns the committed span.
 
         Bytes are retried on transient failures; a stream (iterable) cannot be replayed, so its
         append is tried once. `offset` (expected write head), `check_registers`,
-        `union_registers` and `subtract_registers` are Gazette's check-and-set expectations.
+        `union_registers` and `subtract_registers` are Gazette's check-and-set expectations;
+        `suspend` its suspension control (an append resumes a suspended journal by default; see
+        `suspend()`). Without `retry_unknown`, a transport failure (whose outcome is unknown: the
+        append may have committed) is raised rather than retried (which may append twice).
         `timeout` bounds each attempt (DEADLINE_EXCEEDED: the outcome is then unknown); for bytes
         it defaults to `ATTEMPT_TIMEOUT` plus a second per MiB, as an answer lost in transport (seen
         with grpc.aio while a broker dies) would otherwise never come. Streams have none by default.
         """
-        first = first_append_request(journal, offset, check_registers, union_registers, subtract_registers)
-        replayable = isinstance(content, bytes | bytearray | memoryview)
-        if timeout is None and replayable:
-            timeout = ATTEMPT_TIMEOUT + _nbytes(content) / (1 << 20)
-        attempt = 0
+        first = first_append_request(journal, offset, check_registers, union_registers, subtract_registers, suspend)
+        whole = isinstance(content, bytes | bytearray | memoryview)
+        replayable = whole or callable(content)
+        if timeout is None and whole:
+            timeout = ATTEMPT_TIMEOUT + _nbytes(content) / (1 << 20)  # type: ignore[arg-type]
+        attempt, failing_since = 0, 0.0
         while True:
             endpoint = self._append_endpoint(journal)
             try:
-                return await self._append_once(endpoint, first, content, timeout)
+                return await self._append_once(endpoint, first, content() if callable(content) else content, timeout)
             except (StatusError, TransportError) as exc:
                 self._failed(journal, endpoint, exc)
-                if not (replayable and exc.retriable and attempt < self.retry.attempts):
+                failing_since = failing_since or time.monotonic()
+                if not (replayable and exc.retriable and not self.retry.gives_up(attempt, failing_since)):
+                    raise
+                if isinstance(exc, TransportError) and not retry_unknown:
                     raise
             await self.backoff(attempt)
             attempt += 1
@@ -287,7 +299,7 @@ class AsyncClient:
         left), or OFFSET_NOT_YET_AVAILABLE when nothing there can be read now; and the write head."""
         req = pb.ReadRequest(journal=journal, offset=offset, metadata_only=True)
         resp = await self._unary(journal, lambda stub: _first_response(stub.Read(req)))
-        if resp.status not in (pb.OK, pb.OFFSET_NOT_YET_AVAILABLE):
+        if resp.status not in (pb.OK, pb.OFFSET_NOT_YET_AVAILABLE, pb.SUSPENDED):
             raise for_status(resp.status)(journal, header=resp.header)
         return resp
 
@@ -305,18 +317,19 @@ class AsyncClient:
 
     async def watch(self, selector: pb.LabelSelector | None = None) -> AsyncIterator[pb.ListResponse]:
         """The journal list matching `selector`, again after every change; survives broker restarts."""
-        attempt = 0
+        attempt, failing_since = 0, 0.0
         while True:
             endpoint = self._pick(self.endpoint)
             try:
                 async for resp in self.stub(endpoint).List(pb.ListRequest(selector=selector, watch=True)):
-                    attempt = 0
+                    attempt, failing_since = 0, 0.0
                     self._learn_routes(resp)
                     yield resp
             except grpc.RpcError as exc:
                 err = map_grpc_error(exc, endpoint)
                 self._failed("", endpoint, err)
-                if not (err.retriable and attempt < self.retry.attempts):
+                failing_since = failing_since or time.monotonic()
+                if not (err.retriable and not self.retry.gives_up(attempt, failing_since)):
                     raise err from None
             await self.backoff(attempt)
             attempt += 1
@@ -327,6 +340,19 @@ class AsyncClient:
         if resp.status != pb.OK:
             raise for_status(resp.status)(", ".join(c.upsert.name or c.delete for c in changes))
         return resp
+
+    async def suspend(self, journal: str, force: bool = False) -> bool:
+        """Suspend the journal if it is idle (gazctl's journals suspend): True once it is suspended (now
+        or before), False if it holds content not yet persisted, or persisted within its flush interval
+        (24 hours without one); `force` suspends it anyway (its replicas persist what they hold). A
+        journal holding nothing is suspended fully (no replicas at all), else partially (one
+        replica serving reads). Its next append resumes it."""
+        mode = pb.AppendRequest.SUSPEND_NOW if force else pb.AppendRequest.SUSPEND_IF_FLUSHED
+        try:
+            await self.append(journal, b"", suspend=mode)
+        except SuspendedError:
+            return True
+        return False
 
     async def members(self) -> pb.MembersResponse:
         """The cluster's brokers (their member specs), with the journals each holds and leads."""
@@ -341,7 +367,7 @@ class AsyncClient:
 
     async def _unary(self, journal: str, call: Callable[[JournalStub], Any]) -> Any:
         """One request/response exchange with any broker, retried while the failure is transient."""
-        attempt = 0
+        attempt, failing_since = 0, 0.0
         while True:
             endpoint = self._read_endpoint(journal) if journal else self._pick(self.endpoint)
             try:
@@ -349,13 +375,15 @@ class AsyncClient:
             except grpc.RpcError as exc:
                 err = map_grpc_error(exc, endpoint)
                 self._failed(journal, endpoint, err)
-                if not (err.retriable and attempt < self.retry.attempts):
+                failing_since = failing_since or time.monotonic()
+                if not (err.retriable and not self.retry.gives_up(attempt, failing_since)):
                     raise err from None
             else:
                 status = getattr(resp, "status", pb.OK)
                 if journal and resp.HasField("header"):
                     self.routes.update(journal, resp.header)
-                if status == pb.OK or not for_status(status).retriable or attempt >= self.retry.attempts:
+                failing_since = failing_since or time.monotonic()
+                if status == pb.OK or not for_status(status).retriable or self.retry.gives_up(attempt, failing_since):
                     return resp
                 self.routes.invalidate(journal)
             await self.backoff(attempt)
@@ -506,7 +534,8 @@ class Reader:
 
     async def _chunks(self) -> AsyncIterator[ReadChunk]:
         client = self.client
-        attempt = 0
+        attempt = suspended = 0
+        failing_since = 0.0
         while not self._done():
             endpoint = client._read_endpoint(self.journal)
             req = pb.ReadRequest(
@@ -518,13 +547,17 @@ class Reader:
             )
             stream = client.stub(endpoint).Read(req)
             fragment: Fragment | None = None
+            suspended_before = suspended
             try:
                 async for resp in stream:
                     if resp.HasField("header"):
                         client.routes.update(self.journal, resp.header)
-                    if resp.status == pb.OFFSET_NOT_YET_AVAILABLE:
-                        self.write_head = resp.write_head
-                        return
+                    if resp.status in (pb.OFFSET_NOT_YET_AVAILABLE, pb.SUSPENDED):
+                        self.write_head = resp.write_head  # (a fully suspended journal holds nothing to read)
+                        if resp.status == pb.OFFSET_NOT_YET_AVAILABLE or not self.block:
+                            return
+                        suspended += 1  # blocking: wait, ever less often, for an append to resume it
+                        break
                     if resp.status != pb.OK:
                         raise for_status(resp.status)(self.journal, header=resp.header)
                     if resp.write_head:
@@ -551,12 +584,14 @@ class Reader:
             else:
                 if not self.block:
                     return
-                await client.backoff(0)  # the broker ended a blocking read (the replica moved?): re-open it
+                # The broker ended a blocking read (the replica moved?), or the journal is suspended: re-open it.
+                await client.backoff(min(suspended, 5) if suspended > suspended_before else 0)
                 continue
             finally:
                 stream.cancel()
             client._failed(self.journal, endpoint, err)
-            if not (getattr(err, "retriable", False) and attempt < client.retry.attempts):
+            failing_since = failing_since if attempt else time.monotonic()
+            if not (getattr(err, "retriable", False) and not client.retry.gives_up(attempt, failing_since)):
                 raise err
             await client.backoff(attempt)
             attempt += 1

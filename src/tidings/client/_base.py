@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
@@ -64,9 +65,10 @@ def first_append_request(
     check_registers: pb.LabelSelector | None = None,
     union_registers: pb.LabelSet | None = None,
     subtract_registers: pb.LabelSet | None = None,
+    suspend: int = pb.AppendRequest.SUSPEND_RESUME,
 ) -> pb.AppendRequest:
     """The metadata message that opens an Append stream."""
-    first = pb.AppendRequest(journal=journal, offset=offset)
+    first = pb.AppendRequest(journal=journal, offset=offset, suspend=suspend)  # type: ignore[arg-type]
     if check_registers is not None:
         first.check_registers.CopyFrom(check_registers)
     if union_registers is not None:
@@ -83,14 +85,23 @@ class RetryPolicy:
     **Parameters:**
     * `attempts` - retries of one operation before its error is raised.
     * `base` / `cap` - seconds before the first retry, and the most between two.
+    * `deadline` - with it, retries also stop once this many seconds passed since the first failure.
     """
 
     attempts: int = 20
     base: float = 0.02
     cap: float = 1.0
+    deadline: float = 0.0  # seconds of retrying after an operation's first failure (0: `attempts` only)
 
     def delay(self, attempt: int) -> float:
         return min(self.cap, self.base * (2 ** min(attempt, 30))) * (0.5 + random.random())
+
+    def gives_up(self, attempt: int, failing_since: float) -> bool:
+        """No retry `attempt`: too many, or `deadline` seconds passed since the first failure (monotonic)."""
+        return attempt >= self.attempts or self.expired(failing_since)
+
+    def expired(self, failing_since: float) -> bool:
+        return bool(self.deadline) and time.monotonic() - failing_since >= self.deadline
 
 
 class RouteCache:

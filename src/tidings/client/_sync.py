@@ -144,6 +144,9 @@ class Client:
     def members(self) -> pb.MembersResponse:
         return self.run(self.aio.members())
 
+    def suspend(self, journal: str, force: bool = False) -> bool:
+        return self.run(self.aio.suspend(journal, force))
+
 
 class SyncAppender:
     """The sync twin of Appender: `with client.appender(j) as a: a.write(...)` commits on success."""

@@ -181,6 +181,14 @@ class FragmentIndex:
         """The largest end of any fragment, 0 when there are none."""
         return self._cover[-1][0].end if self._cover else 0
 
+    @property
+    def last_mod_time(self) -> int:
+        """When the journal's last fragment (the one ending last) was persisted; 0 while it is only in
+        a spool, or when there are none (Gazette's index summary: a journal is idle once it is old)."""
+        if not self._cover or self._cover[-1][1] is not None:
+            return 0
+        return self._cover[-1][0].mod_time
+
     def fragments(self) -> list[Entry]:
         """Every fragment, local and remote, sorted by (begin, end), local first on ties."""
         out: list[Entry] = [(f, None) for f in self._remote]

@@ -24,6 +24,7 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INDEX_HAS_GREATER_OFFSET: _ClassVar[Status]
     REGISTER_MISMATCH: _ClassVar[Status]
     FRAGMENT_STORE_UNHEALTHY: _ClassVar[Status]
+    SUSPENDED: _ClassVar[Status]
 
 class CompressionCodec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -46,6 +47,7 @@ WRONG_APPEND_OFFSET: Status
 INDEX_HAS_GREATER_OFFSET: Status
 REGISTER_MISMATCH: Status
 FRAGMENT_STORE_UNHEALTHY: Status
+SUSPENDED: Status
 INVALID: CompressionCodec
 NONE: CompressionCodec
 GZIP: CompressionCodec
@@ -241,7 +243,19 @@ class ReadResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[Status, str]] = ..., header: _Optional[_Union[Header, _Mapping]] = ..., offset: _Optional[int] = ..., write_head: _Optional[int] = ..., fragment: _Optional[_Union[Fragment, _Mapping]] = ..., fragment_url: _Optional[str] = ..., content: _Optional[bytes] = ...) -> None: ...
 
 class AppendRequest(_message.Message):
-    __slots__ = ("header", "journal", "do_not_proxy", "content", "offset", "check_registers", "union_registers", "subtract_registers", "commit")
+    __slots__ = ("header", "journal", "do_not_proxy", "content", "offset", "check_registers", "union_registers", "subtract_registers", "commit", "suspend")
+    class Suspend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        SUSPEND_RESUME: _ClassVar[AppendRequest.Suspend]
+        SUSPEND_NO_RESUME: _ClassVar[AppendRequest.Suspend]
+        SUSPEND_IF_FLUSHED: _ClassVar[AppendRequest.Suspend]
+        SUSPEND_NOW: _ClassVar[AppendRequest.Suspend]
+        SUSPEND_KEEP: _ClassVar[AppendRequest.Suspend]
+    SUSPEND_RESUME: AppendRequest.Suspend
+    SUSPEND_NO_RESUME: AppendRequest.Suspend
+    SUSPEND_IF_FLUSHED: AppendRequest.Suspend
+    SUSPEND_NOW: AppendRequest.Suspend
+    SUSPEND_KEEP: AppendRequest.Suspend
     HEADER_FIELD_NUMBER: _ClassVar[int]
     JOURNAL_FIELD_NUMBER: _ClassVar[int]
     DO_NOT_PROXY_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +265,7 @@ class AppendRequest(_message.Message):
     UNION_REGISTERS_FIELD_NUMBER: _ClassVar[int]
     SUBTRACT_REGISTERS_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    SUSPEND_FIELD_NUMBER: _ClassVar[int]
     header: Header
     journal: str
     do_not_proxy: bool
@@ -260,7 +275,8 @@ class AppendRequest(_message.Message):
     union_registers: LabelSet
     subtract_registers: LabelSet
     commit: bool
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., journal: _Optional[str] = ..., do_not_proxy: _Optional[bool] = ..., content: _Optional[bytes] = ..., offset: _Optional[int] = ..., check_registers: _Optional[_Union[LabelSelector, _Mapping]] = ..., union_registers: _Optional[_Union[LabelSet, _Mapping]] = ..., subtract_registers: _Optional[_Union[LabelSet, _Mapping]] = ..., commit: _Optional[bool] = ...) -> None: ...
+    suspend: AppendRequest.Suspend
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., journal: _Optional[str] = ..., do_not_proxy: _Optional[bool] = ..., content: _Optional[bytes] = ..., offset: _Optional[int] = ..., check_registers: _Optional[_Union[LabelSelector, _Mapping]] = ..., union_registers: _Optional[_Union[LabelSet, _Mapping]] = ..., subtract_registers: _Optional[_Union[LabelSet, _Mapping]] = ..., commit: _Optional[bool] = ..., suspend: _Optional[_Union[AppendRequest.Suspend, str]] = ...) -> None: ...
 
 class AppendResponse(_message.Message):
     __slots__ = ("status", "header", "commit", "registers", "total_chunks", "delayed_chunks")

@@ -158,6 +158,17 @@ def spec_from_dict(d: dict[str, Any], ctx: str = "journal") -> pb.JournalSpec:
     return spec
 
 
+def desired_replication(spec: pb.JournalSpec) -> int:
+    """How many replicas the journal wants now: its replication, one when partially suspended (its
+    primary serves reads and persists), none when fully suspended (Gazette's suspension levels)."""
+    level = spec.suspend.level
+    if level == pb.JournalSpec.Suspend.FULL:
+        return 0
+    if level == pb.JournalSpec.Suspend.PARTIAL:
+        return min(1, spec.replication)
+    return spec.replication
+
+
 def spec_to_dict(spec: pb.JournalSpec) -> dict[str, Any]:
     f = spec.fragment
     return {

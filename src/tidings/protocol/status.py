@@ -42,6 +42,7 @@ _NEXT_STEP: dict[int, str] = {
         "the journal's fragment store cannot be reached or used; check its URL, credentials and installed "
         "backend (e.g. pip install 'tidings[s3]'); retry"
     ),
+    pb.SUSPENDED: "the journal is suspended; an append resumes it",
 }
 
 RETRIABLE = frozenset(
@@ -119,6 +120,7 @@ WrongAppendOffsetError = _define(pb.WRONG_APPEND_OFFSET)
 IndexHasGreaterOffsetError = _define(pb.INDEX_HAS_GREATER_OFFSET)
 RegisterMismatchError = _define(pb.REGISTER_MISMATCH)
 FragmentStoreUnhealthyError = _define(pb.FRAGMENT_STORE_UNHEALTHY)
+SuspendedError = _define(pb.SUSPENDED)
 
 
 def for_status(status: int) -> type[StatusError]:

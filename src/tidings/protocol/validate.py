@@ -174,10 +174,14 @@ def append_request_first(r: pb.AppendRequest, ctx: str = "append") -> None:
     selector(r.check_registers, f"{ctx}.check_registers")
     label_set(r.union_registers, f"{ctx}.union_registers")
     label_set(r.subtract_registers, f"{ctx}.subtract_registers")
+    if r.suspend not in pb.AppendRequest.Suspend.values():
+        raise ValidationError(f"{ctx}.suspend", f"{r.suspend} is not a suspension control")
+    if r.suspend != pb.AppendRequest.SUSPEND_RESUME and r.content:
+        raise ValidationError(f"{ctx}.suspend", "an append that controls suspension carries no content")
 
 
 def append_content(r: pb.AppendRequest, ctx: str = "append") -> None:
-    if r.journal or r.HasField("header") or r.offset or r.HasField("check_registers"):
+    if r.journal or r.HasField("header") or r.offset or r.HasField("check_registers") or r.suspend:
         raise ValidationError(ctx, "only the first message may carry metadata; later ones carry content only")
     if len(r.content) > MAX_CHUNK:
         raise ValidationError(
