@@ -44,6 +44,20 @@ MISTAKES = [
     ),
     pytest.param(("journals", "apply", "{tmp}/broken.yaml"), {}, 'in "{tmp}/broken.yaml", line 2', id="yaml-error"),
     pytest.param(("journals", "apply", "{tmp}/none.yaml"), {}, "cannot read {tmp}/none.yaml", id="apply-no-file"),
+    pytest.param(("journals", "append", "a/b", "--deadline", "-1"), {}, "--deadline is -1.0", id="deadline"),
+    pytest.param(("publish", "a/b", "--deadline", "-2"), {}, "--deadline is -2.0", id="publish-deadline"),
+    pytest.param(
+        ("broker", "--etcd", "127.0.0.1:2379", "--prune-interval", "-5"), {}, "--prune-interval is -5", id="prune"
+    ),
+    pytest.param(
+        ("broker", "--etcd", "127.0.0.1:2379", "--metrics", "bogus"),
+        {},
+        "'bogus' is not HOST:PORT, 'auto' or ''",
+        id="metrics",
+    ),
+    pytest.param(("cluster", "up", "--metrics-port", "-1"), {}, "--metrics-port is -1", id="metrics-port"),
+    pytest.param(("cluster", "up", "--metrics-port", "65535"), {}, "would pass 65535", id="metrics-port-high"),
+    pytest.param(("journals", "suspend"), {}, "give a journal NAME or --selector S", id="suspend-nothing"),
 ]
 
 

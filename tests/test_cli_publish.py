@@ -116,3 +116,12 @@ async def test_append_waiting_on_stdin_stops_at_once_on_ctrl_c_and_commits_nothi
     assert code == 130 and b"Traceback" not in errors, (code, errors)
     async with cluster.client(0) as c:
         assert await c.write_head("cli/ctrl-c") == 0
+
+
+async def test_publish_to_an_absent_journal_says_so_before_reading_stdin(cluster) -> None:
+    """An empty stdin published to a misspelt journal said 'published 0 messages' and exited 0."""
+    ep = cluster.brokers[0].endpoint
+    for stdin in (b"", b'{"n": 1}\n'):
+        r = await run("publish", "no/such", broker=ep, stdin=stdin)
+        lines = r.stderr.decode().splitlines()
+        assert r.returncode == 1 and len(lines) == 1 and "journal 'no/such' does not exist" in lines[0], r

@@ -70,9 +70,9 @@ def _endpoint(flag: str, optional: bool = False, also: tuple[str, ...] = ()) -> 
             return value
         host, colon, port = value.rpartition(":")
         if not colon or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-            words = "".join(f", {w!r}" for w in (*also, *([""] if optional else [])))
-            usage(f"{flag} {value!r} is not HOST:PORT{words and ' or ' + words[2:]}: give a host and a port from 1 "
-                  "to 65535, e.g. 127.0.0.1:8080")  # fmt: skip
+            forms = ["HOST:PORT", *(repr(w) for w in (*also, *([""] if optional else [])))]
+            said = forms[0] if len(forms) == 1 else ", ".join(forms[:-1]) + " or " + forms[-1]
+            usage(f"{flag} {value!r} is not {said}: give a host and a port from 1 to 65535, e.g. 127.0.0.1:8080")
         return value
 
     return check
@@ -1057,6 +1057,9 @@ def publish(
     async def go() -> tuple[int, set[str], str]:
         lines = _Stdin()
         async with _client(broker, retry_deadline) as c:
+            if not is_selector and not (await c.list(labels.parse_selector(f"name={target}"))).journals:
+                raise TidingsError(f"journal {target!r} does not exist: nothing was published; check the name with "
+                                   "`tidings journals list`, or create it with `tidings journals apply`")  # fmt: skip
             journals = await JournalList(c, target).start() if is_selector else None
             mapping: Mapping | str = target
             if journals is not None:
