@@ -185,7 +185,9 @@ class Cluster:
                     return False
             elif not active <= members or len(members) != min(r, len(state.members)):
                 return False
-        return not any(name not in state.items for name in state.assignments)
+        if any(name not in state.items for name in state.assignments):
+            return False
+        return not plan(state)  # (and balanced: the leader has nothing left to move)
 
     async def settle(self, timeout: float = 15.0) -> State:
         async def done() -> bool:

@@ -161,11 +161,7 @@ async def _send_content(context, frag, source: SpoolFile | BinaryIO, offset: int
             data = source.pread(min(CHUNK, until - offset), offset - frag.begin)
             if not data:
                 raise OSError(f"spool file {source.path} ends before the committed offset {offset}")
-            await context.write(pb.ReadResponse(offset=offset, content=data))
-            metrics.READ_BYTES.inc(len(data))
-            if counter is not None:
-                counter.inc(len(data))
-            offset += len(data)
+            offset = await _send(context, offset, data, counter)
         return offset
     skip = offset - frag.begin
     while skip > 0:
@@ -177,12 +173,17 @@ async def _send_content(context, frag, source: SpoolFile | BinaryIO, offset: int
         data = await asyncio.to_thread(source.read, min(CHUNK, until - offset))
         if not data:
             raise OSError(f"fragment {frag.content_name()} is shorter than its name says")
-        await context.write(pb.ReadResponse(offset=offset, content=data))
-        metrics.READ_BYTES.inc(len(data))
-        if counter is not None:
-            counter.inc(len(data))
-        offset += len(data)
+        offset = await _send(context, offset, data, counter)
     return offset
+
+
+async def _send(context, offset: int, data: bytes, counter) -> int:
+    """Send `data` read at `offset`, counted (and per journal, with a `counter`); the offset after it."""
+    await context.write(pb.ReadResponse(offset=offset, content=data))
+    metrics.READ_BYTES.inc(len(data))
+    if counter is not None:
+        counter.inc(len(data))
+    return offset + len(data)
 
 
 async def _proxy(broker: Broker, req: pb.ReadRequest, res, context) -> None:
