@@ -148,3 +148,20 @@ async def test_brokers_suspend_idle_journals_on_their_own(etcd, etcd_root, tmp_p
             assert (await c.append("auto/empty", b"first\n")).begin == 0
     finally:
         await tc.stop()
+
+
+async def test_a_journal_with_recovered_content_still_being_checked_is_never_fully_suspended(cluster) -> None:
+    """Review 27: recovered spool fragments join the index only once checked; meanwhile the index is
+    empty, and a full suspension would remove every replica, leaving that content nobody to check against."""
+    ep = cluster.brokers[0].endpoint
+    await cluster.create_journal("idle/recovering", 1)
+    replica = next(
+        b.resolver.replicas["idle/recovering"] for b in cluster.brokers if "idle/recovering" in b.resolver.replicas
+    )
+    replica.unverified.append(("a recovered fragment", "its spool file"))  # (as _recover leaves them)
+    try:
+        assert (await _suspend("idle/recovering", ep))["suspended"] is False
+        assert not (await _journal(cluster, "idle/recovering")).spec.HasField("suspend")
+    finally:
+        replica.unverified.clear()
+    assert await _suspend("idle/recovering", ep) == {"journal": "idle/recovering", "suspended": True, "level": "full"}

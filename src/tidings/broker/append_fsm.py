@@ -586,7 +586,15 @@ class AppendFSM:
             return None
         assert self.resolved is not None and self.resolved.spec is not None
         spool = self.spool
-        if level != FULL and empty and not spool.fragment.content_length:
+        # Fully only when it surely holds nothing: no content in its index or spool, no recovered content
+        # still being checked (not yet in the index), and no write head but the one its spec records.
+        if (
+            level != FULL
+            and empty
+            and not spool.fragment.content_length
+            and not self.replica.unverified
+            and spool.end in (0, self.resolved.spec.suspend.offset)
+        ):
             self.next_suspend = pb.JournalSpec.Suspend(level=FULL, offset=spool.end)
             return S.UPDATE_SUSPEND
         if level == NONE:

@@ -717,22 +717,28 @@ def journals_append(
     deadline: DeadlineOpt = 30.0,
 ) -> None:
     """Append stdin (or --file) atomically; print the committed span as JSON. Transient failures are
-    retried for up to --deadline seconds, never twice into the journal: each attempt is guarded by
-    the write head it expects, and after an answer lost in transport the journal is looked at."""
+    retried for up to --deadline seconds, never twice into the journal: a zero-byte append first
+    takes the write head, and after an answer lost in transport (or not come within the deadline)
+    another one tells whether the content landed there."""
     if file is not None and not file.is_file():
         usage(f"--file {str(file)!r} is not a file: give the path of a file to append, or pipe to stdin")
 
     async def go():
+        import grpc
+
         from tidings.client import AppendResult
+        from tidings.client._async import ATTEMPT_TIMEOUT
         from tidings.protocol.status import TransportError, WrongAppendOffsetError
 
         src = _Content.of_file(file) if file else await _Content.of_stdin()
+        # An attempt whose answer does not come is a failure too: within the deadline, and a second per MiB.
+        wait = (min(ATTEMPT_TIMEOUT, max(deadline, 2.0)) if deadline else ATTEMPT_TIMEOUT) + src.size / (1 << 20)
         async with _client(broker, deadline) as c:
             head = (await c.append(journal, b"")).end  # (a barrier: where the append lands, with no other writer)
             attempt, failing_since = 0, 0.0
             while True:
                 try:  # (refusals, which leave nothing written, are retried by the client until the deadline)
-                    return await c.append(journal, src.chunks, offset=offset, retry_unknown=False)
+                    return await c.append(journal, src.chunks, offset=offset, retry_unknown=False, timeout=wait)
                 except WrongAppendOffsetError:
                     raise TidingsError(
                         f"journal {journal!r}: --offset {offset} is not its write head {await c.write_head(journal)}: "
@@ -740,7 +746,8 @@ def journals_append(
                     ) from None
                 except TransportError as exc:  # the answer was lost: did it commit?
                     failing_since = failing_since or time.monotonic()
-                    if not exc.retriable or c.retry.expired(failing_since):
+                    lost = exc.retriable or exc.code == grpc.StatusCode.DEADLINE_EXCEEDED
+                    if not lost or c.retry.gives_up(attempt, failing_since):
                         raise
                     await c.backoff(attempt)
                     attempt += 1

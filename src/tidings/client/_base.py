@@ -25,7 +25,13 @@ from tidings.protocol import protocol_pb2 as pb
 __all__ = ["AppendResult", "ReadChunk", "RetryPolicy", "RouteCache"]
 
 CHUNK = 256 * 1024  # content moves in chunks of this size
-GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    # During a call, ping a silent connection: a broker frozen or cut off fails the call instead of hanging it.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
