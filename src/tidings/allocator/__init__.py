@@ -13,15 +13,23 @@ consistent, or if fewer than R consistent replicas would remain; the allocator o
 whose lease expires takes its assignments with it in the same revision; only assignments of
 journals that no longer exist (and lease-less ones of members that are gone) are dropped by the
 leader without that check.
+
+One allocator, two uses (``kind``): the same code places consumer shards on consumer processes
+under the consumer's own root (``SHARDS``: ShardSpec items wanting a primary and their hot
+standbys, ConsumerSpec members, ReplicaStatus assignment values whose STANDBY / PRIMARY codes are
+what consistency means there), as it places journals on brokers (``JOURNALS``, the default).
 """
 
 from tidings.allocator.announce import Announcement, MemberConflictError, announce
 from tidings.allocator.converge import Allocator, AllocatorStats, Change, advertise_consistency, plan
 from tidings.allocator.keys import AssignKey, assign_key, item_key, member_key, parse_assign_key
+from tidings.allocator.kind import JOURNALS, SHARDS, Kind
 from tidings.allocator.solver import Current, Slot, SolverItem, SolverMember, solve
 from tidings.allocator.state import Assignment, Item, Member, State, route_of, routes_equivalent
 
 __all__ = [
+    "JOURNALS",
+    "SHARDS",
     "Allocator",
     "AllocatorStats",
     "Announcement",
@@ -30,6 +38,7 @@ __all__ = [
     "Change",
     "Current",
     "Item",
+    "Kind",
     "Member",
     "MemberConflictError",
     "Slot",

@@ -141,7 +141,7 @@ class Announcement:
 
 
 async def announce(
-    etcd: Etcd, root: str, spec: pb.BrokerSpec, ttl: int = 5, wait_timeout: float | None = None
+    etcd: Etcd, root: str, spec: pb.BrokerSpec | pb.ConsumerSpec, ttl: int = 5, wait_timeout: float | None = None
 ) -> Announcement:
     """Create the member key of ``spec.id`` under a new ``ttl``-second lease and keep it alive.
 
@@ -150,8 +150,9 @@ async def announce(
     Cancellation leaves nothing behind: no key, no lease.
     """
     validate.process_id(spec.id, "spec.id")
-    if spec.journal_limit < 0:
-        raise UsageError(f"journal_limit {spec.journal_limit} must not be negative")
+    limit = spec.shard_limit if isinstance(spec, pb.ConsumerSpec) else spec.journal_limit
+    if limit < 0:
+        raise UsageError(f"the member's limit {limit} must not be negative")
     member = f"{spec.id.zone}#{spec.id.suffix}"
     key = member_key(root, spec.id.zone, spec.id.suffix)
     value = spec.SerializeToString()

@@ -45,8 +45,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tidings.allocator import keys
+from tidings.allocator.kind import JOURNALS, Kind
 from tidings.allocator.solver import Current, SolverItem, SolverMember, solve
-from tidings.allocator.state import Assignment, MemberId, State, routes_equivalent
+from tidings.allocator.state import Assignment, MemberId, State
 from tidings.keyspace import (
     Compare,
     Etcd,
@@ -58,7 +59,6 @@ from tidings.keyspace import (
     put_op,
 )
 from tidings.protocol import protocol_pb2 as pb
-from tidings.protocol.specs import desired_replication
 from tidings.protocol.status import TransportError, UsageError
 
 __all__ = ["MAX_TXN_OPS", "Allocator", "AllocatorStats", "Change", "advertise_consistency", "plan"]
@@ -116,19 +116,21 @@ class Change:
         who = f"{self.member[0]}#{self.member[1]}"
         if self.kind == "promote":
             assert self.old is not None
-            return f"journal {self.journal}: promote {who} from slot {self.old.slot} to {self.slot}"
-        return f"journal {self.journal}: {self.kind} {who} slot {self.slot}"
+            return f"{self.journal}: promote {who} from slot {self.old.slot} to {self.slot}"
+        return f"{self.journal}: {self.kind} {who} slot {self.slot}"
 
 
 def plan(state: State) -> list[Change]:
     """The changes that take ``state`` to the solver's desired assignments (pure)."""
+    kind = state.kind
     routes = {j: state.route(j) for j in state.assignments}
-    members = [SolverMember(m.id, m.spec.journal_limit, m.spec.exiting) for m in state.members.values()]
+    members = [SolverMember(m.id, kind.item_limit(m.spec), kind.exiting(m.spec)) for m in state.members.values()]
     items = [
-        SolverItem(name, desired_replication(it.spec), state.is_consistent(name)) for name, it in state.items.items()
+        SolverItem(name, kind.desired_replication(it.spec), state.is_consistent(name))
+        for name, it in state.items.items()
     ]
     current = {
-        j: [Current(a.member, a.slot, routes_equivalent(a.value, routes[j])) for a in assigned]
+        j: [Current(a.member, a.slot, kind.consistent(a, routes[j], assigned)) for a in assigned]
         for j, assigned in state.assignments.items()
     }
     desired = solve(members, items, current)
@@ -250,9 +252,12 @@ class Allocator:
         await allocator.aclose()
     """
 
-    def __init__(self, etcd: Etcd, keyspace: KeySpace, root: str, self_id: tuple[str, str]) -> None:
+    def __init__(
+        self, etcd: Etcd, keyspace: KeySpace, root: str, self_id: tuple[str, str], kind: Kind = JOURNALS
+    ) -> None:
         self._etcd = etcd
         self._ks = keyspace
+        self.kind = kind  # what it places: journals on brokers, or shards on consumers (`allocator.kind`)
         self.root = root.rstrip("/")
         if keyspace.root != self.root:
             raise UsageError(f"allocator root {self.root!r} differs from its KeySpace's root {keyspace.root!r}")
@@ -286,7 +291,7 @@ class Allocator:
         backoff = _BACKOFF_MIN
         while True:
             observed = self._ks.revision
-            state = State.from_keyspace(self._ks)
+            state = State.from_keyspace(self._ks, self.kind)
             if state.leader() == self.self_id:
                 changes = plan(state)
                 if changes:

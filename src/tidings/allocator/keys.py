@@ -2,9 +2,9 @@
 
 ::
 
-    {root}/members/{zone}#{suffix}                  leased BrokerSpec
-    {root}/items/{journal}                          JournalSpec
-    {root}/assign/{journal}#{zone}#{suffix}#{slot}  Route last synchronized (slot 0 = primary)
+    {root}/members/{zone}#{suffix}                  leased BrokerSpec (a consumer's: ConsumerSpec)
+    {root}/items/{journal}                          JournalSpec (a consumer's: ShardSpec, by shard id)
+    {root}/assign/{journal}#{zone}#{suffix}#{slot}  Route last synchronized (a shard's: ReplicaStatus)
 
 Journal names contain '/' but never '#', and zones and suffixes contain neither, so '#' splits
 an assignment key unambiguously and ``{journal}#`` prefixes exactly one journal's assignments.

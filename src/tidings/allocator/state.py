@@ -10,8 +10,10 @@ equivalent to that Route, which is how brokers advertise consistency to the allo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tidings.allocator import keys
+from tidings.allocator.kind import JOURNALS, Kind
 from tidings.keyspace import KeySpace
 from tidings.protocol import protocol_pb2 as pb
 
@@ -30,7 +32,7 @@ class Member:
     assignments are created.
     """
 
-    spec: pb.BrokerSpec
+    spec: Any  # a BrokerSpec (or a ConsumerSpec): its `id` and `endpoint` make Routes
     create_revision: int
     key: str
     mod_revision: int = 0
@@ -43,15 +45,12 @@ class Member:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Item:
-    """A journal spec as an allocator item."""
+    """An allocator item: a journal's spec (or a shard's, see `allocator.kind`), by its key's name."""
 
-    spec: pb.JournalSpec
+    spec: Any
     mod_revision: int
     create_revision: int
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
+    name: str = ""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -66,7 +65,7 @@ class Assignment:
     zone: str
     suffix: str
     slot: int
-    value: pb.Route
+    value: Any  # the Route last synchronized (for a shard, its ReplicaStatus)
     key: str
     mod_revision: int
     lease: int = 0
@@ -104,17 +103,18 @@ class State:
     members: dict[MemberId, Member] = field(default_factory=dict)
     items: dict[str, Item] = field(default_factory=dict)
     assignments: dict[str, list[Assignment]] = field(default_factory=dict)  # sorted by slot
+    kind: Kind = JOURNALS
 
     @classmethod
-    def from_keyspace(cls, ks: KeySpace) -> State:
-        """Build from a KeySpace using ``keyspace.decoder`` (invalid keys are already skipped)."""
+    def from_keyspace(cls, ks: KeySpace, kind: Kind = JOURNALS) -> State:
+        """Build from a KeySpace whose decoder decodes `kind`'s values (invalid keys are already skipped)."""
         root = ks.root
-        state = cls(root=root, revision=ks.revision)
+        state = cls(root=root, revision=ks.revision, kind=kind)
         for kv in ks.prefixed(keys.members_prefix(root)):
             member = Member(kv.decoded, kv.create_revision, kv.key, kv.mod_revision, kv.lease)
             state.members[member.id] = member
         for kv in ks.prefixed(keys.items_prefix(root)):
-            item = Item(kv.decoded, kv.mod_revision, kv.create_revision)
+            item = Item(kv.decoded, kv.mod_revision, kv.create_revision, keys.parse_item_key(root, kv.key))
             state.items[item.name] = item
         for kv in ks.prefixed(keys.assign_prefix(root)):
             ak = keys.parse_assign_key(root, kv.key)
@@ -139,12 +139,10 @@ class State:
         return route_of(self.assignments.get(journal, []), self.members)
 
     def is_consistent(self, journal: str) -> bool:
-        """Every assignment of the journal advertises a Route equivalent to the current one.
-
-        A journal without assignments is trivially consistent.
-        """
-        route = self.route(journal)
-        return all(routes_equivalent(a.value, route) for a in self.assignments.get(journal, []))
+        """Every assignment of the item is consistent (`Kind.consistent`): for a journal, it advertises
+        a Route equivalent to the current one. An item without assignments is trivially consistent."""
+        route, assigned = self.route(journal), self.assignments.get(journal, [])
+        return all(self.kind.consistent(a, route, assigned) for a in assigned)
 
     def assignments_of(self, zone: str, suffix: str) -> list[Assignment]:
         """The member's assignments, by journal then slot."""

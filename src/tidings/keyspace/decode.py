@@ -13,13 +13,14 @@ logs and skips, so one bad value written by hand never stops a broker.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Protocol
 
 from google.protobuf.message import DecodeError, Message
 
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import validate
 
-__all__ = ["decoder"]
+__all__ = ["Decoders", "decode_assignment", "decode_item", "decode_member", "decoder"]
 
 
 def _parse(msg: Message, raw: bytes, what: str) -> None:
@@ -29,12 +30,13 @@ def _parse(msg: Message, raw: bytes, what: str) -> None:
         raise ValueError(f"value is not a valid {what}: {err}") from err
 
 
-def decode_member(rest: str, raw: bytes) -> pb.BrokerSpec:
+def decode_member(rest: str, raw: bytes, spec_type: type[Message] = pb.BrokerSpec) -> Any:
+    """A member's spec (a BrokerSpec, or `spec_type`: any spec with a ProcessId `id`)."""
     parts = rest.split("#")
     if len(parts) != 2:
         raise ValueError(f"member key must end in {{zone}}#{{suffix}}, not {rest!r}")
-    spec = pb.BrokerSpec()
-    _parse(spec, raw, "BrokerSpec")
+    spec: Any = spec_type()
+    _parse(spec, raw, spec_type.__name__)
     validate.process_id(spec.id, "member.id")
     if (spec.id.zone, spec.id.suffix) != (parts[0], parts[1]):
         raise ValueError(f"member spec id {spec.id.zone}#{spec.id.suffix} does not match its key {rest!r}")
@@ -50,39 +52,52 @@ def decode_item(rest: str, raw: bytes) -> pb.JournalSpec:
     return spec
 
 
-def decode_assignment(rest: str, raw: bytes) -> pb.Route:
+def decode_assignment(
+    rest: str,
+    raw: bytes,
+    value_type: type[Message] = pb.Route,
+    check_item: Callable[[str, str], None] = validate.journal_name,
+    check_value: Callable[[Any, str], None] = validate.route,
+) -> Any:
+    """An assignment's value (the Route its primary last synchronized, or `value_type`), its key checked."""
     parts = rest.split("#")
     if len(parts) != 4:
-        raise ValueError(f"assignment key must end in {{journal}}#{{zone}}#{{suffix}}#{{slot}}, not {rest!r}")
-    journal, zone, suffix, slot = parts
-    validate.journal_name(journal, "assignment.journal")
+        raise ValueError(f"assignment key must end in {{item}}#{{zone}}#{{suffix}}#{{slot}}, not {rest!r}")
+    item, zone, suffix, slot = parts
+    check_item(item, "assignment.item")
     validate.token(zone, "assignment.zone")
     validate.token(suffix, "assignment.suffix")
     if not slot.isdigit() or str(int(slot)) != slot:
         raise ValueError(f"assignment slot {slot!r} must be a non-negative integer without leading zeros")
-    route = pb.Route()
+    value: Any = value_type()
     if raw:
-        _parse(route, raw, "Route")
-        validate.route(route, "assignment.value")
-    return route
+        _parse(value, raw, value_type.__name__)
+        check_value(value, "assignment.value")
+    return value
 
 
-_BY_KIND: dict[str, Callable[[str, bytes], object]] = {
-    "members": decode_member,
-    "items": decode_item,
-    "assign": decode_assignment,
-}
+class Decoders(Protocol):
+    """How one use of the layout decodes its values (`tidings.allocator.kind`: journals, shards)."""
+
+    def decode_member(self, rest: str, raw: bytes) -> object: ...
+    def decode_item(self, rest: str, raw: bytes) -> object: ...
+    def decode_assignment(self, rest: str, raw: bytes) -> object: ...
 
 
-def decoder(root: str) -> Callable[[str, bytes], object]:
-    """A KeySpace decoder for the tidings layout under ``root``."""
+def decoder(root: str, kind: Decoders | None = None) -> Callable[[str, bytes], object]:
+    """A KeySpace decoder for the layout under ``root``: of journals on brokers, or of `kind`'s."""
     prefix = root.rstrip("/") + "/"
+    by_kind: dict[str, Callable[[str, bytes], object]] = {
+        "members": kind.decode_member if kind else decode_member,
+        "items": kind.decode_item if kind else decode_item,
+        "assign": kind.decode_assignment if kind else decode_assignment,
+    }
 
     def decode(key: str, raw: bytes) -> object:
         if not key.startswith(prefix):
             raise ValueError(f"key is outside {prefix!r}")
         kind, sep, rest = key[len(prefix) :].partition("/")
-        fn = _BY_KIND.get(kind)
+        fn = by_kind.get(kind)
         if fn is None or not sep or not rest:
             raise ValueError(f"unknown key {key!r}: expected {prefix}members/, items/ or assign/ keys")
         return fn(rest, raw)

@@ -99,6 +99,75 @@ class BrokerSpec(_message.Message):
     metrics_endpoint: str
     def __init__(self, id: _Optional[_Union[ProcessId, _Mapping]] = ..., endpoint: _Optional[str] = ..., journal_limit: _Optional[int] = ..., exiting: _Optional[bool] = ..., replication_endpoint: _Optional[str] = ..., metrics_endpoint: _Optional[str] = ...) -> None: ...
 
+class ConsumerSpec(_message.Message):
+    __slots__ = ("id", "endpoint", "shard_limit", "exiting")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    SHARD_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    EXITING_FIELD_NUMBER: _ClassVar[int]
+    id: ProcessId
+    endpoint: str
+    shard_limit: int
+    exiting: bool
+    def __init__(self, id: _Optional[_Union[ProcessId, _Mapping]] = ..., endpoint: _Optional[str] = ..., shard_limit: _Optional[int] = ..., exiting: _Optional[bool] = ...) -> None: ...
+
+class ShardSpec(_message.Message):
+    __slots__ = ("id", "sources", "recovery_log_prefix", "hint_prefix", "hint_backups", "max_txn_duration_ms", "min_txn_duration_ms", "disable", "hot_standbys", "labels", "disable_wait_for_ack", "ring_buffer_size", "read_channel_size")
+    class Source(_message.Message):
+        __slots__ = ("journal", "min_offset")
+        JOURNAL_FIELD_NUMBER: _ClassVar[int]
+        MIN_OFFSET_FIELD_NUMBER: _ClassVar[int]
+        journal: str
+        min_offset: int
+        def __init__(self, journal: _Optional[str] = ..., min_offset: _Optional[int] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_LOG_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    HINT_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    HINT_BACKUPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TXN_DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TXN_DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_FIELD_NUMBER: _ClassVar[int]
+    HOT_STANDBYS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_WAIT_FOR_ACK_FIELD_NUMBER: _ClassVar[int]
+    RING_BUFFER_SIZE_FIELD_NUMBER: _ClassVar[int]
+    READ_CHANNEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    sources: _containers.RepeatedCompositeFieldContainer[ShardSpec.Source]
+    recovery_log_prefix: str
+    hint_prefix: str
+    hint_backups: int
+    max_txn_duration_ms: int
+    min_txn_duration_ms: int
+    disable: bool
+    hot_standbys: int
+    labels: LabelSet
+    disable_wait_for_ack: bool
+    ring_buffer_size: int
+    read_channel_size: int
+    def __init__(self, id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[ShardSpec.Source, _Mapping]]] = ..., recovery_log_prefix: _Optional[str] = ..., hint_prefix: _Optional[str] = ..., hint_backups: _Optional[int] = ..., max_txn_duration_ms: _Optional[int] = ..., min_txn_duration_ms: _Optional[int] = ..., disable: _Optional[bool] = ..., hot_standbys: _Optional[int] = ..., labels: _Optional[_Union[LabelSet, _Mapping]] = ..., disable_wait_for_ack: _Optional[bool] = ..., ring_buffer_size: _Optional[int] = ..., read_channel_size: _Optional[int] = ...) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("code", "errors")
+    class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        IDLE: _ClassVar[ReplicaStatus.Code]
+        BACKFILL: _ClassVar[ReplicaStatus.Code]
+        STANDBY: _ClassVar[ReplicaStatus.Code]
+        PRIMARY: _ClassVar[ReplicaStatus.Code]
+        FAILED: _ClassVar[ReplicaStatus.Code]
+    IDLE: ReplicaStatus.Code
+    BACKFILL: ReplicaStatus.Code
+    STANDBY: ReplicaStatus.Code
+    PRIMARY: ReplicaStatus.Code
+    FAILED: ReplicaStatus.Code
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    code: ReplicaStatus.Code
+    errors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, code: _Optional[_Union[ReplicaStatus.Code, str]] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class JournalSpec(_message.Message):
     __slots__ = ("name", "replication", "labels", "fragment", "flags", "max_append_rate", "suspend")
     class Flag(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):

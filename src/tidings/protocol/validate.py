@@ -30,17 +30,26 @@ _VALID_FLAGS = {pb.JournalSpec.NOT_SPECIFIED, pb.JournalSpec.O_RDONLY, pb.Journa
 
 def journal_name(name: str, ctx: str = "journal") -> None:
     """Names are slash-separated segments of [A-Za-z0-9_-+.=%], without empty, '.' or '..' segments."""
+    _path_name(name, ctx, "journal name", "examples/foo")
+
+
+def shard_id(name: str, ctx: str = "shard") -> None:
+    """Shard ids are named as journals are."""
+    _path_name(name, ctx, "shard id", "word-count/part-000")
+
+
+def _path_name(name: str, ctx: str, what: str, example: str) -> None:
     if not name:
-        raise ValidationError(ctx, "journal name is empty; give a name such as `examples/foo`")
+        raise ValidationError(ctx, f"{what} is empty; give one such as `{example}`")
     if len(name) > MAX_JOURNAL_NAME:
-        raise ValidationError(ctx, f"journal name is {len(name)} characters; at most {MAX_JOURNAL_NAME}")
+        raise ValidationError(ctx, f"{what} is {len(name)} characters; at most {MAX_JOURNAL_NAME}")
     if not _NAME_CHARS.match(name):
-        raise ValidationError(ctx, f"journal name {name!r} has characters outside [A-Za-z0-9_-+.=%/]")
+        raise ValidationError(ctx, f"{what} {name!r} has characters outside [A-Za-z0-9_-+.=%/]")
     for seg in name.split("/"):
         if seg == "":
-            raise ValidationError(ctx, f"journal name {name!r} has an empty segment (leading, trailing or '//')")
+            raise ValidationError(ctx, f"{what} {name!r} has an empty segment (leading, trailing or '//')")
         if seg in (".", ".."):
-            raise ValidationError(ctx, f"journal name {name!r} has a {seg!r} segment")
+            raise ValidationError(ctx, f"{what} {name!r} has a {seg!r} segment")
 
 
 def token(value: str, ctx: str) -> None:
@@ -119,6 +128,49 @@ def journal_spec(spec: pb.JournalSpec, ctx: str = "spec") -> None:
         raise ValidationError(f"{ctx}.flags", "must be one of read-write, read-only, write-only")
     if spec.max_append_rate < 0:
         raise ValidationError(f"{ctx}.max_append_rate", "must not be negative")
+
+
+MAX_HOT_STANDBYS = 8
+
+
+def shard_spec(spec: pb.ShardSpec, ctx: str = "shard") -> None:
+    """A shard's spec as Gazette checks it: its sources (each once), durations, standbys and labels."""
+    shard_id(spec.id, f"{ctx}.id")
+    if not spec.sources:
+        raise ValidationError(f"{ctx}.sources", "a shard reads at least one journal; list its sources")
+    seen: set[str] = set()
+    for i, src in enumerate(spec.sources):
+        journal_name(src.journal, f"{ctx}.sources[{i}].journal")
+        if src.journal in seen:
+            raise ValidationError(f"{ctx}.sources[{i}].journal", f"{src.journal!r} is listed twice")
+        seen.add(src.journal)
+        if not 0 <= src.min_offset <= MAX_OFFSET:
+            raise ValidationError(f"{ctx}.sources[{i}].min_offset", f"{src.min_offset} is not an offset")
+    if spec.recovery_log_prefix:
+        journal_name(spec.recovery_log_prefix, f"{ctx}.recovery_log_prefix")
+    if spec.hint_prefix and not spec.hint_prefix.startswith("/"):
+        raise ValidationError(f"{ctx}.hint_prefix", f"{spec.hint_prefix!r} must be an etcd key prefix, from '/'")
+    if spec.hint_backups < 0:
+        raise ValidationError(f"{ctx}.hint_backups", "must not be negative")
+    if spec.max_txn_duration_ms <= 0:
+        raise ValidationError(f"{ctx}.max_txn_duration", "must be more than 0 (e.g. 1s)")
+    if not 0 <= spec.min_txn_duration_ms <= spec.max_txn_duration_ms:
+        raise ValidationError(f"{ctx}.min_txn_duration", "must be 0 or more, and at most max_txn_duration")
+    if not 0 <= spec.hot_standbys <= MAX_HOT_STANDBYS:
+        raise ValidationError(f"{ctx}.hot_standbys", f"{spec.hot_standbys} is outside 0..{MAX_HOT_STANDBYS}")
+    if spec.hot_standbys and not spec.recovery_log_prefix:
+        raise ValidationError(f"{ctx}.hot_standbys", "standbys tail the recovery log: set recovery_log_prefix too")
+    label_set(spec.labels, f"{ctx}.labels")
+    if any(lb.name == "id" for lb in spec.labels.labels):
+        raise ValidationError(f"{ctx}.labels", "the label 'id' is the shard's own; use another name")
+    if spec.ring_buffer_size < 0 or spec.read_channel_size < 0:
+        raise ValidationError(ctx, "ring_buffer_size and read_channel_size must not be negative")
+
+
+def consumer_spec(spec: pb.ConsumerSpec, ctx: str = "consumer") -> None:
+    process_id(spec.id, f"{ctx}.id")
+    if spec.shard_limit < 0:
+        raise ValidationError(f"{ctx}.shard_limit", "must not be negative")
 
 
 def route(rt: pb.Route, ctx: str = "route") -> None:
