@@ -1,0 +1,126 @@
+"""Store: where a consumer shard keeps its state, committed atomically with its Checkpoint
+(Gazette's consumer.Store). A shard that becomes primary calls `restore_checkpoint`; each of its
+transactions ends with `start_commit`, which commits the application's changes and the
+Checkpoint (read-through offsets, producer states, ACK intents) in one store transaction, after
+the operations it must follow (`wait_for`: e.g. the previous transaction's ACKs).
+
+Fencing, as Gazette's SQLStore: a table ``tidings_checkpoints(shard PRIMARY KEY, fence, checkpoint)``.
+`restore_checkpoint` increments the shard's fence in its own committed transaction and remembers
+the value; every commit updates the checkpoint only WHERE the fence still has that value, inside
+the same transaction as the application's changes. A primary that lost its shard to a newer one
+(a zombie, still running) therefore fails its next commit with `FenceError`, and none of that
+transaction's changes land; it must stop.
+
+`SQLiteStore` keeps a shard's store in a SQLite file (apsw, in WAL mode). The application reads and
+writes through `transaction()` (an apsw Connection inside the open transaction) from the event
+loop's thread; a commit runs in a worker thread (it may wait on the disk), and the next
+transaction begins once it is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Iterable
+from pathlib import Path
+from typing import Protocol
+
+import apsw
+
+from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.status import TidingsError
+
+__all__ = ["FenceError", "SQLiteStore", "Store"]
+
+TABLE = "tidings_checkpoints"
+
+
+class FenceError(TidingsError):
+    """A newer primary restored this shard's store: this one is a zombie and must stop."""
+
+
+class Store(Protocol):
+    """What a shard commits through (see the module docstring)."""
+
+    async def restore_checkpoint(self, shard: str) -> pb.Checkpoint: ...
+    async def start_commit(self, shard: str, checkpoint: pb.Checkpoint, wait_for: Iterable[Awaitable] = ()) -> None: ...
+    def destroy(self) -> None: ...
+
+
+class SQLiteStore:
+    """A shard's store in the SQLite file at `path` (created if missing)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        self.db = apsw.Connection(self.path)
+        self.db.set_busy_timeout(30_000)  # another connection's commit (a newer primary's restore) may hold the lock
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute(
+            f"CREATE TABLE IF NOT EXISTS {TABLE} (shard TEXT PRIMARY KEY NOT NULL, fence INTEGER NOT NULL, "
+            "checkpoint BLOB NOT NULL)"
+        )
+        self._fence = 0  # the fence this store restored; 0 before restore_checkpoint
+        self._open = False
+
+    def transaction(self) -> apsw.Connection:
+        """The connection, inside the current transaction (begun if none is open)."""
+        if not self._open:
+            self.db.execute("BEGIN")
+            self._open = True
+        return self.db
+
+    async def restore_checkpoint(self, shard: str) -> pb.Checkpoint:
+        """The shard's last committed Checkpoint (empty for a new shard), fencing off earlier primaries."""
+        if self._open:
+            self._rollback()
+        fence, raw = await asyncio.to_thread(self._restore, shard)
+        self._fence = fence
+        checkpoint = pb.Checkpoint()
+        checkpoint.ParseFromString(raw)
+        return checkpoint
+
+    def _restore(self, shard: str) -> tuple[int, bytes]:
+        with self.db:  # (BEGIN ... COMMIT, or ROLLBACK on an error)
+            row = self.db.execute(f"SELECT fence, checkpoint FROM {TABLE} WHERE shard = ?", (shard,)).fetchone()
+            fence, raw = (row[0] + 1, row[1]) if row else (1, b"")
+            self.db.execute(
+                f"INSERT INTO {TABLE} (shard, fence, checkpoint) VALUES (?, ?, ?) "
+                "ON CONFLICT (shard) DO UPDATE SET fence = excluded.fence",
+                (shard, fence, raw),
+            )
+        return fence, bytes(raw)
+
+    async def start_commit(self, shard: str, checkpoint: pb.Checkpoint, wait_for: Iterable[Awaitable] = ()) -> None:
+        """Commit the open transaction with `checkpoint`, once every `wait_for` has succeeded (if one
+        failed, the transaction is rolled back and its error raised). FenceError if a newer primary
+        restored the shard since this store did."""
+        if not self._fence:
+            raise TidingsError(f"shard {shard!r}: restore_checkpoint must come before the first commit")
+        self.transaction()
+        try:
+            for op in wait_for:
+                await op
+            await asyncio.to_thread(self._commit, shard, checkpoint.SerializeToString())
+        except BaseException:
+            if self._open:
+                self._rollback()
+            raise
+
+    def _commit(self, shard: str, raw: bytes) -> None:
+        self.db.execute(f"UPDATE {TABLE} SET checkpoint = ? WHERE shard = ? AND fence = ?", (raw, shard, self._fence))
+        if self.db.changes() != 1:
+            raise FenceError(
+                f"shard {shard!r}: its checkpoint fence moved past {self._fence}: a newer primary restored it, "
+                "so this transaction is rolled back and this primary must stop"
+            )
+        self.db.execute("COMMIT")
+        self._open = False
+
+    def _rollback(self) -> None:
+        self.db.execute("ROLLBACK")
+        self._open = False
+
+    def destroy(self) -> None:
+        """Roll back an open transaction and close the file."""
+        if self._open:
+            self._rollback()
+        self.db.close()

@@ -1,0 +1,115 @@
+"""The consumer's SQLite store and its fence (issue 10, item 6, SQLite half): a checkpoint commits
+with the application's changes or not at all; a primary fenced off by a newer one's restore fails
+its next commit and nothing of that transaction lands; a process killed mid-transaction leaves
+nothing of it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tidings.consumer import FenceError, SQLiteStore
+from tidings.protocol import protocol_pb2 as pb
+
+
+def checkpoint(offset: int) -> pb.Checkpoint:
+    cp = pb.Checkpoint()
+    cp.sources["words/in"].read_through = offset
+    cp.ack_intents["words/out"] = b'{"ack": 1}\n'
+    return cp
+
+
+def counts(store: SQLiteStore) -> dict[str, int]:
+    return dict(store.db.execute("SELECT word, n FROM counts ORDER BY word").fetchall())
+
+
+async def test_a_checkpoint_commits_with_the_applications_changes(tmp_path) -> None:
+    path = tmp_path / "shard.db"
+    a = SQLiteStore(path)
+    assert await a.restore_checkpoint("wc/0") == pb.Checkpoint()  # a new shard
+    a.transaction().execute("CREATE TABLE counts (word TEXT PRIMARY KEY, n INTEGER)")
+    a.transaction().execute("INSERT INTO counts VALUES ('hello', 2)")
+    await a.start_commit("wc/0", checkpoint(100))
+    a.destroy()
+
+    b = SQLiteStore(path)  # the next primary
+    assert await b.restore_checkpoint("wc/0") == checkpoint(100)
+    assert counts(b) == {"hello": 2}
+    b.destroy()
+
+
+async def test_a_zombie_primary_cannot_commit_after_a_newer_one_restored(tmp_path) -> None:
+    path = tmp_path / "shard.db"
+    setup = SQLiteStore(path)
+    await setup.restore_checkpoint("wc/0")
+    setup.transaction().execute("CREATE TABLE counts (word TEXT PRIMARY KEY, n INTEGER)")
+    await setup.start_commit("wc/0", checkpoint(0))
+    setup.destroy()
+
+    zombie, primary = SQLiteStore(path), SQLiteStore(path)
+    await zombie.restore_checkpoint("wc/0")
+    await primary.restore_checkpoint("wc/0")  # (the zombie has no transaction open yet: nothing to wait for)
+    zombie.transaction().execute("INSERT INTO counts VALUES ('zombie', 1)")
+    with pytest.raises(FenceError, match="a newer primary restored it"):
+        await zombie.start_commit("wc/0", checkpoint(50))
+    primary.transaction().execute("INSERT INTO counts VALUES ('primary', 1)")
+    await primary.start_commit("wc/0", checkpoint(60))
+    assert counts(primary) == {"primary": 1}  # nothing of the zombie's transaction
+    zombie.destroy()
+    primary.destroy()
+    again = SQLiteStore(path)
+    assert await again.restore_checkpoint("wc/0") == checkpoint(60)
+    again.destroy()
+
+
+async def test_a_commit_waits_for_its_dependencies_and_rolls_back_if_one_failed(tmp_path) -> None:
+    store = SQLiteStore(tmp_path / "shard.db")
+    await store.restore_checkpoint("wc/0")
+    store.transaction().execute("CREATE TABLE counts (word TEXT PRIMARY KEY, n INTEGER)")
+    await store.start_commit("wc/0", checkpoint(0))
+    store.transaction().execute("INSERT INTO counts VALUES ('lost', 1)")
+    failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    failed.set_exception(RuntimeError("the previous transaction's ACKs failed"))
+    with pytest.raises(RuntimeError, match="ACKs failed"):
+        await store.start_commit("wc/0", checkpoint(10), [failed])
+    assert counts(store) == {}
+    assert await store.restore_checkpoint("wc/0") == checkpoint(0)
+    store.destroy()
+
+
+def test_a_process_killed_mid_transaction_leaves_nothing_of_it(tmp_path) -> None:
+    path = tmp_path / "shard.db"
+    child = textwrap.dedent(
+        f"""
+        import asyncio, sys
+        from tidings.consumer import SQLiteStore
+        from tidings.protocol import protocol_pb2 as pb
+
+        async def main():
+            s = SQLiteStore({str(path)!r})
+            await s.restore_checkpoint("wc/0")
+            s.transaction().execute("CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER)")
+            await s.start_commit("wc/0", pb.Checkpoint())
+            s.transaction().execute("INSERT INTO counts VALUES ('uncommitted', 1)")
+            print("written", flush=True)
+            await asyncio.Event().wait()
+
+        asyncio.run(main())
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"written\n"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    store = SQLiteStore(path)
+    assert asyncio.run(store.restore_checkpoint("wc/0")) == pb.Checkpoint()
+    assert counts(store) == {}
+    store.destroy()
