@@ -12,14 +12,17 @@ the same transaction as the application's changes. A primary that lost its shard
 transaction's changes land; it must stop.
 
 `SQLiteStore` keeps a shard's store in a SQLite file (apsw, in WAL mode). The application reads and
-writes through `transaction()` (an apsw Connection inside the open transaction) from the event
-loop's thread; a commit runs in a worker thread (it may wait on the disk), and the next
-transaction begins once it is done.
+writes through `transaction()` (an apsw Connection inside the open transaction, begun IMMEDIATE:
+it holds the file's write lock) from the event loop's thread; a commit runs in a worker thread (it
+may wait on the disk), and the next transaction begins once it is done. A shard's file has one
+writer; while a zombie and its successor (other processes) both hold it open, each waits for the
+other's lock between transactions.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Iterable
 from pathlib import Path
 from typing import Protocol
@@ -32,6 +35,20 @@ from tidings.protocol.status import TidingsError
 __all__ = ["FenceError", "SQLiteStore", "Store"]
 
 TABLE = "tidings_checkpoints"
+BUSY_TIMEOUT = 30.0  # seconds a statement waits for another connection's write lock
+
+
+def _retry_for(seconds: float):  # -> Callable[[int], bool]
+    """A busy handler retrying every millisecond for `seconds` (apsw calls it with the tries so far)."""
+    started: list[float] = []
+
+    def busy(tries: int) -> bool:
+        if tries == 0:
+            started[:] = [time.monotonic()]
+        time.sleep(0.001)
+        return time.monotonic() - started[0] < seconds
+
+    return busy
 
 
 class FenceError(TidingsError):
@@ -52,7 +69,11 @@ class SQLiteStore:
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
         self.db = apsw.Connection(self.path)
-        self.db.set_busy_timeout(30_000)  # another connection's commit (a newer primary's restore) may hold the lock
+        # Another connection may hold the write lock (a zombie's open transaction while a newer primary
+        # restores, or the other way round): retry every millisecond, so a writer between two of its
+        # transactions (committing, then writing its ACKs) lets the other in (SQLite's own busy timeout
+        # backs off to 100 ms and could wait out a busy zombie for ever).
+        self.db.set_busy_handler(_retry_for(BUSY_TIMEOUT))
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(
             f"CREATE TABLE IF NOT EXISTS {TABLE} (shard TEXT PRIMARY KEY NOT NULL, fence INTEGER NOT NULL, "
@@ -64,7 +85,9 @@ class SQLiteStore:
     def transaction(self) -> apsw.Connection:
         """The connection, inside the current transaction (begun if none is open)."""
         if not self._open:
-            self.db.execute("BEGIN")
+            # IMMEDIATE: the write lock first, then the snapshot. A deferred transaction that read before
+            # another connection committed could not write at all (SQLITE_BUSY_SNAPSHOT, which no wait mends).
+            self.db.execute("BEGIN IMMEDIATE")
             self._open = True
         return self.db
 
@@ -79,7 +102,8 @@ class SQLiteStore:
         return checkpoint
 
     def _restore(self, shard: str) -> tuple[int, bytes]:
-        with self.db:  # (BEGIN ... COMMIT, or ROLLBACK on an error)
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
             row = self.db.execute(f"SELECT fence, checkpoint FROM {TABLE} WHERE shard = ?", (shard,)).fetchone()
             fence, raw = (row[0] + 1, row[1]) if row else (1, b"")
             self.db.execute(
@@ -87,6 +111,10 @@ class SQLiteStore:
                 "ON CONFLICT (shard) DO UPDATE SET fence = excluded.fence",
                 (shard, fence, raw),
             )
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
         return fence, bytes(raw)
 
     async def start_commit(self, shard: str, checkpoint: pb.Checkpoint, wait_for: Iterable[Awaitable] = ()) -> None:

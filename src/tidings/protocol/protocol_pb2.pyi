@@ -171,12 +171,14 @@ class ReplicaStatus(_message.Message):
 class Checkpoint(_message.Message):
     __slots__ = ("sources", "ack_intents")
     class ProducerState(_message.Message):
-        __slots__ = ("last_ack", "begin")
+        __slots__ = ("last_ack", "begin", "newest")
         LAST_ACK_FIELD_NUMBER: _ClassVar[int]
         BEGIN_FIELD_NUMBER: _ClassVar[int]
+        NEWEST_FIELD_NUMBER: _ClassVar[int]
         last_ack: int
         begin: int
-        def __init__(self, last_ack: _Optional[int] = ..., begin: _Optional[int] = ...) -> None: ...
+        newest: int
+        def __init__(self, last_ack: _Optional[int] = ..., begin: _Optional[int] = ..., newest: _Optional[int] = ...) -> None: ...
     class Source(_message.Message):
         __slots__ = ("read_through", "producers")
         class ProducerEntry(_message.Message):

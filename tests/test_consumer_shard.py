@@ -1,0 +1,166 @@
+"""A consumer shard's transactions (issue 10, item 5, first cut): word counts in a SQLite store and
+a downstream journal of running counts, exactly once through crashes at random points of
+transactions and through a zombie primary racing its successor. Real brokers (in-process), a real
+SQLite file; the shard runs as a task, crashed by cancelling it (its store's open transaction is
+then lost, as in a kill -9: see tests/test_consumer_store.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+from collections import Counter, defaultdict
+
+from tests.support.waiting import wait_until
+from tidings.consumer import SQLiteStore
+from tidings.consumer.shard import serve_primary
+from tidings.message import Publisher, read_committed
+from tidings.protocol import protocol_pb2 as pb
+
+WORDS = ["apple", "banana", "cherry", "date", "elder", "fig", "grape"]
+
+
+class WordCount:
+    """The application: count each word in the store, publish its running count downstream."""
+
+    def __init__(self, path, on_message=None) -> None:
+        self.path, self.on_message, self.consumed = path, on_message, 0
+
+    def new_store(self, shard) -> SQLiteStore:
+        store = SQLiteStore(self.path)
+        store.db.execute("CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NOT NULL)")
+        return store
+
+    async def consume_message(self, shard, store, env, publisher) -> None:
+        word = env.message["word"]
+        db = store.transaction()
+        n = (db.execute("SELECT n FROM counts WHERE word = ?", (word,)).fetchone() or (0,))[0] + 1
+        db.execute("INSERT INTO counts VALUES (?, ?) ON CONFLICT (word) DO UPDATE SET n = excluded.n", (word, n))
+        await publisher.publish_uncommitted("wc/out", {"word": word, "n": n})
+        self.consumed += 1
+        if self.on_message is not None:
+            self.on_message(self.consumed)
+
+    async def finalize_txn(self, shard, store, publisher) -> None:
+        pass
+
+
+def spec() -> pb.ShardSpec:
+    return pb.ShardSpec(
+        id="wc/0", sources=[pb.ShardSpec.Source(journal="wc/in")], max_txn_duration_ms=200, min_txn_duration_ms=0
+    )
+
+
+async def produce(cluster, words: list[str]) -> None:
+    from tidings.client import AppendService
+
+    async with cluster.client() as c:
+        pub = Publisher(AppendService(c))
+        for i in range(0, len(words), 25):
+            await (await pub.publish_committed("wc/in", *({"word": w} for w in words[i : i + 25])))
+        await pub.service.aclose()
+
+
+def stored_counts(path) -> dict[str, int]:
+    store = SQLiteStore(path)
+    try:
+        return dict(store.db.execute("SELECT word, n FROM counts").fetchall())
+    finally:
+        store.destroy()
+
+
+async def check_downstream(cluster, expected: Counter) -> None:
+    """Each word's running counts appear downstream exactly once each, in order: 1, 2, ..., its total."""
+    seen: dict[str, list[int]] = defaultdict(list)
+    async with cluster.client() as c:
+        async for env in read_committed(c, "wc/out", block=False):
+            seen[env.message["word"]].append(env.message["n"])
+    assert {w: ns for w, ns in seen.items()} == {w: list(range(1, n + 1)) for w, n in expected.items()}
+
+
+async def test_word_counts_are_exact_through_crashes_at_random_points(cluster, tmp_path) -> None:
+    for name in ("wc/in", "wc/out"):
+        await cluster.create_journal(name, 3)
+    rng = random.Random(20261124)
+    words = [rng.choice(WORDS) for _ in range(400)]
+    producing = asyncio.ensure_future(produce(cluster, words))
+    path = tmp_path / "wc-0.db"
+    async with cluster.client() as c:
+        for _crash in range(4):  # crash after a random number of messages, mid-transaction
+            at = rng.randrange(20, 120)
+            crashed = asyncio.Event()
+            app = WordCount(path, lambda n, at=at, crashed=crashed: crashed.set() if n >= at else None)
+            task = asyncio.ensure_future(serve_primary(c, spec(), app, asyncio.Event()))
+            await asyncio.wait([task, asyncio.ensure_future(crashed.wait())], return_when=asyncio.FIRST_COMPLETED)
+            task.cancel()
+            await asyncio.wait([task])
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(serve_primary(c, spec(), WordCount(path), stop))
+        await producing
+        await wait_until(lambda: sum(stored_counts(path).values()) == len(words), 60)
+        stop.set()
+        await task
+    assert stored_counts(path) == Counter(words)
+    await check_downstream(cluster, Counter(words))
+
+
+ZOMBIE = """
+import asyncio, sys
+from tests.test_consumer_shard import WordCount, spec
+from tidings.client import AsyncClient
+from tidings.consumer import FenceError
+from tidings.consumer.shard import serve_primary
+
+async def main(endpoint, path):
+    async with AsyncClient(endpoint) as c:
+        app = WordCount(path, lambda n: print("consumed", n, flush=True) if n == 50 else None)
+        try:
+            await serve_primary(c, spec(), app, asyncio.Event())
+        except FenceError as exc:
+            print("fenced:", exc, flush=True)
+            sys.exit(3)
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+async def test_a_zombie_primary_stops_at_its_next_commit_and_nothing_is_doubled(cluster, tmp_path) -> None:
+    """The zombie is another process (two primaries of one shard never share a process), still
+    consuming when its successor restores the store."""
+    for name in ("wc/in", "wc/out"):
+        await cluster.create_journal(name, 3)
+    rng = random.Random(7)
+    words: list[str] = []
+    fenced = asyncio.Event()
+
+    async def keep_producing() -> None:
+        """Input keeps coming until the zombie is fenced: an idle zombie never commits, so never learns."""
+        while not fenced.is_set():
+            batch = [rng.choice(WORDS) for _ in range(10)]
+            words.extend(batch)
+            await produce(cluster, batch)
+
+    path = tmp_path / "wc-0.db"
+    zombie = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", ZOMBIE, cluster.brokers[0].endpoint, str(path), stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        producing = asyncio.ensure_future(keep_producing())
+        assert zombie.stdout is not None
+        assert await asyncio.wait_for(zombie.stdout.readline(), 60) == b"consumed 50\n"
+        async with cluster.client() as c:
+            stop = asyncio.Event()
+            successor = asyncio.ensure_future(serve_primary(c, spec(), WordCount(path), stop))  # (the zombie runs on)
+            said = await asyncio.wait_for(zombie.stdout.readline(), 60)
+            assert said.startswith(b"fenced: ") and await asyncio.wait_for(zombie.wait(), 30) == 3, said
+            fenced.set()
+            await producing
+            await wait_until(lambda: sum(stored_counts(path).values()) == len(words), 60)
+            stop.set()
+            await successor
+    finally:
+        if zombie.returncode is None:
+            zombie.kill()
+            await zombie.wait()
+    assert stored_counts(path) == Counter(words)
+    await check_downstream(cluster, Counter(words))
