@@ -452,7 +452,8 @@ async def test_only_the_primary_uploads_a_fragment(cluster) -> None:
     store = store_for(cluster.store_url)
     await wait_until(lambda: len(store.list(j)) >= 5, 20)
     primary = primary_of(cluster, j)
-    assert primary.persister.statistics().uploaded >= 5
+    # (its statistics count an upload once the upload's thread returns, a moment after the file appears)
+    await wait_until(lambda: primary.persister.statistics().uploaded >= 5, 20)
     for peer in peers_of(cluster, j):
         assert peer.persister.statistics().uploaded == 0, "a replica uploaded what the primary already had"
         assert peer.persister.statistics().queued >= 5, "replicas keep theirs for later, in case"

@@ -105,9 +105,16 @@ async def serve_primary(client: AsyncClient, spec: pb.ShardSpec, app: Applicatio
         if intents:  # the last primary may have died before writing them: they commit its last transaction
             await (await publisher.write_ack_intents(intents))
         names = [s.journal for s in spec.sources]
-        for s in spec.sources:
-            if s.journal not in restored.journals and s.min_offset:
+        for s in spec.sources:  # reading starts at max(checkpoint, min_offset), as in Gazette
+            jc = restored.journals.get(s.journal)
+            if jc is None and s.min_offset:
                 restored.journals[s.journal] = JournalCheckpoint(s.min_offset, {})
+            elif jc is not None and jc.read_through < s.min_offset:  # (an operator skipping a bad range)
+                jc.read_through = s.min_offset
+                jc.producers = {
+                    pid: ProducerState(st.last_ack, -1 if st.begin < s.min_offset else st.begin, st.newest)
+                    for pid, st in jc.producers.items()
+                }
         shard.read_through = {j: jc.read_through for j, jc in restored.journals.items()}
         reader = read_committed(client, names, checkpoint=restored, ring_size=spec.ring_buffer_size or 8192)
         await _transactions(shard, app, store, publisher, reader, stop)
@@ -131,6 +138,8 @@ async def _transactions(
             if stop.is_set():
                 return
             began = time.monotonic()
+            if hasattr(store, "begin"):
+                await store.begin()  # (its locks are waited for off the event loop)
             if hasattr(app, "begin_txn"):
                 await app.begin_txn(shard, store)
             appends: list[Awaitable[Any]] = []

@@ -14,14 +14,18 @@ transaction's changes land; it must stop.
 `SQLiteStore` keeps a shard's store in a SQLite file (apsw, in WAL mode). The application reads and
 writes through `transaction()` (an apsw Connection inside the open transaction, begun IMMEDIATE:
 it holds the file's write lock) from the event loop's thread; a commit runs in a worker thread (it
-may wait on the disk), and the next transaction begins once it is done. A shard's file has one
-writer; while a zombie and its successor (other processes) both hold it open, each waits for the
-other's lock between transactions.
+may wait on the disk, and a cancelled commit still waits for it), and the next transaction begins
+(`begin`, from a worker thread too) once it is done. A shard's file has one writer; while a zombie
+and its successor (other processes on one host) both hold it open, each waits for the other's lock
+between transactions, and a successor's restore waits as long as a paused zombie holds the lock
+(until it resumes, and is fenced, or dies). Recovery logs (next) give each replica its own file.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Iterable
 from pathlib import Path
@@ -33,6 +37,8 @@ from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import TidingsError
 
 __all__ = ["FenceError", "SQLiteStore", "Store"]
+
+log = logging.getLogger(__name__)
 
 TABLE = "tidings_checkpoints"
 BUSY_TIMEOUT = 30.0  # seconds a statement waits for another connection's write lock
@@ -82,20 +88,37 @@ class SQLiteStore:
         self._fence = 0  # the fence this store restored; 0 before restore_checkpoint
         self._open = False
 
-    def transaction(self) -> apsw.Connection:
-        """The connection, inside the current transaction (begun if none is open)."""
+    async def begin(self) -> None:
+        """Open the next transaction from a worker thread: waiting for the file's write lock (held by
+        another process's connection, say) never stops the event loop. The shard calls it before a
+        transaction's first message."""
         if not self._open:
-            # IMMEDIATE: the write lock first, then the snapshot. A deferred transaction that read before
-            # another connection committed could not write at all (SQLITE_BUSY_SNAPSHOT, which no wait mends).
-            self.db.execute("BEGIN IMMEDIATE")
-            self._open = True
+            await asyncio.to_thread(self._begin)
+
+    def transaction(self) -> apsw.Connection:
+        """The connection, inside the current transaction (begun here, on the caller's thread, if
+        `begin` did not open one)."""
+        if not self._open:
+            self._begin()
         return self.db
+
+    def _begin(self) -> None:
+        # IMMEDIATE: the write lock first, then the snapshot. A deferred transaction that read before
+        # another connection committed could not write at all (SQLITE_BUSY_SNAPSHOT, which no wait mends).
+        self.db.execute("BEGIN IMMEDIATE")
+        self._open = True
 
     async def restore_checkpoint(self, shard: str) -> pb.Checkpoint:
         """The shard's last committed Checkpoint (empty for a new shard), fencing off earlier primaries."""
         if self._open:
             self._rollback()
-        fence, raw = await asyncio.to_thread(self._restore, shard)
+        while True:
+            try:
+                fence, raw = await asyncio.to_thread(self._restore, shard)
+                break
+            except apsw.BusyError:  # another process holds the file's write lock (a zombie, paused?): wait on
+                log.warning("shard %s: the store %s stays locked by another connection; still waiting", shard,
+                            self.path)  # fmt: skip
         self._fence = fence
         checkpoint = pb.Checkpoint()
         checkpoint.ParseFromString(raw)
@@ -123,11 +146,25 @@ class SQLiteStore:
         restored the shard since this store did."""
         if not self._fence:
             raise TidingsError(f"shard {shard!r}: restore_checkpoint must come before the first commit")
-        self.transaction()
+        await self.begin()
         try:
             for op in wait_for:
                 await op
-            await asyncio.to_thread(self._commit, shard, checkpoint.SerializeToString())
+        except BaseException:
+            self._rollback()
+            raise
+        # The worker runs to its end whatever happens to us: rolling back (or closing) under it would let
+        # its UPDATE commit the checkpoint alone. So a cancelled commit first waits for the worker.
+        commit = asyncio.ensure_future(asyncio.to_thread(self._commit, shard, checkpoint.SerializeToString()))
+        try:
+            await asyncio.shield(commit)
+        except asyncio.CancelledError:
+            while not commit.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([commit])
+            if self._open:  # (the worker failed: nothing of the transaction landed)
+                self._rollback()
+            raise
         except BaseException:
             if self._open:
                 self._rollback()

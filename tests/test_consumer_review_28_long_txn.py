@@ -1,0 +1,87 @@
+"""Review 28: a source journal whose upstream transaction spans many of the shard's transactions
+(its messages interleaved with another producer's committed ones), a small Sequencer ring (the
+commit is replayed), and the shard crashed (cancelled) at points across it: every word counts
+exactly once, downstream running counts once each in order."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+
+from tests.support.waiting import wait_until
+from tests.test_consumer_shard import WordCount, check_downstream, stored_counts
+from tidings.client import AppendService
+from tidings.consumer.shard import serve_primary
+from tidings.message import Publisher
+from tidings.protocol import protocol_pb2 as pb
+
+WORDS = ["apple", "banana", "cherry", "date"]
+
+
+def small_ring_spec() -> pb.ShardSpec:
+    return pb.ShardSpec(
+        id="wc/0",
+        sources=[pb.ShardSpec.Source(journal="wc/in")],
+        max_txn_duration_ms=100,
+        min_txn_duration_ms=0,
+        ring_buffer_size=4,
+    )
+
+
+async def produce_interleaved(cluster, rng: random.Random, words: list[str]) -> None:
+    """Producer A's one transaction (60 words in 12 appends), producer B's committed words between."""
+    async with cluster.client() as c:
+        a, b = Publisher(AppendService(c)), Publisher(AppendService(c))
+        for _ in range(12):
+            batch = [rng.choice(WORDS) for _ in range(5)]
+            words.extend(batch)
+            await (await a.publish_uncommitted("wc/in", *({"word": w} for w in batch)))
+            mine = [rng.choice(WORDS) for _ in range(3)]
+            words.extend(mine)
+            await (await b.publish_committed("wc/in", *({"word": w} for w in mine)))
+            await asyncio.sleep(0.05)  # (the upstream transaction spans the shard's 100 ms transactions)
+        await (await a.write_ack_intents(a.build_ack_intents()))
+        tail = [rng.choice(WORDS) for _ in range(5)]
+        words.extend(tail)
+        await (await b.publish_committed("wc/in", *({"word": w} for w in tail)))
+        await a.service.aclose()
+        await b.service.aclose()
+
+
+async def test_an_upstream_transaction_spanning_many_shard_transactions_through_crashes(cluster, tmp_path) -> None:
+    for name in ("wc/in", "wc/out"):
+        await cluster.create_journal(name, 3)
+    rng = random.Random(28)
+    words: list[str] = []
+    producing = asyncio.ensure_future(produce_interleaved(cluster, rng, words))
+    path = tmp_path / "wc-0.db"
+    async with cluster.client() as c:
+        for _crash in range(3):
+            at = rng.randrange(5, 20)
+            crashed = asyncio.Event()
+            app = WordCount(path, lambda n, at=at, crashed=crashed: crashed.set() if n >= at else None)
+            task = asyncio.ensure_future(serve_primary(c, small_ring_spec(), app, asyncio.Event()))
+            await asyncio.wait([task, asyncio.ensure_future(crashed.wait())], return_when=asyncio.FIRST_COMPLETED)
+            task.cancel()
+            await asyncio.wait([task])
+        await producing
+        for _crash in range(4):  # and through the ACK's replayed commit of A's 60 words
+            at = rng.randrange(3, 40)
+            crashed = asyncio.Event()
+            app = WordCount(path, lambda n, at=at, crashed=crashed: crashed.set() if n >= at else None)
+            task = asyncio.ensure_future(serve_primary(c, small_ring_spec(), app, asyncio.Event()))
+            await asyncio.wait([task, asyncio.ensure_future(crashed.wait())], return_when=asyncio.FIRST_COMPLETED)
+            task.cancel()
+            await asyncio.wait([task])
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(serve_primary(c, small_ring_spec(), WordCount(path), stop))
+        try:
+            await wait_until(lambda: sum(stored_counts(path).values()) >= len(words) or task.done(), 30)
+        finally:
+            stop.set()
+            await asyncio.wait([task])
+        if task.exception() is not None:
+            raise task.exception()
+    assert stored_counts(path) == Counter(words)
+    await check_downstream(cluster, Counter(words))
