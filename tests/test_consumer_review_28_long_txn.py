@@ -10,7 +10,7 @@ import random
 from collections import Counter
 
 from tests.support.waiting import wait_until
-from tests.test_consumer_shard import WordCount, check_downstream, stored_counts
+from tests.test_consumer_shard import WordCount, check_downstream, crash_at_random_points, stored_counts
 from tidings.client import AppendService
 from tidings.consumer.shard import serve_primary
 from tidings.message import Publisher
@@ -57,23 +57,9 @@ async def test_an_upstream_transaction_spanning_many_shard_transactions_through_
     producing = asyncio.ensure_future(produce_interleaved(cluster, rng, words))
     path = tmp_path / "wc-0.db"
     async with cluster.client() as c:
-        for _crash in range(3):
-            at = rng.randrange(5, 20)
-            crashed = asyncio.Event()
-            app = WordCount(path, lambda n, at=at, crashed=crashed: crashed.set() if n >= at else None)
-            task = asyncio.ensure_future(serve_primary(c, small_ring_spec(), app, asyncio.Event()))
-            await asyncio.wait([task, asyncio.ensure_future(crashed.wait())], return_when=asyncio.FIRST_COMPLETED)
-            task.cancel()
-            await asyncio.wait([task])
+        await crash_at_random_points(c, small_ring_spec(), path, rng, 3, 5, 20)
         await producing
-        for _crash in range(4):  # and through the ACK's replayed commit of A's 60 words
-            at = rng.randrange(3, 40)
-            crashed = asyncio.Event()
-            app = WordCount(path, lambda n, at=at, crashed=crashed: crashed.set() if n >= at else None)
-            task = asyncio.ensure_future(serve_primary(c, small_ring_spec(), app, asyncio.Event()))
-            await asyncio.wait([task, asyncio.ensure_future(crashed.wait())], return_when=asyncio.FIRST_COMPLETED)
-            task.cancel()
-            await asyncio.wait([task])
+        await crash_at_random_points(c, small_ring_spec(), path, rng, 4, 3, 40)  # (through A's replayed commit)
         stop = asyncio.Event()
         task = asyncio.ensure_future(serve_primary(c, small_ring_spec(), WordCount(path), stop))
         try:

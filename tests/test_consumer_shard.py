@@ -69,6 +69,19 @@ def stored_counts(path) -> dict[str, int]:
         store.destroy()
 
 
+async def crash_at_random_points(c, shard_spec, path, rng, crashes: int, fewest: int, most: int) -> None:
+    """Run the shard `crashes` times, each crashed (cancelled) after a random number of messages in
+    [fewest, most), mid-transaction."""
+    for _crash in range(crashes):
+        at = rng.randrange(fewest, most)
+        crashed = asyncio.Event()
+        app = WordCount(path, lambda n, at=at, crashed=crashed: crashed.set() if n >= at else None)
+        task = asyncio.ensure_future(serve_primary(c, shard_spec, app, asyncio.Event()))
+        await asyncio.wait([task, asyncio.ensure_future(crashed.wait())], return_when=asyncio.FIRST_COMPLETED)
+        task.cancel()
+        await asyncio.wait([task])
+
+
 async def check_downstream(cluster, expected: Counter) -> None:
     """Each word's running counts appear downstream exactly once each, in order: 1, 2, ..., its total."""
     seen: dict[str, list[int]] = defaultdict(list)
@@ -86,14 +99,7 @@ async def test_word_counts_are_exact_through_crashes_at_random_points(cluster, t
     producing = asyncio.ensure_future(produce(cluster, words))
     path = tmp_path / "wc-0.db"
     async with cluster.client() as c:
-        for _crash in range(4):  # crash after a random number of messages, mid-transaction
-            at = rng.randrange(20, 120)
-            crashed = asyncio.Event()
-            app = WordCount(path, lambda n, at=at, crashed=crashed: crashed.set() if n >= at else None)
-            task = asyncio.ensure_future(serve_primary(c, spec(), app, asyncio.Event()))
-            await asyncio.wait([task, asyncio.ensure_future(crashed.wait())], return_when=asyncio.FIRST_COMPLETED)
-            task.cancel()
-            await asyncio.wait([task])
+        await crash_at_random_points(c, spec(), path, rng, 4, 20, 120)
         stop = asyncio.Event()
         task = asyncio.ensure_future(serve_primary(c, spec(), WordCount(path), stop))
         await producing
