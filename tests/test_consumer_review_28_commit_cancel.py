@@ -17,24 +17,10 @@ import threading
 from collections import Counter
 
 from tests.support.waiting import wait_until
-from tests.test_consumer_shard import WordCount, check_downstream, produce, spec, stored_counts
+from tests.test_consumer_shard import WordCount, check_downstream, produce, read_through, spec, stored_counts
 from tidings.consumer import SQLiteStore
 from tidings.consumer.shard import serve_primary
 from tidings.message import read_uncommitted
-from tidings.protocol import protocol_pb2 as pb
-
-
-def read_through(path) -> int:
-    """The read-through offset of wc/in in the committed checkpoint (0 before any)."""
-    store = SQLiteStore(path)
-    try:
-        row = store.db.execute("SELECT checkpoint FROM tidings_checkpoints WHERE shard = 'wc/0'").fetchone()
-    finally:
-        store.destroy()
-    cp = pb.Checkpoint()
-    if row:
-        cp.ParseFromString(row[0])
-    return cp.sources["wc/in"].read_through if "wc/in" in cp.sources else 0
 
 
 class SlowDiskStore(SQLiteStore):

@@ -10,7 +10,7 @@ import random
 from collections import Counter
 
 from tests.support.waiting import wait_until
-from tests.test_consumer_shard import WordCount, check_downstream, crash_at_random_points, stored_counts
+from tests.test_consumer_shard import WordCount, check_downstream, crash_at_random_points, read_through, stored_counts
 from tidings.client import AppendService
 from tidings.consumer.shard import serve_primary
 from tidings.message import Publisher
@@ -29,8 +29,10 @@ def small_ring_spec() -> pb.ShardSpec:
     )
 
 
-async def produce_interleaved(cluster, rng: random.Random, words: list[str]) -> None:
-    """Producer A's one transaction (60 words in 12 appends), producer B's committed words between."""
+async def produce_interleaved(cluster, rng: random.Random, words: list[str], path) -> None:
+    """Producer A's one transaction (60 words in 12 appends), producer B's committed words between;
+    after each of B's appends, until a shard transaction read through it and committed, so that A's
+    transaction spans twelve of the shard's."""
     async with cluster.client() as c:
         a, b = Publisher(AppendService(c)), Publisher(AppendService(c))
         for _ in range(12):
@@ -39,8 +41,8 @@ async def produce_interleaved(cluster, rng: random.Random, words: list[str]) -> 
             await (await a.publish_uncommitted("wc/in", *({"word": w} for w in batch)))
             mine = [rng.choice(WORDS) for _ in range(3)]
             words.extend(mine)
-            await (await b.publish_committed("wc/in", *({"word": w} for w in mine)))
-            await asyncio.sleep(0.05)  # (the upstream transaction spans the shard's 100 ms transactions)
+            end = (await (await b.publish_committed("wc/in", *({"word": w} for w in mine))))[-1].end
+            await wait_until(lambda end=end: read_through(path) >= end, 30)
         await (await a.write_ack_intents(a.build_ack_intents()))
         tail = [rng.choice(WORDS) for _ in range(5)]
         words.extend(tail)
@@ -54,11 +56,13 @@ async def test_an_upstream_transaction_spanning_many_shard_transactions_through_
         await cluster.create_journal(name, 3)
     rng = random.Random(28)
     words: list[str] = []
-    producing = asyncio.ensure_future(produce_interleaved(cluster, rng, words))
     path = tmp_path / "wc-0.db"
     async with cluster.client() as c:
-        await crash_at_random_points(c, small_ring_spec(), path, rng, 3, 5, 20)
-        await producing
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(serve_primary(c, small_ring_spec(), WordCount(path), stop))
+        await produce_interleaved(cluster, rng, words, path)  # (paced by the running shard's commits)
+        stop.set()
+        await task
         await crash_at_random_points(c, small_ring_spec(), path, rng, 4, 3, 40)  # (through A's replayed commit)
         stop = asyncio.Event()
         task = asyncio.ensure_future(serve_primary(c, small_ring_spec(), WordCount(path), stop))

@@ -26,11 +26,11 @@ from tidings.consumer import SQLiteStore
 from tidings.consumer.shard import serve_primary
 
 HOLD_LOCK = """
-import sys, time, apsw
+import sys, apsw
 db = apsw.Connection(sys.argv[1])
 db.execute("BEGIN IMMEDIATE")
 print("locked", flush=True)
-time.sleep(float(sys.argv[2]))
+sys.stdin.read()  # (holds the file's write lock until the test closes our stdin)
 db.execute("ROLLBACK")
 """
 
@@ -40,11 +40,12 @@ async def test_waiting_for_another_processs_write_lock_does_not_freeze_the_event
     store = SQLiteStore(path)
     await store.restore_checkpoint("wc/0")
     holder = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", HOLD_LOCK, str(path), "1.0", stdout=asyncio.subprocess.PIPE
+        sys.executable, "-c", HOLD_LOCK, str(path), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
     )
     gaps: list[float] = []
 
     async def heartbeat() -> None:
+        """The measurement: how long the loop takes to come back to a 10 ms timer."""
         last = time.monotonic()
         while True:
             await asyncio.sleep(0.01)
@@ -54,16 +55,19 @@ async def test_waiting_for_another_processs_write_lock_does_not_freeze_the_event
 
     beating = asyncio.ensure_future(heartbeat())
     try:
-        assert holder.stdout is not None
+        assert holder.stdout is not None and holder.stdin is not None
         assert await asyncio.wait_for(holder.stdout.readline(), 30) == b"locked\n"
-        await asyncio.sleep(0.05)  # (let the heartbeat run a few beats first)
 
         async def consume() -> None:  # as a shard's transaction does: begin (off the loop), then write
             await store.begin()
             store.transaction().execute("CREATE TABLE IF NOT EXISTS t (x INTEGER)")
 
-        await consume()
-        await asyncio.sleep(0.05)
+        consuming = asyncio.ensure_future(consume())
+        before = len(gaps)
+        await wait_until(lambda: len(gaps) >= before + 20, 30)  # twenty beats while it waits for the lock
+        assert not consuming.done(), "the lock was not held: nothing was measured"
+        holder.stdin.close()  # the holder rolls back
+        await asyncio.wait_for(consuming, 30)
     finally:
         beating.cancel()
         if holder.returncode is None:

@@ -61,6 +61,19 @@ async def produce(cluster, words: list[str]) -> None:
         await pub.service.aclose()
 
 
+def read_through(path) -> int:
+    """The read-through offset of wc/in in the committed checkpoint (0 before any)."""
+    store = SQLiteStore(path)
+    try:
+        row = store.db.execute("SELECT checkpoint FROM tidings_checkpoints WHERE shard = 'wc/0'").fetchone()
+    finally:
+        store.destroy()
+    cp = pb.Checkpoint()
+    if row:
+        cp.ParseFromString(row[0])
+    return cp.sources["wc/in"].read_through if "wc/in" in cp.sources else 0
+
+
 def stored_counts(path) -> dict[str, int]:
     store = SQLiteStore(path)
     try:
