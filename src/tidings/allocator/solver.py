@@ -297,19 +297,22 @@ def _balance_move(
     member with spare capacity that does not hold the item and keeps its zone spread (same zone
     as the one it leaves, or a zone the item's other replicas do not cover).
     """
-    for src in sorted(active, key=lambda m: (-load[m.id], m.id)):
-        for dst in sorted(active, key=lambda m: (load[m.id], m.id)):
+    ascending = sorted(active, key=lambda m: (load[m.id], m.id))
+    for src in reversed(ascending):
+        movable = None  # its settled items, non-primaries first (sorted once per member, not per pair)
+        for dst in ascending:
             if load[src.id] - load[dst.id] < 2:
                 break
             if load[dst.id] >= dst.journal_limit:
                 continue
-            for name, _a in sorted(on_member.get(src.id, []), key=lambda na: (na[1].slot == 0, na[0])):
-                item = items.get(name)
-                held = live.get(name, [])
-                if item is None or name in moving or len(held) != item.replication:
-                    continue
-                if not item.consistent or not all(h.consistent for h in held):
-                    continue
+            if movable is None:
+                movable = [
+                    name
+                    for name, _a in sorted(on_member.get(src.id, []), key=lambda na: (na[1].slot == 0, na[0]))
+                    if name not in moving and _settled(items.get(name), live.get(name, []))
+                ]
+            for name in movable:
+                held = live[name]
                 others = {h.member for h in held if h.member != src.id}
                 if dst.id in others:
                     continue
@@ -317,6 +320,11 @@ def _balance_move(
                     continue
                 return name, src.id, dst.id
     return None
+
+
+def _settled(item: SolverItem | None, held: list[Current]) -> bool:
+    """Its Route consistent, with exactly R replicas: an item a balancing move may take."""
+    return item is not None and len(held) == item.replication and item.consistent and all(h.consistent for h in held)
 
 
 def _slots(kept: list[Current], adds: list[MemberId]) -> list[Slot]:

@@ -768,7 +768,9 @@ def journals_append(
 class _Content:
     """What `journals append` sends: a file it reads again for each attempt, from `start`, `size` bytes
     (stdin from a pipe or a terminal is first kept in a temporary file, read by a thread so that
-    Ctrl-C stops it at once; nothing is appended before stdin ends, as an append is all or nothing)."""
+    Ctrl-C stops it at once; nothing is appended before stdin ends, as an append is all or nothing).
+    Not the AppendService, which finds a lost batch the same way: it takes content as bytes in
+    memory, and a file to append may be larger than memory."""
 
     def __init__(self, fd: int, start: int, size: int, keep: Any = None) -> None:
         self.fd, self.start, self.size, self._keep = fd, start, size, keep
