@@ -8,7 +8,7 @@ their downstream messages get ACKed from the recovered intents.
 
 The disk is made slow for the one commit with a gate the worker waits on (fault injection widening
 the window; the gate opens once the loop thread rolled back), and the application's `finished_txn`
-(awaited before the store is destroyed) waits for that worker to finish: an async hook may await."""
+(awaited as the commit starts, with its future) waits for the commit: an async hook may await."""
 
 from __future__ import annotations
 
@@ -60,8 +60,9 @@ class SlowDiskWordCount(WordCount):
         store.db.execute("CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NOT NULL)")
         return store
 
-    async def finished_txn(self, shard, store, outcome) -> None:
-        if outcome is not None:  # (e.g. flushing metrics: an async hook awaits)
+    async def finished_txn(self, shard, store, commit) -> None:
+        await asyncio.wait([commit])  # (e.g. flushing metrics once committed: an async hook awaits)
+        if commit.cancelled() or commit.exception() is not None:
             await asyncio.to_thread(store.worker_done.wait, 10)
 
 

@@ -13,7 +13,7 @@ from collections import Counter, defaultdict
 
 from tests.support.waiting import wait_until
 from tidings.consumer import SQLiteStore
-from tidings.consumer.shard import serve_primary
+from tidings.consumer.shard import Shard, serve_primary
 from tidings.message import Publisher, read_committed
 from tidings.protocol import protocol_pb2 as pb
 
@@ -128,7 +128,7 @@ import asyncio, sys
 from tests.test_consumer_shard import WordCount, spec
 from tidings.client import AsyncClient
 from tidings.consumer import FenceError
-from tidings.consumer.shard import serve_primary
+from tidings.consumer.shard import Shard, serve_primary
 
 async def main(endpoint, path):
     async with AsyncClient(endpoint) as c:
@@ -183,3 +183,63 @@ async def test_a_zombie_primary_stops_at_its_next_commit_and_nothing_is_doubled(
             await zombie.wait()
     assert stored_counts(path) == Counter(words)
     await check_downstream(cluster, Counter(words))
+
+
+async def _transactions_of(cluster, tmp_path, disable_wait_for_ack: bool) -> list[int]:
+    """Messages per shard transaction when a committed word arrives with another producer's open
+    transaction (its ACK written once the shard consumed the first word)."""
+    from tidings.client import AppendService
+
+    for name in ("wc/in", "wc/out"):
+        await cluster.create_journal(name, 1)
+    sizes: list[int] = []
+    consumed = asyncio.Event()
+    shard_spec = spec()
+    shard_spec.max_txn_duration_ms, shard_spec.disable_wait_for_ack = 60_000, disable_wait_for_ack
+    async with cluster.client() as c:
+        pub = Publisher(AppendService(c))
+        await (await pub.publish_uncommitted("wc/in", {"word": "apple"}))
+        await produce(cluster, ["banana"])
+        stop = asyncio.Event()
+        shard = Shard(shard_spec, c, on_transaction=lambda stats: sizes.append(stats.messages))
+        app = WordCount(tmp_path / "wc-0.db", lambda n: consumed.set())
+        task = asyncio.ensure_future(serve_primary(c, shard_spec, app, stop, shard))
+        await asyncio.wait_for(consumed.wait(), 30)  # banana (apple is pending)
+        if disable_wait_for_ack:
+            await wait_until(lambda: sizes == [1], 30)
+        await (await pub.write_ack_intents(pub.build_ack_intents()))
+        await wait_until(lambda: sum(sizes) == 2, 30)
+        stop.set()
+        await task
+        await pub.service.aclose()
+    assert stored_counts(tmp_path / "wc-0.db") == {"apple": 1, "banana": 1}
+    return sizes
+
+
+async def test_a_transaction_waits_for_the_ack_of_a_source_transaction_it_saw_begin(cluster, tmp_path) -> None:
+    assert await _transactions_of(cluster, tmp_path, disable_wait_for_ack=False) == [2]
+
+
+async def test_disable_wait_for_ack_closes_at_once(cluster, tmp_path) -> None:
+    assert await _transactions_of(cluster, tmp_path, disable_wait_for_ack=True) == [1, 1]
+
+
+async def test_read_through_follows_chunks_that_deliver_nothing(cluster, tmp_path) -> None:
+    """Stat's wait: offsets reached by a message that commits nothing (a pending one) count as read."""
+    from tidings.client import AppendService
+
+    for name in ("wc/in", "wc/out"):
+        await cluster.create_journal(name, 1)
+    await produce(cluster, ["apple", "banana"])
+    async with cluster.client() as c:
+        stop = asyncio.Event()
+        shard = Shard(spec(), c)
+        task = asyncio.ensure_future(serve_primary(c, spec(), WordCount(tmp_path / "wc-0.db"), stop, shard))
+        pub = Publisher(AppendService(c))
+        pending = await (await pub.publish_uncommitted("wc/in", {"word": "cherry"}))
+        through = await shard.wait_read_through({"wc/in": pending[0].end}, timeout=30)
+        assert through["wc/in"] >= pending[0].end
+        stop.set()
+        await task
+        await pub.service.aclose()
+    assert stored_counts(tmp_path / "wc-0.db") == {"apple": 1, "banana": 1}

@@ -10,20 +10,29 @@ died between committing the checkpoint and writing its ACKs), then read the sour
 1. begin with the first message read (`begin_txn`), consume messages (`consume_message`, which
    changes the store in its open transaction and publishes downstream messages uncommitted);
 2. close once `max_txn_duration` passed, or once `min_txn_duration` passed and no message is
-   ready (input stalled), then `finalize_txn`;
+   ready (input stalls), unless a source transaction begun in this one awaits its ACK (then wait
+   for it, up to `max_txn_duration`; `disable_wait_for_ack` turns that off) or the previous
+   transaction's ACKs are still being written (keep consuming meanwhile); then `finalize_txn`;
 3. build the ACK intents that commit this transaction's downstream messages, and commit the
    store's transaction with the Checkpoint (read-through offsets, producer states, those ACK
-   intents), after every downstream append of the transaction has committed;
-4. only then write the ACK intents (`finished_txn` hears how it went).
+   intents), after every downstream append of the transaction and every ACK of the previous one
+   has committed (`finished_txn` gets the commit's future as it starts);
+4. only then write the ACK intents, and go on at 1 while they are written (pipelining: the next
+   transaction consumes while this one's ACKs are in flight). Its read-through offsets count as
+   the shard's progress (`Shard.read_through`, what Stat waits on) once its ACKs are written.
 
 A crash before 3 leaves nothing (the store rolls back; the downstream messages were never
 acknowledged, so read-committed readers never see them; the next primary reads the same inputs
 again). A crash between 3 and 4 is mended by the next primary's step 0. A zombie's step 3 fails
 on the fence and it stops.
 
-Choices where the issue's later steps will refine: transactions are not yet pipelined (N+1 starts
-once N's ACKs are written); a transaction does not wait for an ACK it expects; the store is the
-application's (`Application.new_store`), the SQL ones in `store`.
+Messages are read a chunk at a time (`ReadCommitted.batches`) by a task that snapshots the
+Sequencer's checkpoint after each chunk, so a transaction closes between chunks and its
+checkpoint is exactly what it consumed. A store's transaction is one at a time (a SQL
+connection's): transaction N+1 begins once N's store commit is done; the ACK writes overlap.
+Choices where Gazette differs: an undecodable message is skipped with a warning naming its
+journal and offsets, or the application's `on_garbage(shard, journal, garbage)` decides (raising
+fails the shard).
 """
 
 from __future__ import annotations
@@ -31,34 +40,73 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from tidings.client import AppendService, AsyncClient
 from tidings.consumer.store import Store
 from tidings.message import AckIntent, Checkpoint, Envelope, JournalCheckpoint, ProducerState, Publisher
 from tidings.message.iterators import read_committed
+from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.status import JournalNotFoundError, UsageError
 
-__all__ = ["Application", "Shard", "checkpoint_from_proto", "checkpoint_to_proto", "serve_primary"]
+__all__ = ["Application", "Shard", "TxnStats", "checkpoint_from_proto", "checkpoint_to_proto", "serve_primary"]
 
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(slots=True)
+class TxnStats:
+    """A finished transaction, for metrics: messages consumed and seconds spent in each phase."""
+
+    messages: int
+    consuming: float  # first message to close
+    committing: float  # finalize_txn, the previous ACKs, the store commit
+    acknowledging: float = 0.0  # writing the ACKs after the commit
+
+
 @dataclasses.dataclass
 class Shard:
-    """What an application sees of the shard it runs in."""
+    """What an application sees of the shard it runs in, and what its consumer process watches."""
 
     spec: pb.ShardSpec
     client: AsyncClient
     publisher: Publisher | None = None  # a new ProducerID each time the shard becomes primary
-    read_through: dict[str, int] = dataclasses.field(default_factory=dict)  # per source, after each commit
+    read_through: dict[str, int] = dataclasses.field(default_factory=dict)  # per source, once its ACKs are written
+    restored: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # the store restored: serving
+    on_transaction: Callable[[TxnStats], None] | None = None  # called as each transaction's ACKs are written
+    _moved: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+    def advance(self, checkpoint: Checkpoint, stats: TxnStats | None = None) -> None:
+        """Progress: the read-through offsets of a committed (and acknowledged) transaction."""
+        for journal, jc in checkpoint.journals.items():
+            if jc.read_through > self.read_through.get(journal, -1):
+                self.read_through[journal] = jc.read_through
+        moved, self._moved = self._moved, asyncio.Event()
+        moved.set()
+        if stats is not None and self.on_transaction is not None:
+            self.on_transaction(stats)
+
+    async def wait_read_through(self, offsets: dict[str, int], timeout: float | None = None) -> dict[str, int]:
+        """Wait until the shard has read through `offsets` (journal -> offset), at most `timeout` seconds
+        (TimeoutError); returns the read-through offsets (Gazette's Stat: a client reads its own writes)."""
+        async with asyncio.timeout(timeout):
+            while any(self.read_through.get(j, 0) < o for j, o in offsets.items()):
+                await self._moved.wait()
+        return dict(self.read_through)
 
 
 class Application(Protocol):
-    """A user's consumer (Gazette's Application); `begin_txn` and `finished_txn` are optional."""
+    """A user's consumer (Gazette's Application). Optional methods, looked up by name:
+    `new_message(journal_spec) -> type` (what source messages decode into; default dicts for JSON),
+    `begin_txn(shard, store)` (awaited as a transaction begins), `finished_txn(shard, store, future)`
+    (awaited as its commit starts; the future resolves once the store committed), and
+    `on_garbage(shard, journal, garbage)` (an undecodable range: raise to fail the shard).
+    """
 
     def new_store(self, shard: Shard) -> Store: ...
     async def consume_message(self, shard: Shard, store: Store, envelope: Envelope, publisher: Publisher) -> None: ...
@@ -94,9 +142,15 @@ def checkpoint_from_proto(cp: pb.Checkpoint) -> tuple[Checkpoint, list[AckIntent
     return Checkpoint(journals), [AckIntent(j, c) for j, c in sorted(cp.ack_intents.items())]
 
 
-async def serve_primary(client: AsyncClient, spec: pb.ShardSpec, app: Application, stop: asyncio.Event) -> None:
-    """Run the shard's transactions until `stop` is set (or a failure, raised: FenceError for a zombie)."""
-    shard = Shard(spec, client)
+async def serve_primary(
+    client: AsyncClient, spec: pb.ShardSpec, app: Application, stop: asyncio.Event, shard: Shard | None = None
+) -> None:
+    """Run the shard's transactions until `stop` is set (or a failure, raised: FenceError for a zombie).
+
+    A graceful stop commits the open transaction and waits for its ACKs. `shard` (made here if
+    None) is what the consumer process watches: `restored` is set once the store is restored and
+    the recovered ACKs are written, `read_through` follows the transactions."""
+    shard = shard if shard is not None else Shard(spec, client)
     store = app.new_store(shard)
     service = AppendService(client)
     try:
@@ -115,73 +169,193 @@ async def serve_primary(client: AsyncClient, spec: pb.ShardSpec, app: Applicatio
                     pid: ProducerState(st.last_ack, -1 if st.begin < s.min_offset else st.begin, st.newest)
                     for pid, st in jc.producers.items()
                 }
-        shard.read_through = {j: jc.read_through for j, jc in restored.journals.items()}
-        reader = read_committed(client, names, checkpoint=restored, ring_size=spec.ring_buffer_size or 8192)
-        await _transactions(shard, app, store, publisher, reader, stop)
+        shard.advance(restored)
+        shard.restored.set()
+        on_garbage = getattr(app, "on_garbage", None)
+        reader = read_committed(
+            client,
+            names,
+            checkpoint=restored,
+            ring_size=spec.ring_buffer_size or 8192,
+            message_type=await _message_type(client, app, names),
+            on_garbage=None if on_garbage is None else functools.partial(on_garbage, shard),
+            empty_batches=True,
+        )
+        await _Transactions(shard, app, store, publisher, reader, stop).run()
     finally:
         store.destroy()
         with contextlib.suppress(Exception):
             await service.aclose()
 
 
-async def _transactions(
-    shard: Shard, app: Any, store: Store, publisher: Publisher, reader: Any, stop: asyncio.Event
-) -> None:
-    spec = shard.spec
-    messages = reader.__aiter__()
-    upcoming: asyncio.Task[Envelope] | None = None  # never cancelled mid-read: it carries over transactions
-    stopped = asyncio.ensure_future(stop.wait())
-    try:
-        while not stop.is_set():
-            upcoming = upcoming or asyncio.ensure_future(messages.__anext__())
-            await asyncio.wait([upcoming, stopped], return_when=asyncio.FIRST_COMPLETED)
-            if stop.is_set():
-                return
-            began = time.monotonic()
-            if hasattr(store, "begin"):
-                await store.begin()  # (its locks are waited for off the event loop)
-            if hasattr(app, "begin_txn"):
-                await app.begin_txn(shard, store)
-            appends: list[Awaitable[Any]] = []
-            publish = _Tracking(publisher, appends)
+async def _message_type(client: AsyncClient, app: Any, journals: list[str]) -> Any:
+    """What the sources' messages decode into: the application's `new_message(journal_spec)` (one type
+    for all sources), else the framing's default (dicts for JSON)."""
+    new_message = getattr(app, "new_message", None)
+    if new_message is None:
+        return None
+    specs = []
+    for journal in journals:
+        resp = await client.list(labels.parse_selector(f"name={journal}"))
+        if not resp.journals:
+            raise JournalNotFoundError(journal)
+        specs.append(resp.journals[0].spec)
+    types = {new_message(spec) for spec in specs}
+    if len(types) != 1:
+        raise UsageError(f"new_message gives several message types for the sources {sorted(journals)}; give one")
+    return types.pop()
+
+
+@dataclasses.dataclass(slots=True)
+class _Read:
+    """A chunk's committed messages and the reader's checkpoint right after them."""
+
+    envelopes: list[Envelope]
+    checkpoint: Checkpoint
+    pending: bool  # a source transaction awaits its ACK (Sequencer.has_pending)
+
+
+READ_AHEAD = 8  # chunks read ahead of the transaction consuming them
+
+
+class _Transactions:
+    """One primary's transaction loop (steps 1-4 of the module docstring)."""
+
+    def __init__(self, shard: Shard, app: Any, store: Store, publisher: Publisher, reader: Any, stop: asyncio.Event):
+        self.shard, self.app, self.store, self.publisher, self.reader, self.stop = (
+            shard, app, store, publisher, reader, stop
+        )  # fmt: skip
+        spec = shard.spec
+        self.min_dur, self.max_dur = spec.min_txn_duration_ms / 1000, spec.max_txn_duration_ms / 1000
+        self.wait_for_ack = not spec.disable_wait_for_ack
+        self.reads: asyncio.Queue[_Read | BaseException] = asyncio.Queue(READ_AHEAD)
+        self.upcoming: asyncio.Task | None = None  # a get from `reads`: never cancelled mid-transaction
+        self.acks: asyncio.Future | None = None  # the last transaction's ACK appends
+        self.idle: Checkpoint | None = None  # progress read outside a transaction, reported after `acks`
+
+    async def run(self) -> None:
+        pump = asyncio.ensure_future(self._pump())
+        stopped = asyncio.ensure_future(self.stop.wait())
+        try:
             while True:
-                env, upcoming = upcoming.result(), None
-                await app.consume_message(shard, store, env, publish)
-                elapsed = time.monotonic() - began
-                if elapsed >= spec.max_txn_duration_ms / 1000:
-                    break
-                upcoming = asyncio.ensure_future(messages.__anext__())
-                wait = spec.max_txn_duration_ms / 1000 - elapsed
-                if elapsed >= spec.min_txn_duration_ms / 1000:
-                    wait = 0.0  # input stalls: close now
-                done, _ = await asyncio.wait([upcoming], timeout=wait)
-                if not done:
-                    await asyncio.sleep(0)  # (one more turn for a message already on its way)
-                    if not upcoming.done():
+                read = self._ready()
+                if read is None:
+                    self.upcoming = self.upcoming or asyncio.ensure_future(self.reads.get())
+                    await asyncio.wait([self.upcoming, stopped], return_when=asyncio.FIRST_COMPLETED)
+                    if self.stop.is_set():
                         break
-            # Now, with no await since the last consumed message: a read still under way may yield its
-            # next message at any await below, and that one belongs to the next transaction.
-            checkpoint = reader.checkpoint()
-            await app.finalize_txn(shard, store, publish)
-            intents = publisher.build_ack_intents()
-            outcome: BaseException | None = None
+                    continue
+                if not read.envelopes:  # nothing to consume: only the read-through offsets moved
+                    self._progress(read.checkpoint)
+                    continue
+                await self._transaction(read, stopped)
+            if self.acks is not None:  # a graceful stop: the last transaction's ACKs go out
+                await self.acks
+        finally:
+            stopped.cancel()
+            pump.cancel()
+            if self.upcoming is not None:
+                self.upcoming.cancel()
+            await asyncio.wait([pump])
+
+    async def _pump(self) -> None:
+        """Read chunks and snapshot the checkpoint after each (nothing else runs between the two)."""
+        reader = self.reader
+        try:
+            async with contextlib.aclosing(reader.batches()) as batches:
+                async for envelopes in batches:
+                    await self.reads.put(_Read(envelopes, reader.checkpoint(), reader.sequencer.has_pending))
+        except Exception as exc:  # the transaction loop raises it
+            await self.reads.put(exc)
+
+    def _ready(self) -> _Read | None:
+        """The next read if one is here (raising the reader's failure), without waiting."""
+        if self.upcoming is not None:
+            if not self.upcoming.done():
+                return None
+            item, self.upcoming = self.upcoming.result(), None
+        else:
             try:
-                await store.start_commit(spec.id, checkpoint_to_proto(checkpoint, intents), appends)
-                await (await publisher.write_ack_intents(intents))
-                shard.read_through = {j: jc.read_through for j, jc in checkpoint.journals.items()}
-            except BaseException as exc:
-                outcome = exc
-                raise
-            finally:
-                if hasattr(app, "finished_txn"):
-                    with contextlib.suppress(Exception):
-                        await app.finished_txn(shard, store, outcome)
-    finally:
-        stopped.cancel()
-        if upcoming is not None:
-            upcoming.cancel()
-        with contextlib.suppress(BaseException):
-            await messages.aclose()
+                item = self.reads.get_nowait()
+            except asyncio.QueueEmpty:
+                return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def _progress(self, checkpoint: Checkpoint) -> None:
+        if self.acks is None or self.acks.done():
+            self.shard.advance(checkpoint)
+        else:
+            self.idle = checkpoint
+
+    async def _transaction(self, read: _Read, stopped: asyncio.Future) -> None:
+        shard, app, store, publisher = self.shard, self.app, self.store, self.publisher
+        began = time.monotonic()
+        if hasattr(store, "begin"):
+            await store.begin()  # (its locks are waited for off the event loop)
+        if hasattr(app, "begin_txn"):
+            await app.begin_txn(shard, store)
+        appends: list[Awaitable[Any]] = []
+        publish = _Tracking(publisher, appends)
+        consumed = 0
+        last: _Read | None = read
+        while last is not None:
+            read = last
+            for env in read.envelopes:
+                await app.consume_message(shard, store, env, publish)
+            consumed += len(read.envelopes)
+            last = await self._next_read(began, read, stopped)
+        # `read` is the last chunk consumed: its checkpoint is where this transaction stands.
+        self.reader.sequencer.clear_pending()
+        closed = time.monotonic()
+        await app.finalize_txn(shard, store, publish)
+        intents = publisher.build_ack_intents()
+        if self.acks is not None:
+            await self.acks  # (N's ACKs must be written before N+1's checkpoint replaces N's intents)
+        commit = asyncio.ensure_future(
+            store.start_commit(shard.spec.id, checkpoint_to_proto(read.checkpoint, intents), appends)
+        )
+        try:
+            if hasattr(app, "finished_txn"):
+                await app.finished_txn(shard, store, commit)
+            await commit
+        except BaseException:
+            while not commit.done():  # never leave a commit running under the store's close
+                commit.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([commit])
+            raise
+        committed = time.monotonic()
+        self.acks = acks = await publisher.write_ack_intents(intents)
+        stats = TxnStats(consumed, closed - began, committed - closed)
+        acks.add_done_callback(functools.partial(self._acked, read.checkpoint, stats, committed))
+
+    async def _next_read(self, began: float, last: _Read, stopped: asyncio.Future) -> _Read | None:
+        """The next chunk for this transaction, or None to close it (step 2 of the module docstring)."""
+        while True:
+            elapsed = time.monotonic() - began
+            if elapsed >= self.max_dur or self.stop.is_set():
+                return None
+            read = self._ready()
+            if read is not None:
+                return read
+            acked = self.acks is None or self.acks.done()
+            if elapsed >= self.min_dur and acked and not (self.wait_for_ack and last.pending):
+                await asyncio.sleep(0)  # (one more turn for a chunk already on its way)
+                read = self._ready()
+                return read
+            self.upcoming = self.upcoming or asyncio.ensure_future(self.reads.get())
+            waits = [self.upcoming, stopped] if acked else [self.upcoming, stopped, self.acks]
+            until = self.min_dur if elapsed < self.min_dur else self.max_dur
+            await asyncio.wait(waits, timeout=until - elapsed, return_when=asyncio.FIRST_COMPLETED)
+
+    def _acked(self, checkpoint: Checkpoint, stats: TxnStats, committed: float, acks: asyncio.Future) -> None:
+        if acks.cancelled() or acks.exception() is not None:
+            return  # (the next transaction's commit, or the stop, raises it)
+        stats.acknowledging = time.monotonic() - committed
+        self.shard.advance(checkpoint if self.idle is None else self.idle, stats)
+        self.idle = None
 
 
 class _Tracking:

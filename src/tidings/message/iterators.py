@@ -255,6 +255,8 @@ class ReadCommitted(ReadUncommitted):
     * `reread_pending` - resume a checkpoint at its producers' first pending offsets (True), or at
       its read-through offsets, re-reading a pending transaction only when its ACK comes (False:
       a transaction that never commits then costs nothing, as in Gazette).
+    * `empty_batches` - `batches()` also yields an empty list after a chunk that delivered nothing (a
+      rolled-back or duplicate ACK, pending messages), so a caller following `checkpoint()` sees it move.
     """
 
     def __init__(
@@ -274,8 +276,10 @@ class ReadCommitted(ReadUncommitted):
         uuids_of: Callable[[list[Any]], list[UUID | None]] | None = None,
         direct: bool = False,
         on_jump: Callable[[str, int, int], Any] | None = None,
+        empty_batches: bool = False,
     ) -> None:
         names = [journals] if isinstance(journals, str) else list(journals)
+        self.empty_batches = empty_batches
         if checkpoint is not None and reread_pending:
             offsets = {j: checkpoint.resume_offset(j) for j in names}
         elif checkpoint is not None:
@@ -323,7 +327,7 @@ class ReadCommitted(ReadUncommitted):
                     if replay is not None:
                         seq.replay(await self.read_range(replay.journal, replay.begin, replay.end))
                         out.extend(seq.dequeue())
-                if out:
+                if out or self.empty_batches:
                     yield out
 
 

@@ -264,6 +264,7 @@ class Sequencer:
         self._partials: dict[tuple[str, int], _Partial] = {}
         self._offsets: dict[str, int] = {}  # read-through offset per journal
         self._reread: dict[str, int] = {}  # restored read-through offsets not yet passed
+        self._pending: set[tuple[str, int]] = set()  # sequences begun or extended since clear_pending (Gazette's)
         # Dequeue state: the partial being emitted, the end offset of its committing envelope, the largest clock
         # considered so far, the next candidate, and the replay (requested range, supplied iterator).
         self._emit: _Partial | None = None
@@ -314,6 +315,17 @@ class Sequencer:
     def dequeuing(self) -> bool:
         """True while committed messages remain to dequeue (and :meth:`queue` must wait)."""
         return self._emit is not None
+
+    @property
+    def has_pending(self) -> bool:
+        """A transaction begun or extended since :meth:`clear_pending` awaits its ACK (Gazette's HasPending):
+        assuming a live producer, more is coming, and a consumer transaction may wait for it."""
+        return bool(self._pending)
+
+    def clear_pending(self) -> None:
+        """Forget the pending transactions seen so far (a consumer transaction closed without their ACKs:
+        the next one need not wait for them either)."""
+        self._pending.clear()
 
     @property
     def pending_replay(self) -> Replay | None:
@@ -368,7 +380,9 @@ class Sequencer:
                     outcome = QueueOutcome.CONTINUE_EXTEND_SPAN
                 self._add_at_head(env, p, clock)
                 p.max_clock = clock
+                self._pending.add(key)
         elif flags == ACK_TXN:
+            self._pending.discard(key)
             if clock <= p.min_clock:
                 if clock < p.min_clock:
                     log.warning(
@@ -411,6 +425,7 @@ class Sequencer:
                     )  # fmt: skip
                 p.max_clock = clock
                 p.ring_start = p.ring_stop = -1
+                self._pending.discard(key)
                 return self._commit(QueueOutcome.OUTSIDE_COMMIT, p, env, (env, clock))
         offsets[journal] = env.end
         self._outcomes[outcome] += 1
