@@ -31,6 +31,7 @@ class Kind(Protocol):
     """One use of the allocator (see the module docstring)."""
 
     item: str  # what an item is called in messages: "journal", "shard"
+    member: str  # and a member: "broker", "consumer"
 
     def decode_member(self, rest: str, raw: bytes) -> Any: ...
     def decode_item(self, rest: str, raw: bytes) -> Any: ...
@@ -46,6 +47,7 @@ class Journals:
     """Journals on brokers: BrokerSpec members, JournalSpec items, Route assignment values."""
 
     item = "journal"
+    member = "broker"
 
     def decode_member(self, rest: str, raw: bytes) -> pb.BrokerSpec:
         return decode.decode_member(rest, raw)
@@ -78,6 +80,7 @@ class Shards:
     """Consumer shards on consumer processes: ConsumerSpec members, ShardSpec items, ReplicaStatus values."""
 
     item = "shard"
+    member = "consumer"
 
     def decode_member(self, rest: str, raw: bytes) -> pb.ConsumerSpec:
         spec = decode.decode_member(rest, raw, pb.ConsumerSpec)

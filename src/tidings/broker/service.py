@@ -26,16 +26,16 @@ import dataclasses
 import functools
 import logging
 import shutil
-import socket
-import time
 from collections import Counter
 from pathlib import Path
 
 import grpc
 
+from tidings._serving import check_listen, counted, serve_metrics, stop_metrics
 from tidings.allocator import keys
 from tidings.allocator.announce import Announcement, announce
 from tidings.allocator.converge import Allocator
+from tidings.allocator.handoff import ETCD_STOP_TIMEOUT, wait_handed_off
 from tidings.allocator.state import State
 from tidings.broker import _metrics as metrics
 from tidings.broker.append_api import serve_append
@@ -81,7 +81,6 @@ SERVER_OPTIONS = [
     ("grpc.http2.max_ping_strikes", 0),
 ]
 AUTO_SUSPEND_PULSES = 15  # stable pulses (no route change) before an idle journal may be suspended (Gazette's)
-ETCD_STOP_TIMEOUT = 2.0  # seconds for each etcd call while stopping: a gone etcd must not hold a stop up
 CLOSE_TIMEOUT = 5.0  # seconds for the replicas to close while stopping (they take milliseconds, unless stuck)
 
 
@@ -150,7 +149,7 @@ class Broker:
             pb_grpc.add_JournalServicer_to_server(_Servicer(self), self.server)
             host = cfg.listen.rsplit(":", 1)[0]
             try:
-                _check_listen(cfg.listen)  # gRPC would fail too, but first print its own error line
+                check_listen(cfg.listen)  # gRPC would fail too, but first print its own error line
                 port = self.server.add_insecure_port(cfg.listen)
             except (OSError, RuntimeError) as err:
                 raise UsageError(f"broker cannot listen on {cfg.listen} ({err}); pass another --listen") from None
@@ -170,8 +169,8 @@ class Broker:
             undo.push_async_callback(self.replication.aclose)
             self.metrics_endpoint = ""
             if cfg.metrics_listen:
-                self.metrics_endpoint = self._serve_metrics(cfg.metrics_listen, host, port)
-                undo.callback(self._stop_metrics)
+                self._metrics_server, self.metrics_endpoint = serve_metrics(cfg.metrics_listen, host, port, "broker")
+                undo.callback(stop_metrics, self._metrics_server)
             self.spec = spec = pb.BrokerSpec(
                 id=self.process_id,
                 endpoint=self.endpoint,
@@ -228,35 +227,10 @@ class Broker:
             await ch.close()
         await self.dialer.aclose()
         await self.etcd.aclose()
-        self._stop_metrics()
+        stop_metrics(self._metrics_server)
+        self._metrics_server = None
         self.stopped.set()
         log.info("%s stopped", who)
-
-    def _serve_metrics(self, listen: str, host: str, port: int) -> str:
-        """Serve /metrics on `listen` (HOST:PORT), or with "auto" on the gRPC port + 1000 of the same host
-        (any free port if that one is taken); the endpoint it serves on."""
-        from prometheus_client import start_http_server
-
-        tries = [listen.rsplit(":", 1)]
-        if listen == "auto":
-            tries = [[host, str(port + 1000 if 0 < port <= 64535 else 0)], [host, "0"]]
-        for i, (mhost, mport) in enumerate(tries):
-            try:
-                self._metrics_server, _thread = start_http_server(int(mport), addr=mhost)
-            except OSError as err:
-                if i + 1 < len(tries):
-                    continue
-                raise UsageError(
-                    f"broker cannot serve metrics on {mhost}:{mport} ({err}): pass another --metrics"
-                ) from None
-            return f"{mhost}:{self._metrics_server.server_port}"
-        raise AssertionError("unreachable")
-
-    def _stop_metrics(self) -> None:
-        server, self._metrics_server = self._metrics_server, None
-        if server is not None:
-            server.shutdown()
-            server.server_close()
 
     async def _record_resume_offsets(self, held: list[Replica]) -> None:
         """For each journal we still held, with every byte persisted: record its end in its spec
@@ -304,81 +278,10 @@ class Broker:
                 err,
             )
             return
-        await self._wait_no_assignments(timeout)
-
-    async def _wait_no_assignments(self, timeout: float) -> None:
-        """Wait until our journals have moved away, at most ``timeout`` seconds.
-
-        Stops waiting early when no other member could take them (the whole cluster is
-        stopping), when our lease is lost, or when etcd stops answering (nothing can move then).
-        Logs what it waits for and how long, and says so when no other live broker is free to
-        take a journal (it then waits in case one joins).
-        """
-        who = f"broker {self.config.zone}/{self.config.suffix}"
-        me = (self.config.zone, self.config.suffix)
-        started = time.monotonic()
-        deadline = started + timeout
-        said: tuple[list[str], list[str]] | None = None
-        first_look = True
-        while True:
-            state = self.resolver.state
-            mine = sorted({a.journal for a in state.assignments_of(*me)})
-            if not mine:
-                log.info("%s: no journals left to hand off", who)
-                return
-            others = [
-                m for mid, m in state.members.items() if mid != me and not m.spec.exiting and m.spec.journal_limit
-            ]
-            if not others:
-                log.info("%s: no other broker is serving; keeping its %s for its next start", who, _journal_list(mine))
-                return
-            now = time.monotonic()
-            if now >= deadline:
-                log.warning(
-                    "%s: %s still assigned after %.0fs; stopping anyway (their other replicas keep serving, and "
-                    "the allocator reassigns them once the lease is revoked)",
-                    who,
-                    _journal_list(mine),
-                    now - started,
-                )
-                return
-            load = {m.id: 0 for m in others}
-            for assignments in state.assignments.values():
-                for a in assignments:
-                    if a.member in load:
-                        load[a.member] += 1
-            free = [m.id for m in others if load[m.id] < m.spec.journal_limit]
-            stuck = [j for j in mine if not {*free} - {a.member for a in state.assignments.get(j, [])}]
-            if stuck:
-                message = (
-                    f"no other live broker is free to take {_journal_list(stuck)} ({len(others)} others, all "
-                    f"already replicas or full); waiting up to {timeout:g}s for one to join, "
-                    "then stopping without handing them off"
-                )
-            else:
-                message = f"waiting up to {timeout:g}s for {_journal_list(mine)} to move to other brokers"
-            if first_look:  # brokers stopping together mark themselves exiting at about the same time
-                first_look = False
-                with contextlib.suppress(TimeoutError):
-                    await self.keyspace.wait_for_update(self.keyspace.revision, timeout=min(0.5, deadline - now))
-                continue
-            if said != (mine, stuck):  # say it again only when the situation changes
-                log.info("%s: %s", who, message)
-                said = (mine, stuck)
-            if self.announcement.lost.is_set():
-                return
-            try:
-                await self.keyspace.wait_for_update(self.keyspace.revision, timeout=min(1.0, deadline - now))
-            except TimeoutError:
-                try:  # a quiet second: is etcd still there?
-                    await self.etcd.get(self.announcement.key, timeout=ETCD_STOP_TIMEOUT)
-                except TidingsError as err:
-                    log.warning(
-                        "%s: etcd does not answer (%s); stopping without handing off %s", who, err, _journal_list(mine)
-                    )
-                    return
-
-    # -- shared services -------------------------------------------------------------------
+        await wait_handed_off(
+            self.keyspace, self.etcd, self.announcement, lambda: self.resolver.state, f"broker {cfg.zone}/{cfg.suffix}",
+            timeout,
+        )  # fmt: skip
 
     def channel(self, endpoint: str) -> grpc.aio.Channel:
         ch = self._channels.get(endpoint)
@@ -672,11 +575,11 @@ class _Servicer(pb_grpc.JournalServicer):
         return await serve_append(self.broker, context)
 
     async def Read(self, request, context):
-        with _counted("read", context) as outcome:
+        with counted(metrics.RPC_STATUS, "read", context) as outcome:
             outcome.append(await serve_read(self.broker, request, context))
 
     async def List(self, request, context):
-        with _counted("list", context) as outcome:
+        with counted(metrics.RPC_STATUS, "list", context) as outcome:
             try:
                 validate.selector(request.selector)
             except ValidationError as exc:
@@ -691,7 +594,7 @@ class _Servicer(pb_grpc.JournalServicer):
                 await broker.keyspace.wait_for_update(revision)
 
     async def Apply(self, request, context):
-        with _counted("apply", context) as outcome:
+        with counted(metrics.RPC_STATUS, "apply", context) as outcome:
             try:
                 resp = await self.broker.apply(request)
             except ValidationError as exc:
@@ -702,55 +605,15 @@ class _Servicer(pb_grpc.JournalServicer):
             return resp
 
     async def ListMembers(self, request, context):
-        with _counted("list_members", context) as outcome:
+        with counted(metrics.RPC_STATUS, "list_members", context) as outcome:
             outcome.append(pb.OK)
             return self.broker.members_response()
 
     async def ListFragments(self, request, context):
-        with _counted("list_fragments", context) as outcome:
+        with counted(metrics.RPC_STATUS, "list_fragments", context) as outcome:
             try:
                 resp = await self.broker.list_fragments(request)
             except ValidationError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             outcome.append(resp.status)
             return resp
-
-
-@contextlib.contextmanager
-def _counted(rpc: str, context: grpc.aio.ServicerContext):  # -> Iterator[list[int]]
-    """Count one RPC by its outcome: the Status the body appends to the list yielded, else the gRPC
-    code it aborted with (CANCELLED when the client went away, UNKNOWN for a surprise)."""
-    outcome: list[int] = []
-    try:
-        yield outcome
-    except grpc.aio.AbortError:
-        code = context.code()
-        metrics.RPC_STATUS.labels(rpc, code.name if isinstance(code, grpc.StatusCode) else "ABORTED").inc()
-        raise
-    except asyncio.CancelledError:
-        metrics.RPC_STATUS.labels(rpc, "CANCELLED").inc()
-        raise
-    except Exception:
-        metrics.RPC_STATUS.labels(rpc, "UNKNOWN").inc()
-        raise
-    else:
-        metrics.RPC_STATUS.labels(rpc, pb.Status.Name(outcome[-1]) if outcome else "OK").inc()
-
-
-def _journal_list(names: list[str], most: int = 5) -> str:
-    """'journals a, b and 3 more' for log lines."""
-    shown = ", ".join(names[:most])
-    more = f" and {len(names) - most} more" if len(names) > most else ""
-    return f"journal{'s' if len(names) > 1 else ''} {shown}{more}"
-
-
-def _check_listen(listen: str) -> None:
-    """Raise OSError if ``HOST:PORT`` cannot be bound (port taken, address not this host's)."""
-    host, _, port = listen.rpartition(":")
-    host = host.strip("[]")
-    if not port.isdigit():
-        raise OSError(f"{port!r} is not a port number")
-    for family, kind, proto, _name, addr in socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM):
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no conflict
-            s.bind(addr)

@@ -25,6 +25,10 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REGISTER_MISMATCH: _ClassVar[Status]
     FRAGMENT_STORE_UNHEALTHY: _ClassVar[Status]
     SUSPENDED: _ClassVar[Status]
+    SHARD_NOT_FOUND: _ClassVar[Status]
+    NO_SHARD_PRIMARY: _ClassVar[Status]
+    NOT_SHARD_PRIMARY: _ClassVar[Status]
+    SHARD_STOPPED: _ClassVar[Status]
 
 class CompressionCodec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -48,6 +52,10 @@ INDEX_HAS_GREATER_OFFSET: Status
 REGISTER_MISMATCH: Status
 FRAGMENT_STORE_UNHEALTHY: Status
 SUSPENDED: Status
+SHARD_NOT_FOUND: Status
+NO_SHARD_PRIMARY: Status
+NOT_SHARD_PRIMARY: Status
+SHARD_STOPPED: Status
 INVALID: CompressionCodec
 NONE: CompressionCodec
 GZIP: CompressionCodec
@@ -555,3 +563,120 @@ class FragmentsResponse(_message.Message):
     header: Header
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentsResponse.Entry]
     def __init__(self, status: _Optional[_Union[Status, str]] = ..., header: _Optional[_Union[Header, _Mapping]] = ..., fragments: _Optional[_Iterable[_Union[FragmentsResponse.Entry, _Mapping]]] = ...) -> None: ...
+
+class StatRequest(_message.Message):
+    __slots__ = ("header", "shard", "read_through")
+    class ReadThroughEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    READ_THROUGH_FIELD_NUMBER: _ClassVar[int]
+    header: Header
+    shard: str
+    read_through: _containers.ScalarMap[str, int]
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[str] = ..., read_through: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class StatResponse(_message.Message):
+    __slots__ = ("status", "header", "read_through", "publish_at", "detail")
+    class ReadThroughEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class PublishAtEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    READ_THROUGH_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_AT_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    header: Header
+    read_through: _containers.ScalarMap[str, int]
+    publish_at: _containers.ScalarMap[str, int]
+    detail: str
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., header: _Optional[_Union[Header, _Mapping]] = ..., read_through: _Optional[_Mapping[str, int]] = ..., publish_at: _Optional[_Mapping[str, int]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ShardListRequest(_message.Message):
+    __slots__ = ("selector",)
+    SELECTOR_FIELD_NUMBER: _ClassVar[int]
+    selector: LabelSelector
+    def __init__(self, selector: _Optional[_Union[LabelSelector, _Mapping]] = ...) -> None: ...
+
+class ShardListResponse(_message.Message):
+    __slots__ = ("status", "header", "shards")
+    class Shard(_message.Message):
+        __slots__ = ("spec", "mod_revision", "route", "status", "create_revision")
+        SPEC_FIELD_NUMBER: _ClassVar[int]
+        MOD_REVISION_FIELD_NUMBER: _ClassVar[int]
+        ROUTE_FIELD_NUMBER: _ClassVar[int]
+        STATUS_FIELD_NUMBER: _ClassVar[int]
+        CREATE_REVISION_FIELD_NUMBER: _ClassVar[int]
+        spec: ShardSpec
+        mod_revision: int
+        route: Route
+        status: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
+        create_revision: int
+        def __init__(self, spec: _Optional[_Union[ShardSpec, _Mapping]] = ..., mod_revision: _Optional[int] = ..., route: _Optional[_Union[Route, _Mapping]] = ..., status: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., create_revision: _Optional[int] = ...) -> None: ...
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    header: Header
+    shards: _containers.RepeatedCompositeFieldContainer[ShardListResponse.Shard]
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., header: _Optional[_Union[Header, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[ShardListResponse.Shard, _Mapping]]] = ...) -> None: ...
+
+class ShardApplyRequest(_message.Message):
+    __slots__ = ("changes",)
+    class Change(_message.Message):
+        __slots__ = ("expect_mod_revision", "upsert", "delete")
+        EXPECT_MOD_REVISION_FIELD_NUMBER: _ClassVar[int]
+        UPSERT_FIELD_NUMBER: _ClassVar[int]
+        DELETE_FIELD_NUMBER: _ClassVar[int]
+        expect_mod_revision: int
+        upsert: ShardSpec
+        delete: str
+        def __init__(self, expect_mod_revision: _Optional[int] = ..., upsert: _Optional[_Union[ShardSpec, _Mapping]] = ..., delete: _Optional[str] = ...) -> None: ...
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    changes: _containers.RepeatedCompositeFieldContainer[ShardApplyRequest.Change]
+    def __init__(self, changes: _Optional[_Iterable[_Union[ShardApplyRequest.Change, _Mapping]]] = ...) -> None: ...
+
+class ShardApplyResponse(_message.Message):
+    __slots__ = ("status", "header", "detail")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    header: Header
+    detail: str
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., header: _Optional[_Union[Header, _Mapping]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class UnassignRequest(_message.Message):
+    __slots__ = ("shards", "only_failed", "dry_run")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    ONLY_FAILED_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedScalarFieldContainer[str]
+    only_failed: bool
+    dry_run: bool
+    def __init__(self, shards: _Optional[_Iterable[str]] = ..., only_failed: _Optional[bool] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+
+class UnassignResponse(_message.Message):
+    __slots__ = ("status", "shards")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    shards: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., shards: _Optional[_Iterable[str]] = ...) -> None: ...

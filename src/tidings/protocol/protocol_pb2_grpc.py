@@ -25,6 +25,207 @@ if _version_not_supported:
     )
 
 
+class ShardStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Stat = channel.unary_unary(
+                '/tidings.protocol.Shard/Stat',
+                request_serializer=tidings_dot_protocol_dot_protocol__pb2.StatRequest.SerializeToString,
+                response_deserializer=tidings_dot_protocol_dot_protocol__pb2.StatResponse.FromString,
+                _registered_method=True)
+        self.List = channel.unary_unary(
+                '/tidings.protocol.Shard/List',
+                request_serializer=tidings_dot_protocol_dot_protocol__pb2.ShardListRequest.SerializeToString,
+                response_deserializer=tidings_dot_protocol_dot_protocol__pb2.ShardListResponse.FromString,
+                _registered_method=True)
+        self.Apply = channel.unary_unary(
+                '/tidings.protocol.Shard/Apply',
+                request_serializer=tidings_dot_protocol_dot_protocol__pb2.ShardApplyRequest.SerializeToString,
+                response_deserializer=tidings_dot_protocol_dot_protocol__pb2.ShardApplyResponse.FromString,
+                _registered_method=True)
+        self.Unassign = channel.unary_unary(
+                '/tidings.protocol.Shard/Unassign',
+                request_serializer=tidings_dot_protocol_dot_protocol__pb2.UnassignRequest.SerializeToString,
+                response_deserializer=tidings_dot_protocol_dot_protocol__pb2.UnassignResponse.FromString,
+                _registered_method=True)
+
+
+class ShardServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Stat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def List(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Apply(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unassign(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ShardServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Stat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stat,
+                    request_deserializer=tidings_dot_protocol_dot_protocol__pb2.StatRequest.FromString,
+                    response_serializer=tidings_dot_protocol_dot_protocol__pb2.StatResponse.SerializeToString,
+            ),
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=tidings_dot_protocol_dot_protocol__pb2.ShardListRequest.FromString,
+                    response_serializer=tidings_dot_protocol_dot_protocol__pb2.ShardListResponse.SerializeToString,
+            ),
+            'Apply': grpc.unary_unary_rpc_method_handler(
+                    servicer.Apply,
+                    request_deserializer=tidings_dot_protocol_dot_protocol__pb2.ShardApplyRequest.FromString,
+                    response_serializer=tidings_dot_protocol_dot_protocol__pb2.ShardApplyResponse.SerializeToString,
+            ),
+            'Unassign': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unassign,
+                    request_deserializer=tidings_dot_protocol_dot_protocol__pb2.UnassignRequest.FromString,
+                    response_serializer=tidings_dot_protocol_dot_protocol__pb2.UnassignResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'tidings.protocol.Shard', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('tidings.protocol.Shard', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Shard:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Stat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tidings.protocol.Shard/Stat',
+            tidings_dot_protocol_dot_protocol__pb2.StatRequest.SerializeToString,
+            tidings_dot_protocol_dot_protocol__pb2.StatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tidings.protocol.Shard/List',
+            tidings_dot_protocol_dot_protocol__pb2.ShardListRequest.SerializeToString,
+            tidings_dot_protocol_dot_protocol__pb2.ShardListResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Apply(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tidings.protocol.Shard/Apply',
+            tidings_dot_protocol_dot_protocol__pb2.ShardApplyRequest.SerializeToString,
+            tidings_dot_protocol_dot_protocol__pb2.ShardApplyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unassign(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tidings.protocol.Shard/Unassign',
+            tidings_dot_protocol_dot_protocol__pb2.UnassignRequest.SerializeToString,
+            tidings_dot_protocol_dot_protocol__pb2.UnassignResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class JournalStub:
     """Missing associated documentation comment in .proto file."""
 

@@ -121,6 +121,10 @@ IndexHasGreaterOffsetError = _define(pb.INDEX_HAS_GREATER_OFFSET)
 RegisterMismatchError = _define(pb.REGISTER_MISMATCH)
 FragmentStoreUnhealthyError = _define(pb.FRAGMENT_STORE_UNHEALTHY)
 SuspendedError = _define(pb.SUSPENDED)
+ShardNotFoundError = _define(pb.SHARD_NOT_FOUND)
+NoShardPrimaryError = _define(pb.NO_SHARD_PRIMARY)
+NotShardPrimaryError = _define(pb.NOT_SHARD_PRIMARY)
+ShardStoppedError = _define(pb.SHARD_STOPPED)
 
 
 def for_status(status: int) -> type[StatusError]:

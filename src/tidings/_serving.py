@@ -1,0 +1,77 @@
+"""What every tidings server process shares: checking a listen address before gRPC binds it,
+serving Prometheus /metrics, and counting RPCs by outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+from prometheus_client import Counter
+
+from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.status import UsageError
+
+__all__ = ["check_listen", "counted", "serve_metrics", "stop_metrics"]
+
+
+def check_listen(listen: str) -> None:
+    """Raise OSError if ``HOST:PORT`` cannot be bound (port taken, address not this host's)."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    if not port.isdigit():
+        raise OSError(f"{port!r} is not a port number")
+    for family, kind, proto, _name, addr in socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM):
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no conflict
+            s.bind(addr)
+
+
+def serve_metrics(listen: str, host: str, port: int, who: str) -> tuple[Any, str]:
+    """Serve /metrics on `listen` (HOST:PORT), or with "auto" on the gRPC `port` + 1000 of `host` (any
+    free port if that one is taken); the server and the endpoint it serves on."""
+    from prometheus_client import start_http_server
+
+    tries = [listen.rsplit(":", 1)]
+    if listen == "auto":
+        tries = [[host, str(port + 1000 if 0 < port <= 64535 else 0)], [host, "0"]]
+    for i, (mhost, mport) in enumerate(tries):
+        try:
+            server, _thread = start_http_server(int(mport), addr=mhost)
+        except OSError as err:
+            if i + 1 < len(tries):
+                continue
+            raise UsageError(f"{who} cannot serve metrics on {mhost}:{mport} ({err}): pass another --metrics") from None
+        return server, f"{mhost}:{server.server_port}"
+    raise AssertionError("unreachable")
+
+
+def stop_metrics(server: Any) -> None:
+    if server is not None:
+        server.shutdown()
+        server.server_close()
+
+
+@contextlib.contextmanager
+def counted(counter: Counter, rpc: str, context: grpc.aio.ServicerContext) -> Iterator[list[int]]:
+    """Count one RPC in `counter` (labels rpc, status) by its outcome: the Status the body appends to
+    the list yielded, else the gRPC code it aborted with (CANCELLED when the client went away,
+    UNKNOWN for a surprise)."""
+    outcome: list[int] = []
+    try:
+        yield outcome
+    except grpc.aio.AbortError:
+        code = context.code()
+        counter.labels(rpc, code.name if isinstance(code, grpc.StatusCode) else "ABORTED").inc()
+        raise
+    except asyncio.CancelledError:
+        counter.labels(rpc, "CANCELLED").inc()
+        raise
+    except Exception:
+        counter.labels(rpc, "UNKNOWN").inc()
+        raise
+    else:
+        counter.labels(rpc, pb.Status.Name(outcome[-1]) if outcome else "OK").inc()
