@@ -44,7 +44,9 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import quote
 
 from tidings.client import AppendService, AsyncClient
 from tidings.consumer.store import Store
@@ -79,7 +81,16 @@ class Shard:
     read_through: dict[str, int] = dataclasses.field(default_factory=dict)  # per source, once its ACKs are written
     restored: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # the store restored: serving
     on_transaction: Callable[[TxnStats], None] | None = None  # called as each transaction's ACKs are written
+    data_dir: Path | None = None  # where the shard's local files go (the consumer's --data-dir)
     _moved: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+    def path(self, suffix: str = ".db") -> Path:
+        """The shard's own file in `data_dir` (its id quoted: '/' and all make one file name), e.g. for
+        a SQLiteStore: ``SQLiteStore(shard.path())``."""
+        if self.data_dir is None:
+            raise UsageError(f"shard {self.spec.id!r} has no data_dir: run it in a consumer (--data-dir)")
+        Path(self.data_dir).mkdir(parents=True, exist_ok=True)
+        return Path(self.data_dir) / (quote(self.spec.id, safe="") + suffix)
 
     def advance(self, checkpoint: Checkpoint, stats: TxnStats | None = None) -> None:
         """Progress: the read-through offsets of a committed (and acknowledged) transaction."""

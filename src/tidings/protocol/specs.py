@@ -238,3 +238,95 @@ def given(d: dict[str, Any], path: str) -> bool:
     if head not in d:
         return False
     return not rest or (isinstance(d[head], dict) and rest in d[head])
+
+
+# -- shard specs (`tidings shards apply`, `shards list --yaml`; docs/shards.md) ------------------------
+
+SHARD_FIELDS = {
+    "id", "sources", "max_txn_duration", "min_txn_duration", "hot_standbys", "disable", "disable_wait_for_ack",
+    "labels", "recovery_log_prefix", "hint_prefix", "hint_backups", "ring_buffer_size", "read_channel_size",
+    "revision", "delete",
+}  # fmt: skip
+SHARD_STATUS_FIELDS = frozenset({"primary", "status", "read_through", "lag"})  # what `shards list --yaml` adds
+
+
+def _flag(d: dict[str, Any], name: str, ctx: str) -> bool:
+    value = d.get(name, False)
+    if not isinstance(value, bool):
+        raise ValidationError(f"{ctx}.{name}", f"{value!r}: give true or false (unquoted)")
+    return value
+
+
+def shard_from_dict(d: dict[str, Any], ctx: str = "shard") -> pb.ShardSpec:
+    """Build and validate a ShardSpec from a YAML mapping; errors name the field. A source is a
+    journal name or ``{journal: NAME, min_offset: N}``."""
+    if not isinstance(d, dict):
+        raise ValidationError(ctx, "expected a mapping with at least `id` and `sources`")
+    unknown = set(d) - SHARD_FIELDS - SHARD_STATUS_FIELDS
+    if unknown:
+        raise ValidationError(ctx, f"unknown field(s) {sorted(unknown)}; known: {sorted(SHARD_FIELDS)}")
+    if "revision" in d and (_count(d["revision"], f"{ctx}.revision") < 0):
+        raise ValidationError(f"{ctx}.revision", f"{d['revision']} must be 0 or more")
+    _flag(d, "delete", ctx)
+    sources = d.get("sources") or []
+    if not isinstance(sources, list):
+        sources = [sources]
+    spec = pb.ShardSpec(
+        id=str(d.get("id", "")),
+        max_txn_duration_ms=parse_duration_ms(d.get("max_txn_duration", "1s"), f"{ctx}.max_txn_duration"),
+        min_txn_duration_ms=parse_duration_ms(d.get("min_txn_duration", 0), f"{ctx}.min_txn_duration"),
+        hot_standbys=_count(d.get("hot_standbys", 0), f"{ctx}.hot_standbys"),
+        disable=_flag(d, "disable", ctx),
+        disable_wait_for_ack=_flag(d, "disable_wait_for_ack", ctx),
+        labels=lbl.label_set(
+            (str(k), str(one))
+            for k, v in _mapping(d.get("labels"), f"{ctx}.labels").items()
+            for one in (v if isinstance(v, list) else [v])
+        ),
+        recovery_log_prefix=str(d.get("recovery_log_prefix", "")),
+        hint_prefix=str(d.get("hint_prefix", "")),
+        hint_backups=_count(d.get("hint_backups", 0), f"{ctx}.hint_backups"),
+        ring_buffer_size=_count(d.get("ring_buffer_size", 0), f"{ctx}.ring_buffer_size"),
+        read_channel_size=_count(d.get("read_channel_size", 0), f"{ctx}.read_channel_size"),
+    )
+    for i, src in enumerate(sources):
+        at = f"{ctx}.sources[{i}]"
+        if isinstance(src, str):
+            src = {"journal": src}
+        src = _mapping(src, at)
+        if set(src) - {"journal", "min_offset"}:
+            raise ValidationError(at, f"unknown field(s) {sorted(set(src) - {'journal', 'min_offset'})}")
+        spec.sources.add(journal=str(src.get("journal", "")), min_offset=_count(src.get("min_offset", 0), at))
+    validate.shard_spec(spec, ctx)
+    return spec
+
+
+def shard_to_dict(spec: pb.ShardSpec) -> dict[str, Any]:
+    return {
+        "id": spec.id,
+        "sources": [
+            s.journal if not s.min_offset else {"journal": s.journal, "min_offset": s.min_offset} for s in spec.sources
+        ],
+        "max_txn_duration": format_duration(spec.max_txn_duration_ms),
+        "min_txn_duration": format_duration(spec.min_txn_duration_ms),
+        "hot_standbys": spec.hot_standbys,
+        "disable": spec.disable,
+        "disable_wait_for_ack": spec.disable_wait_for_ack,
+        "labels": _labels_dict(spec.labels),
+        "recovery_log_prefix": spec.recovery_log_prefix,
+        "hint_prefix": spec.hint_prefix,
+        "hint_backups": spec.hint_backups,
+        "ring_buffer_size": spec.ring_buffer_size,
+        "read_channel_size": spec.read_channel_size,
+    }
+
+
+def shard_documents(loaded: Any) -> list[dict[str, Any]]:
+    """The shard mappings of a loaded YAML document: one, a list, or ``{shards: [...]}``."""
+    if isinstance(loaded, dict) and "shards" in loaded:
+        loaded = loaded["shards"]
+    if isinstance(loaded, dict):
+        return [loaded]
+    if isinstance(loaded, list):
+        return loaded
+    raise ValidationError("file", "expected a shard mapping, a list of them, or {shards: [...]}")

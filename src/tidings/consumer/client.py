@@ -1,0 +1,108 @@
+"""ShardClient: a consumer's Shard service, from any of its processes (what `tidings shards` uses).
+
+`stat` goes to the shard's primary: asked of another process, it follows the route that one
+answers with. Transient failures (a process restarting, no primary yet) are retried with backoff
+for `deadline` seconds; definite refusals raise the StatusError naming the status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+
+from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol import protocol_pb2_grpc as pb_grpc
+from tidings.protocol.status import TransportError, raise_for_status
+
+__all__ = ["ShardClient"]
+
+RETRIABLE = {pb.NO_SHARD_PRIMARY, pb.NOT_SHARD_PRIMARY}
+STAT_MARGIN = 1.0  # seconds a Stat answers before the caller's deadline (with what it has read through)
+
+
+class ShardClient:
+    """The Shard service of the consumer at `endpoint` (HOST:PORT)."""
+
+    def __init__(self, endpoint: str, deadline: float = 30.0) -> None:
+        self.endpoint = endpoint
+        self.deadline = deadline
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, endpoint: str | None = None) -> pb_grpc.ShardStub:
+        endpoint = endpoint or self.endpoint
+        channel = self._channels.get(endpoint)
+        if channel is None:
+            channel = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint)
+        return pb_grpc.ShardStub(channel)
+
+    async def aclose(self) -> None:
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            await channel.close()
+
+    async def __aenter__(self) -> ShardClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _call(self, method: str, request: Any, endpoint: str | None = None, timeout: float | None = 30.0) -> Any:
+        try:
+            return await getattr(self._stub(endpoint), method)(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            retriable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            where = endpoint or self.endpoint
+            raise TransportError(f"consumer {where}: {exc.details() or code.name}", code, retriable) from None
+
+    async def list(self, selector: pb.LabelSelector | None = None) -> pb.ShardListResponse:
+        resp = await self._call("List", pb.ShardListRequest(selector=selector))
+        raise_for_status(resp.status)
+        return resp
+
+    async def apply(self, changes: list[pb.ShardApplyRequest.Change]) -> pb.ShardApplyResponse:
+        resp = await self._call("Apply", pb.ShardApplyRequest(changes=changes))
+        raise_for_status(resp.status, detail=resp.detail)
+        return resp
+
+    async def unassign(self, shards: list[str], only_failed: bool = False, dry_run: bool = False) -> list[str]:
+        req = pb.UnassignRequest(shards=shards, only_failed=only_failed, dry_run=dry_run)
+        resp = await self._call("Unassign", req)
+        raise_for_status(resp.status, detail=", ".join(resp.shards))
+        return list(resp.shards)
+
+    async def stat(
+        self, shard: str, read_through: dict[str, int] | None = None, timeout: float = 30.0
+    ) -> pb.StatResponse:
+        """The shard's read-through offsets, once it has read through `read_through` (at most `timeout` s)."""
+        req = pb.StatRequest(shard=shard, read_through=read_through or {})
+        give_up = time.monotonic() + max(timeout, self.deadline)
+        endpoint: str | None = None
+        attempt = 0
+        while True:
+            left = max(0.1, give_up - time.monotonic())
+            try:
+                resp = await self._call("Stat", req, endpoint, timeout=min(timeout, left) + STAT_MARGIN + 0.5)
+            except TransportError as exc:
+                if not exc.retriable or time.monotonic() >= give_up:
+                    raise
+                endpoint = None  # (ask the first consumer again where the primary is)
+            else:
+                route = resp.header.route
+                if resp.status == pb.NOT_SHARD_PRIMARY and route.primary >= 0 and route.endpoints:
+                    primary = route.endpoints[route.primary]
+                    if primary and primary != endpoint:
+                        endpoint = primary
+                        continue
+                if resp.status not in RETRIABLE or time.monotonic() >= give_up:
+                    detail = f"shard {shard!r}" + (f": {resp.detail}" if resp.detail else "")
+                    raise_for_status(resp.status, detail=detail)
+                    behind = {j: o for j, o in req.read_through.items() if resp.read_through.get(j, 0) < o}
+                    if behind:
+                        raise TimeoutError(f"shard {shard!r} has not read through {behind} within {timeout:g}s")
+                    return resp
+            attempt += 1
+            await asyncio.sleep(min(1.0, 0.05 * 2**attempt))

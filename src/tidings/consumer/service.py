@@ -1,0 +1,519 @@
+"""Consumer: one `tidings consumer` process, serving the shards the allocator assigns it (Gazette's
+consumer.Service). Shards are items and consumer processes members of the same allocator that
+places journals on brokers (`allocator.kind.SHARDS`), under the consumer's own etcd root.
+
+Start order: etcd -> KeySpace of the consumer root -> broker client -> gRPC Shard service ->
+member announcement (leased ConsumerSpec) -> allocator -> assignments followed. Each assignment of
+this process is a `ShardReplica`:
+
+- at slot 0 (primary): `serve_primary` (restore the store, which fences off any earlier primary,
+  re-write its ACK intents, run transactions). Its status (the assignment's value) goes IDLE ->
+  PRIMARY once restored; a failure stops the shard (the process keeps serving the others) and
+  writes FAILED with the reason: a deleted source journal, a fenced store, the application's own
+  error. A failed shard stays so until `tidings shards unassign ID` (Gazette's choice: a fault
+  that repeats would otherwise move from process to process).
+- at another slot (standby): STANDBY at once. Without recovery logs (next issue) a standby has
+  nothing to tail: the store is remote (PostgreSQL) or a file every process reaches (SQLite in
+  `--data-dir`, shared by the processes of one host), so it is ready to take over.
+
+Statuses gate the allocator as journal routes do: it removes a primary only once another replica
+is STANDBY, so a hand-off never leaves a shard without a ready successor. A replica whose
+assignment goes is stopped gracefully (its open transaction commits, or fails on the fence if the
+successor already restored). SIGTERM marks the member exiting and waits (at most `exit_timeout`)
+for its shards to move, then stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import importlib
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from tidings._serving import check_listen, counted, serve_metrics, stop_metrics
+from tidings.allocator import keys
+from tidings.allocator.announce import Announcement, announce
+from tidings.allocator.converge import Allocator
+from tidings.allocator.handoff import ETCD_STOP_TIMEOUT, wait_handed_off
+from tidings.allocator.kind import SHARDS
+from tidings.allocator.state import Assignment, State
+from tidings.client import AsyncClient
+from tidings.consumer import _metrics as metrics
+from tidings.consumer.client import STAT_MARGIN
+from tidings.consumer.shard import Application, Shard, TxnStats, serve_primary
+from tidings.consumer.store import FenceError
+from tidings.keyspace import KeySpace
+from tidings.keyspace.decode import decoder
+from tidings.keyspace.etcd import Etcd, delete_op, mod_revision_is, put_op
+from tidings.protocol import labels, validate
+from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol import protocol_pb2_grpc as pb_grpc
+from tidings.protocol.status import JournalNotFoundError, TidingsError, TransportError, UsageError, ValidationError
+
+__all__ = ["Consumer", "ConsumerConfig", "ShardReplica", "load_app"]
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT = 10.0  # seconds a stopping shard may take to commit its open transaction and write its ACKs
+LAG_INTERVAL = 5.0  # seconds between looks at the sources' write heads (the lag gauges)
+
+
+@dataclasses.dataclass
+class ConsumerConfig:
+    """Flags of `tidings consumer`, one for one with TIDINGS_* environment variables."""
+
+    etcd: str
+    broker: str
+    app: str | Application  # module:factory, or the application itself (tests, embedding)
+    zone: str = "local"
+    suffix: str = "consumer-0"
+    listen: str = "127.0.0.1:0"
+    root: str = "/tidings/consumers/default"
+    data_dir: Path = Path("data/consumer")  # shards' local files (`Shard.path`): SQLite stores
+    shard_limit: int = 1024
+    lease_ttl: int = 5
+    metrics_listen: str | None = None  # HOST:PORT serving /metrics; "auto": the gRPC port + 1000
+    exit_timeout: float = 60.0
+
+
+def load_app(ref: str) -> Application:
+    """The application of `module:factory` (the factory is called with no arguments)."""
+    module_name, colon, attr = ref.partition(":")
+    if not colon or not module_name or not attr:
+        raise UsageError(f"--app {ref!r} is not module:factory (e.g. examples.wordcount:WordCount)")
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")  # (as `python -m` does: the working directory's modules)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(
+            f"--app {ref!r}: cannot import {module_name!r} ({exc}); check the name and PYTHONPATH"
+        ) from None
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise UsageError(f"--app {ref!r}: module {module_name!r} has no {attr!r}")
+    app = factory() if callable(factory) else factory
+    missing = [m for m in ("new_store", "consume_message", "finalize_txn") if not hasattr(app, m)]
+    if missing:
+        raise UsageError(f"--app {ref!r} gives {type(app).__name__}, which lacks {', '.join(missing)}")
+    return app
+
+
+class ShardReplica:
+    """This process's replica of one shard (see the module docstring)."""
+
+    def __init__(self, consumer: Consumer, shard_id: str) -> None:
+        self.consumer = consumer
+        self.id = shard_id
+        self.spec: pb.ShardSpec | None = None
+        self.assignment: Assignment | None = None
+        self.shard: Shard | None = None  # while primary
+        self.status = pb.ReplicaStatus(code=pb.ReplicaStatus.IDLE)  # what this replica says of itself
+        self._primary: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._writer = asyncio.create_task(self._write_status(), name=f"status:{shard_id}")
+        self.closed = False
+
+    @property
+    def is_primary(self) -> bool:
+        return self.assignment is not None and self.assignment.slot == 0 and self._primary is not None
+
+    def update(self, spec: pb.ShardSpec, assignment: Assignment) -> None:
+        """Follow the shard's spec and this process's assignment of it (a KeySpace update)."""
+        restart = self._primary is not None and self.spec is not None and spec != self.spec
+        self.spec, self.assignment = spec, assignment
+        if restart and self.status.code != pb.ReplicaStatus.FAILED:
+            log.info("shard %s: its spec changed; restarting its primary", self.id)
+            self._restart()
+        elif assignment.slot == 0 and self._primary is None and self.status.code != pb.ReplicaStatus.FAILED:
+            self._start_primary()
+        elif assignment.slot > 0 and self.status.code == pb.ReplicaStatus.IDLE:
+            self._set_status(pb.ReplicaStatus.STANDBY)  # (no recovery log to tail: ready at once)
+        self._changed.set()
+
+    def _start_primary(self, after: asyncio.Task[None] | None = None) -> None:
+        assert self.spec is not None
+        self._stop = asyncio.Event()
+        self._primary = asyncio.create_task(self._serve(self.spec, self._stop, after), name=f"shard:{self.id}")
+
+    def _restart(self) -> None:
+        """Stop the primary (its open transaction commits) and start another once it has stopped."""
+        self._stop.set()
+        self._start_primary(after=self._primary)
+
+    async def _serve(self, spec: pb.ShardSpec, stop: asyncio.Event, after: asyncio.Task[None] | None) -> None:
+        if after is not None:  # (never two primaries of a shard in one process: they would share its store)
+            await asyncio.wait([after])
+            if stop.is_set():
+                return
+        consumer = self.consumer
+        data_dir = consumer.config.data_dir
+        shard = self.shard = Shard(spec, consumer.client, on_transaction=self._observe, data_dir=data_dir)
+        restored = asyncio.ensure_future(shard.restored.wait())
+        restored.add_done_callback(lambda f: f.cancelled() or self._set_status(pb.ReplicaStatus.PRIMARY))
+        try:
+            log.info("shard %s: primary here; restoring its store", self.id)
+            await serve_primary(consumer.client, spec, consumer.app, stop, shard)
+            log.info("shard %s: primary stopped", self.id)
+        except asyncio.CancelledError:
+            raise
+        except FenceError as exc:
+            self._fail(f"fenced: {exc}", stop)
+        except JournalNotFoundError as exc:
+            self._fail(f"a source journal is gone: {exc}", stop)
+        except Exception as exc:
+            log.exception("shard %s: failed", self.id)
+            self._fail(f"{type(exc).__name__}: {exc}", stop)
+        finally:
+            restored.cancel()
+
+    def _fail(self, reason: str, stop: asyncio.Event) -> None:
+        if stop.is_set():  # (stopping anyway: the assignment went, a successor fenced us)
+            log.info("shard %s: stopped (%s)", self.id, reason)
+            return
+        log.error("shard %s: FAILED: %s (`tidings shards unassign %s` once mended)", self.id, reason, self.id)
+        metrics.SHARD_FAILURES.inc()
+        self._set_status(pb.ReplicaStatus.FAILED, reason)
+
+    def _observe(self, stats: TxnStats) -> None:
+        metrics.TRANSACTIONS.labels(self.id).inc()
+        metrics.MESSAGES.labels(self.id).inc(stats.messages)
+        metrics.COMMIT_SECONDS.labels(self.id).observe(stats.committing)
+        metrics.TXN_SECONDS.labels(self.id).observe(stats.consuming + stats.committing + stats.acknowledging)
+
+    def _set_status(self, code: int, error: str = "") -> None:
+        self.status = pb.ReplicaStatus(code=code, errors=[error] if error else [])
+        self._changed.set()
+
+    async def _write_status(self) -> None:
+        """Keep the assignment's value equal to `status` (guarded by its mod revision; a changed
+        assignment is written again once the KeySpace shows it)."""
+        consumer = self.consumer
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            a = self.assignment
+            if a is None or a.value == self.status or self.closed:
+                continue
+            try:
+                ok, revision = await consumer.etcd.txn(
+                    [mod_revision_is(a.key, a.mod_revision)],
+                    [put_op(a.key, self.status.SerializeToString(), ignore_lease=True)],
+                )
+            except TidingsError as exc:
+                log.warning("shard %s: cannot write its status %s (%s); retrying", self.id, self.status.code, exc)
+                await asyncio.sleep(1.0)
+                self._changed.set()
+                continue
+            if ok:
+                with contextlib.suppress(TimeoutError):
+                    await consumer.keyspace.wait_for_revision(revision, timeout=10)
+
+    async def aclose(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Stop: the primary commits its open transaction (at most `timeout` seconds, then it is cancelled)."""
+        self.closed = True
+        self._stop.set()
+        primary = self._primary
+        if primary is not None:
+            _done, pending = await asyncio.wait([primary], timeout=timeout)
+            if pending:
+                log.warning("shard %s: did not stop within %.0fs; cancelling it", self.id, timeout)
+                primary.cancel()
+                await asyncio.wait([primary])
+        self._writer.cancel()
+        await asyncio.wait([self._writer])
+
+
+class Consumer:
+    """A consumer process (see the module docstring)."""
+
+    def __init__(self, config: ConsumerConfig) -> None:
+        self.config = config
+        self.process_id = pb.ProcessId(zone=config.zone, suffix=config.suffix)
+        self.app: Application = load_app(config.app) if isinstance(config.app, str) else config.app
+        self.replicas: dict[str, ShardReplica] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._metrics_server: Any = None
+        self.endpoint = self.metrics_endpoint = ""
+        self.stopped = asyncio.Event()
+
+    @property
+    def who(self) -> str:
+        return f"consumer {self.config.zone}/{self.config.suffix}"
+
+    async def start(self) -> Consumer:
+        cfg = self.config
+        validate.process_id(self.process_id, "consumer")
+        async with contextlib.AsyncExitStack() as undo:
+            self.etcd = await Etcd.connect(cfg.etcd)
+            undo.push_async_callback(self.etcd.aclose)
+            self.keyspace = KeySpace(cfg.root, decoder(cfg.root, SHARDS))
+            await self.keyspace.start(self.etcd)
+            undo.push_async_callback(self.keyspace.aclose)
+            self.client = AsyncClient(cfg.broker)
+            undo.push_async_callback(self.client.aclose)
+            self.state = State.from_keyspace(self.keyspace, SHARDS)
+            self.server = grpc.aio.server()
+            pb_grpc.add_ShardServicer_to_server(_Servicer(self), self.server)
+            host = cfg.listen.rsplit(":", 1)[0]
+            try:
+                check_listen(cfg.listen)
+                port = self.server.add_insecure_port(cfg.listen)
+            except (OSError, RuntimeError) as err:
+                raise UsageError(f"{self.who} cannot listen on {cfg.listen} ({err}); pass another --listen") from None
+            self.endpoint = f"{host}:{port}"
+            await self.server.start()
+            undo.push_async_callback(self.server.stop, 0)
+            if cfg.metrics_listen:
+                self._metrics_server, self.metrics_endpoint = serve_metrics(cfg.metrics_listen, host, port, self.who)
+                undo.callback(stop_metrics, self._metrics_server)
+            self.spec = pb.ConsumerSpec(id=self.process_id, endpoint=self.endpoint, shard_limit=cfg.shard_limit)
+            self.announcement: Announcement = await announce(self.etcd, cfg.root, self.spec, ttl=cfg.lease_ttl)
+            undo.push_async_callback(self.announcement.aclose, ETCD_STOP_TIMEOUT)
+            self.allocator = Allocator(self.etcd, self.keyspace, cfg.root, (cfg.zone, cfg.suffix), SHARDS)
+            self._tasks.append(asyncio.create_task(self.allocator.run(), name=f"allocator:{cfg.suffix}"))
+            self._tasks.append(asyncio.create_task(self._lag_loop(), name=f"lag:{cfg.suffix}"))
+            self.keyspace.add_observer(self._on_keyspace_update)
+            self._on_keyspace_update()
+            undo.pop_all()
+        log.info("%s serving on %s (root %s)", self.who, self.endpoint, cfg.root)
+        return self
+
+    def _on_keyspace_update(self) -> None:
+        """Atomically with a KeySpace update: rebuild State and follow this process's assignments."""
+        if self.stopped.is_set():
+            return
+        self.state = state = State.from_keyspace(self.keyspace, SHARDS)
+        mine = {a.journal: a for a in state.assignments_of(self.config.zone, self.config.suffix)}
+        for shard_id, assignment in mine.items():
+            item = state.items.get(shard_id)
+            if item is None:
+                continue
+            replica = self.replicas.get(shard_id)
+            if replica is None:
+                replica = self.replicas[shard_id] = ShardReplica(self, shard_id)
+            replica.update(item.spec, assignment)
+        for shard_id in list(self.replicas):
+            if shard_id not in mine or shard_id not in state.items:
+                replica = self.replicas.pop(shard_id)
+                log.info("shard %s: no longer assigned here; stopping its replica", shard_id)
+                task = asyncio.get_running_loop().create_task(replica.aclose(), name=f"close:{shard_id}")
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+
+    def header(self, route: pb.Route | None = None) -> pb.Header:
+        return pb.Header(
+            process_id=self.process_id,
+            route=route if route is not None else pb.Route(primary=-1),
+            etcd=pb.Header.Etcd(revision=self.keyspace.revision),
+        )
+
+    async def stop(self, graceful: bool = True) -> None:
+        """Graceful: hand the shards off first (bounded). Either way: stop them and release everything."""
+        lost = self.announcement.lost.is_set()
+        log.info(
+            "%s stopping (%s)", self.who, "handing its shards off first" if graceful and not lost else "no hand-off"
+        )
+        if graceful and not lost:
+            await self._hand_off()
+        self.stopped.set()
+        for task in self._tasks:
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await self.allocator.aclose()
+        replicas, self.replicas = self.replicas, {}
+        await asyncio.gather(*(r.aclose() for r in replicas.values()), *self._closing, return_exceptions=True)
+        await self.server.stop(grace=1.0 if graceful else 0)
+        await self.announcement.aclose(timeout=ETCD_STOP_TIMEOUT)
+        await self.keyspace.aclose()
+        await self.client.aclose()
+        await self.etcd.aclose()
+        stop_metrics(self._metrics_server)
+        self._metrics_server = None
+        log.info("%s stopped", self.who)
+
+    async def _hand_off(self) -> None:
+        spec = pb.ConsumerSpec()
+        spec.CopyFrom(self.spec)
+        spec.shard_limit, spec.exiting = 0, True
+        try:
+            await self.announcement.update(spec, timeout=ETCD_STOP_TIMEOUT)
+        except TidingsError as err:
+            log.warning("%s: cannot mark itself exiting in etcd (%s); stopping without handing off", self.who, err)
+            return
+        await wait_handed_off(
+            self.keyspace, self.etcd, self.announcement, lambda: self.state, self.who, self.config.exit_timeout
+        )
+
+    async def _lag_loop(self) -> None:
+        """Every LAG_INTERVAL: each primary's read-through offsets and lag (the sources' write heads)."""
+        while True:
+            for replica in list(self.replicas.values()):
+                shard = replica.shard
+                if not replica.is_primary or shard is None:
+                    continue
+                for journal, through in list(shard.read_through.items()):
+                    metrics.READ_THROUGH.labels(replica.id, journal).set(through)
+                    with contextlib.suppress(TidingsError):
+                        head = await self.client.write_head(journal)
+                        metrics.LAG_BYTES.labels(replica.id, journal).set(max(0, head - through))
+            await asyncio.sleep(LAG_INTERVAL)
+
+    # -- the Shard service ---------------------------------------------------------------------
+
+    async def stat(self, req: pb.StatRequest, deadline: float | None) -> pb.StatResponse:
+        validate.shard_id(req.shard, "stat.shard")
+        state = self.state
+        if req.shard not in state.items:
+            return pb.StatResponse(status=pb.SHARD_NOT_FOUND, header=self.header(), detail=f"no shard {req.shard!r}")
+        route = state.route(req.shard)
+        replica = self.replicas.get(req.shard)
+        if replica is None or not replica.is_primary or replica.shard is None:
+            status = pb.NO_SHARD_PRIMARY if route.primary < 0 else pb.NOT_SHARD_PRIMARY
+            return pb.StatResponse(status=status, header=self.header(route))
+        shard, primary = replica.shard, replica._primary
+        assert primary is not None
+        wanted = dict(req.read_through)
+
+        async def served() -> None:
+            await shard.restored.wait()
+            await shard.wait_read_through(wanted)
+
+        waiting = asyncio.ensure_future(served())
+        try:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            await asyncio.wait([waiting, primary], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiting.cancel()
+        if not waiting.done() or waiting.cancelled():
+            if primary.done():
+                why = "; ".join(replica.status.errors) or "it was handed off"
+                return pb.StatResponse(status=pb.SHARD_STOPPED, header=self.header(route), detail=why)
+        resp = pb.StatResponse(status=pb.OK, header=self.header(route))
+        resp.read_through.update(shard.read_through)
+        return resp
+
+    def list_response(self, selector: pb.LabelSelector) -> pb.ShardListResponse:
+        state = self.state
+        resp = pb.ShardListResponse(status=pb.OK, header=self.header())
+        for shard_id in sorted(state.items):
+            item = state.items[shard_id]
+            if not labels.matches(selector, labels.union(item.spec.labels, labels.label_set({"id": shard_id}))):
+                continue
+            route = state.route(shard_id)
+            by_member = {a.member: a.value for a in state.assignments.get(shard_id, [])}
+            entry = resp.shards.add(
+                spec=item.spec, mod_revision=item.mod_revision, create_revision=item.create_revision, route=route
+            )
+            for m in route.members:
+                entry.status.append(by_member.get((m.zone, m.suffix), pb.ReplicaStatus()))
+        return resp
+
+    async def apply(self, req: pb.ShardApplyRequest) -> pb.ShardApplyResponse:
+        root = self.config.root
+        compares, ops = [], []
+        for i, change in enumerate(req.changes):
+            if change.HasField("upsert"):
+                validate.shard_spec(change.upsert, f"changes[{i}].upsert")
+                key = keys.item_key(root, change.upsert.id)
+                ops.append(put_op(key, change.upsert.SerializeToString()))
+            elif change.delete:
+                validate.shard_id(change.delete, f"changes[{i}].delete")
+                key = keys.item_key(root, change.delete)
+                ops.append(delete_op(key))
+                ops.extend(delete_op(a.key) for a in self.state.assignments.get(change.delete, []))
+            else:
+                raise ValidationError(f"changes[{i}]", "expected an upsert or a delete")
+            if change.expect_mod_revision >= 0:
+                compares.append(mod_revision_is(key, change.expect_mod_revision))
+        ok, revision = await self.etcd.txn(compares, ops)
+        await self.keyspace.wait_for_revision(revision, timeout=10)
+        if not ok:
+            return pb.ShardApplyResponse(
+                status=pb.ETCD_TRANSACTION_FAILED,
+                header=self.header(),
+                detail="a shard changed since it was read (its mod revision differs); read it again and retry",
+            )
+        return pb.ShardApplyResponse(status=pb.OK, header=self.header())
+
+    async def unassign(self, req: pb.UnassignRequest) -> pb.UnassignResponse:
+        state = self.state
+        compares, ops, done = [], [], []
+        for i, shard_id in enumerate(req.shards):
+            validate.shard_id(shard_id, f"shards[{i}]")
+            if shard_id not in state.items:
+                return pb.UnassignResponse(status=pb.SHARD_NOT_FOUND, shards=[shard_id])
+            assigned = state.assignments.get(shard_id, [])
+            primary = next((a for a in assigned if a.slot == 0), None)
+            if req.only_failed and (primary is None or primary.value.code != pb.ReplicaStatus.FAILED):
+                continue
+            if not assigned:
+                continue
+            done.append(shard_id)
+            compares.extend(mod_revision_is(a.key, a.mod_revision) for a in assigned)
+            ops.extend(delete_op(a.key) for a in assigned)
+        if req.dry_run or not ops:
+            return pb.UnassignResponse(status=pb.OK, shards=done)
+        ok, revision = await self.etcd.txn(compares, ops)
+        if not ok:
+            return pb.UnassignResponse(status=pb.ETCD_TRANSACTION_FAILED)
+        await self.keyspace.wait_for_revision(revision, timeout=10)
+        return pb.UnassignResponse(status=pb.OK, shards=done)
+
+
+class _Servicer(pb_grpc.ShardServicer):
+    """gRPC entry points; bad input becomes INVALID_ARGUMENT naming the field."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        self.consumer = consumer
+
+    async def Stat(self, request, context):
+        with counted(metrics.RPC_STATUS, "stat", context) as outcome:
+            remaining = context.time_remaining()  # (answer before it passes, with what was read through)
+            deadline = None if remaining is None else time.monotonic() + max(0.0, remaining - STAT_MARGIN)
+            try:
+                resp = await self.consumer.stat(request, deadline)
+            except ValidationError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            outcome.append(resp.status)
+            return resp
+
+    async def List(self, request, context):
+        with counted(metrics.RPC_STATUS, "list", context) as outcome:
+            try:
+                validate.selector(request.selector)
+            except ValidationError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            outcome.append(pb.OK)
+            return self.consumer.list_response(request.selector)
+
+    async def Apply(self, request, context):
+        with counted(metrics.RPC_STATUS, "apply", context) as outcome:
+            try:
+                resp = await self.consumer.apply(request)
+            except ValidationError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except TransportError as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"apply: {exc}")
+            outcome.append(resp.status)
+            return resp
+
+    async def Unassign(self, request, context):
+        with counted(metrics.RPC_STATUS, "unassign", context) as outcome:
+            try:
+                resp = await self.consumer.unassign(request)
+            except ValidationError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except TransportError as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"unassign: {exc}")
+            outcome.append(resp.status)
+            return resp

@@ -1,0 +1,203 @@
+"""The consumer process (issue 10, items 1, 3 and 8): shards applied through the Shard service are
+assigned by the allocator to consumer processes, served as primaries (statuses in etcd), handed off
+when a process stops, and FAILED (with the reason, visible in List) when a source journal is
+deleted, while the process keeps serving its other shards. Real etcd and brokers; the consumers
+run in this process (tests/test_cli_consumer.py runs them as child processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter, defaultdict
+
+import grpc
+import pytest
+
+from tests.support.waiting import wait_until
+from tidings.client import AppendService
+from tidings.consumer import SQLiteStore
+from tidings.consumer.client import ShardClient
+from tidings.consumer.service import Consumer, ConsumerConfig
+from tidings.message import Publisher, read_committed
+from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.specs import shard_from_dict
+from tidings.protocol.status import TransportError
+
+WORDS = ["apple", "banana", "cherry", "date", "elder", "fig", "grape"]
+PRIMARY, FAILED, STANDBY = pb.ReplicaStatus.PRIMARY, pb.ReplicaStatus.FAILED, pb.ReplicaStatus.STANDBY
+
+
+class Counts:
+    """Word count per shard: its own SQLite file (Shard.path), running counts to wc/out/{n}."""
+
+    def new_store(self, shard) -> SQLiteStore:
+        store = SQLiteStore(shard.path())
+        store.db.execute("CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NOT NULL)")
+        return store
+
+    async def consume_message(self, shard, store, env, publisher) -> None:
+        word = env.message["word"]
+        db = store.transaction()
+        n = (db.execute("SELECT n FROM counts WHERE word = ?", (word,)).fetchone() or (0,))[0] + 1
+        db.execute("INSERT INTO counts VALUES (?, ?) ON CONFLICT (word) DO UPDATE SET n = excluded.n", (word, n))
+        await publisher.publish_uncommitted(out_journal(shard.spec.id), {"word": word, "n": n})
+
+    async def finalize_txn(self, shard, store, publisher) -> None:
+        pass
+
+
+def out_journal(shard_id: str) -> str:
+    return "wc/out/" + shard_id.rsplit("/", 1)[-1]
+
+
+def counts(path) -> dict[str, int]:
+    store = SQLiteStore(path)
+    try:
+        return dict(store.db.execute("SELECT word, n FROM counts").fetchall())
+    finally:
+        store.destroy()
+
+
+class Consumers:
+    def __init__(self, cluster, etcd_root: str, tmp_path) -> None:
+        # (beside the brokers' root, not under it: their KeySpace would see these keys as its own)
+        self.cluster, self.root, self.data_dir = cluster, etcd_root + "-consumer", tmp_path / "consumer"
+        self.running: list[Consumer] = []
+        self._n = 0
+
+    async def add(self, zone: str = "zone-a") -> Consumer:
+        cfg = ConsumerConfig(
+            etcd=self.cluster.etcd_endpoint,
+            broker=self.cluster.brokers[0].endpoint,
+            app=Counts(),
+            zone=zone,
+            suffix=f"c{self._n}",
+            root=self.root,
+            data_dir=self.data_dir,
+            lease_ttl=2,
+            exit_timeout=20.0,
+        )
+        self._n += 1
+        consumer = await Consumer(cfg).start()
+        self.running.append(consumer)
+        return consumer
+
+    def statuses(self, shard_id: str) -> dict[str, int]:
+        state = next(c for c in self.running if not c.stopped.is_set()).state
+        return {f"{a.zone}/{a.suffix}": a.value.code for a in state.assignments.get(shard_id, [])}
+
+    async def stop(self) -> None:
+        from tidings.keyspace.etcd import Etcd
+
+        for c in self.running:
+            if not c.stopped.is_set():
+                await c.stop(graceful=False)
+        client = await Etcd.connect(self.cluster.etcd_endpoint)
+        try:
+            await client.delete_prefix(self.root + "/")
+        finally:
+            await client.aclose()
+
+
+@pytest.fixture
+async def consumers(cluster, etcd_root, tmp_path):
+    cs = Consumers(cluster, etcd_root, tmp_path)
+    try:
+        yield cs
+    finally:
+        await cs.stop()
+
+
+def shard(i: int, **fields) -> pb.ShardSpec:
+    return shard_from_dict({"id": f"wc/{i}", "sources": [f"wc/in/{i}"], "max_txn_duration": "200ms", **fields})
+
+
+async def produce(cluster, journal: str, words: list[str]) -> None:
+    async with cluster.client() as c:
+        pub = Publisher(AppendService(c))
+        for i in range(0, len(words), 20):
+            await (await pub.publish_committed(journal, *({"word": w} for w in words[i : i + 20])))
+        await pub.service.aclose()
+
+
+async def downstream(cluster, journal: str) -> dict[str, list[int]]:
+    seen: dict[str, list[int]] = defaultdict(list)
+    async with cluster.client() as c:
+        async for env in read_committed(c, journal, block=False):
+            seen[env.message["word"]].append(env.message["n"])
+    return dict(seen)
+
+
+async def test_shards_are_served_and_handed_off_exactly_once(cluster, consumers) -> None:
+    for i in range(2):
+        await cluster.create_journal(f"wc/in/{i}", 1)
+        await cluster.create_journal(f"wc/out/{i}", 1)
+    a = await consumers.add("zone-a")
+    async with ShardClient(a.endpoint) as sc:
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=shard(i)) for i in range(2)])
+        await wait_until(lambda: all(consumers.statuses(f"wc/{i}") == {"zone-a/c0": PRIMARY} for i in range(2)), 30)
+        rng = random.Random(5)
+        words = {i: [rng.choice(WORDS) for _ in range(300)] for i in range(2)}
+        await produce(cluster, "wc/in/0", words[0][:150])
+        async with cluster.client() as c:
+            head = await c.write_head("wc/in/0")
+        stat = await sc.stat("wc/0", {"wc/in/0": head})  # read your own writes
+        assert stat.read_through["wc/in/0"] >= head
+        assert counts(consumers.data_dir / "wc%2F0.db") == Counter(words[0][:150])
+
+        # A second process joins; the first stops (SIGTERM's path) while input keeps coming.
+        b = await consumers.add("zone-b")
+        producing = asyncio.ensure_future(
+            asyncio.gather(produce(cluster, "wc/in/0", words[0][150:]), produce(cluster, "wc/in/1", words[1]))
+        )
+        await a.stop(graceful=True)
+        await producing
+    await wait_until(lambda: all(consumers.statuses(f"wc/{i}") == {"zone-b/c1": PRIMARY} for i in range(2)), 30)
+    async with ShardClient(b.endpoint) as sc:
+        for i in range(2):
+            async with cluster.client() as c:
+                head = await c.write_head(f"wc/in/{i}")
+            await sc.stat(f"wc/{i}", {f"wc/in/{i}": head})
+        listed = await sc.list()
+    for i in range(2):
+        assert counts(consumers.data_dir / f"wc%2F{i}.db") == Counter(words[i])
+        expected = {w: list(range(1, n + 1)) for w, n in Counter(words[i]).items()}
+        assert await downstream(cluster, f"wc/out/{i}") == expected
+    assert [(s.spec.id, [st.code for st in s.status]) for s in listed.shards] == [("wc/0", [PRIMARY]), ("wc/1", [PRIMARY])]
+
+
+async def test_a_deleted_source_fails_its_shard_only(cluster, consumers) -> None:
+    for i in range(2):
+        await cluster.create_journal(f"wc/in/{i}", 1)
+        await cluster.create_journal(f"wc/out/{i}", 1)
+    a = await consumers.add("zone-a")
+    async with ShardClient(a.endpoint) as sc:
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=shard(i)) for i in range(2)])
+        await wait_until(lambda: all(consumers.statuses(f"wc/{i}") == {"zone-a/c0": PRIMARY} for i in range(2)), 30)
+        async with cluster.client() as c:
+            revision = {j.spec.name: j.mod_revision for j in (await c.list()).journals}["wc/in/1"]
+            await c.apply([pb.ApplyRequest.Change(delete="wc/in/1", expect_mod_revision=revision)])
+        await wait_until(lambda: consumers.statuses("wc/1") == {"zone-a/c0": FAILED}, 30)
+        listed = {s.spec.id: s for s in (await sc.list()).shards}
+        assert "wc/in/1" in listed["wc/1"].status[0].errors[0], listed["wc/1"].status[0].errors
+        # The other shard is served on.
+        await produce(cluster, "wc/in/0", ["apple", "fig"])
+        async with cluster.client() as c:
+            head = await c.write_head("wc/in/0")
+        await sc.stat("wc/0", {"wc/in/0": head})
+        assert counts(consumers.data_dir / "wc%2F0.db") == {"apple": 1, "fig": 1}
+        # Unassign --failed only touches the failed one; it is assigned again (and fails again: still no source).
+        assert await sc.unassign(["wc/0", "wc/1"], only_failed=True) == ["wc/1"]
+        await wait_until(lambda: consumers.statuses("wc/1") == {"zone-a/c0": FAILED}, 30)
+        assert consumers.statuses("wc/0") == {"zone-a/c0": PRIMARY}
+
+
+async def test_invalid_shard_specs_are_refused_with_one_line(cluster, consumers) -> None:
+    a = await consumers.add("zone-a")
+    async with ShardClient(a.endpoint) as sc:
+        bad = pb.ShardSpec(id="wc/0", max_txn_duration_ms=1000)  # no sources
+        with pytest.raises(TransportError) as caught:
+            await sc.apply([pb.ShardApplyRequest.Change(upsert=bad)])
+        assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sources" in str(caught.value) and "\n" not in str(caught.value)
+        assert (await sc.list()).shards == []
