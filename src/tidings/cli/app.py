@@ -61,7 +61,9 @@ def usage(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
-def _endpoint(flag: str, optional: bool = False, also: tuple[str, ...] = ()) -> Callable[[str], str]:
+def _endpoint(
+    flag: str, optional: bool = False, also: tuple[str, ...] = (), any_port: bool = False
+) -> Callable[[str], str]:
     """A flag's check that its value is HOST:PORT ('' too when `optional`, or one of `also`), before
     anything connects (`localhost` alone went to port 443, `foo:bar` to a resolver error)."""
 
@@ -69,10 +71,11 @@ def _endpoint(flag: str, optional: bool = False, also: tuple[str, ...] = ()) -> 
         if (optional and value == "") or value in also:
             return value
         host, colon, port = value.rpartition(":")
-        if not colon or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        least = 0 if any_port else 1  # (port 0: any free one, printed once serving)
+        if not colon or not host or not (port.isascii() and port.isdigit()) or not least <= int(port) < 65536:
             forms = ["HOST:PORT", *(repr(w) for w in (*also, *([""] if optional else [])))]
             said = forms[0] if len(forms) == 1 else ", ".join(forms[:-1]) + " or " + forms[-1]
-            usage(f"{flag} {value!r} is not {said}: give a host and a port from 1 to 65535, e.g. 127.0.0.1:8080")
+            usage(f"{flag} {value!r} is not {said}: give a host and a port from {least} to 65535, e.g. 127.0.0.1:8080")
         return value
 
     return check
@@ -1382,6 +1385,8 @@ def demo(
 
     run_demo(data_dir, out)
 
+
+from tidings.cli import shards as _shards  # noqa: E402,F401  (registers `consumer` and `shards`)
 
 if __name__ == "__main__":
     main()

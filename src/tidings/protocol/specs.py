@@ -267,7 +267,9 @@ def shard_from_dict(d: dict[str, Any], ctx: str = "shard") -> pb.ShardSpec:
         raise ValidationError(ctx, f"unknown field(s) {sorted(unknown)}; known: {sorted(SHARD_FIELDS)}")
     if "revision" in d and (_count(d["revision"], f"{ctx}.revision") < 0):
         raise ValidationError(f"{ctx}.revision", f"{d['revision']} must be 0 or more")
-    _flag(d, "delete", ctx)
+    if _flag(d, "delete", ctx):  # (only the id matters)
+        validate.shard_id(str(d.get("id", "")), f"{ctx}.id")
+        return pb.ShardSpec(id=str(d["id"]))
     sources = d.get("sources") or []
     if not isinstance(sources, list):
         sources = [sources]

@@ -1,0 +1,213 @@
+"""Word count with a shuffle, exactly once: a consumer application in two stages.
+
+- `split/N` shards read lines from `{prefix}/lines/part-N` and publish each word to the words
+  partition its hash picks, `{prefix}/words/part-M` (the shuffle), uncommitted in their transaction;
+- `count/M` shards read their words partition, keep the counts in their SQLite store, and publish
+  each word's running count ``{"word": w, "n": n}`` to `{prefix}/counts`.
+
+A shard's stage and partitions come from its labels (`stage`, `prefix`, `parts`). Whatever crashes,
+each line's words are counted once: the stores hold the exact counts and `{prefix}/counts`, read
+committed, holds each word's counts 1, 2, ..., n once each.
+
+Run it against `tidings cluster up` (its `etcd` line gives --etcd)::
+
+    .venv/bin/python -m examples.wordcount --etcd 127.0.0.1:PORT --lines 2000
+
+It creates the journals and shards, starts two `tidings consumer` processes serving this module's
+`WordCount`, publishes random lines, waits until every word is counted, checks the counts against
+what it published (exactly), prints them and stops the consumers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from tidings.client import AppendService, AsyncClient
+from tidings.consumer import SQLiteStore
+from tidings.consumer.client import ShardClient
+from tidings.message import Publisher, read_committed
+from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.specs import shard_from_dict, spec_from_dict
+
+WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly hex jumbled boxes".split()
+
+
+def _label(shard: Any, name: str) -> str:
+    return next((lb.value for lb in shard.spec.labels.labels if lb.name == name), "")
+
+
+class WordCount:
+    """The application (`tidings consumer --app examples.wordcount:WordCount`)."""
+
+    def new_store(self, shard: Any) -> SQLiteStore:
+        store = SQLiteStore(shard.path())
+        if _label(shard, "stage") == "count":
+            store.db.execute("CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NOT NULL)")
+        return store
+
+    async def consume_message(self, shard: Any, store: SQLiteStore, envelope: Any, publisher: Publisher) -> None:
+        prefix = _label(shard, "prefix")
+        if _label(shard, "stage") == "split":
+            parts = int(_label(shard, "parts"))
+            words = [{"word": w} for w in envelope.message["line"].split()]
+
+            def partition(msg: dict) -> str:
+                return f"{prefix}/words/part-{zlib.crc32(msg['word'].encode()) % parts}"
+
+            await publisher.publish_uncommitted(partition, *words)
+            return
+        word = envelope.message["word"]
+        db = store.transaction()
+        n = (db.execute("SELECT n FROM counts WHERE word = ?", (word,)).fetchone() or (0,))[0] + 1
+        db.execute("INSERT INTO counts VALUES (?, ?) ON CONFLICT (word) DO UPDATE SET n = excluded.n", (word, n))
+        await publisher.publish_uncommitted(f"{prefix}/counts", {"word": word, "n": n})
+
+    async def finalize_txn(self, shard: Any, store: SQLiteStore, publisher: Publisher) -> None:
+        pass
+
+
+def journal_specs(prefix: str, parts: int, replication: int) -> list[pb.JournalSpec]:
+    names = [f"{prefix}/{kind}/part-{i}" for kind in ("lines", "words") for i in range(parts)] + [f"{prefix}/counts"]
+    return [spec_from_dict({"name": n, "replication": replication}) for n in names]
+
+
+def shard_specs(prefix: str, parts: int) -> list[pb.ShardSpec]:
+    specs = []
+    for stage, source in (("split", "lines"), ("count", "words")):
+        for i in range(parts):
+            labels = {"stage": stage, "prefix": prefix, "parts": str(parts)}
+            specs.append(
+                shard_from_dict(
+                    {
+                        "id": f"{prefix}/{stage}/{i}",
+                        "sources": [f"{prefix}/{source}/part-{i}"],
+                        "labels": labels,
+                        "max_txn_duration": "1s",
+                    }
+                )
+            )
+    return specs
+
+
+async def setup(broker: str, consumer: str, prefix: str, parts: int, replication: int) -> None:
+    """Create the journals and shards that do not exist yet."""
+    async with AsyncClient(broker) as c:
+        have = {j.spec.name for j in (await c.list()).journals}
+        new = [s for s in journal_specs(prefix, parts, replication) if s.name not in have]
+        if new:
+            await c.apply([pb.ApplyRequest.Change(upsert=s) for s in new])
+    async with ShardClient(consumer) as sc:
+        have = {s.spec.id for s in (await sc.list()).shards}
+        new_shards = [s for s in shard_specs(prefix, parts) if s.id not in have]
+        if new_shards:
+            await sc.apply([pb.ShardApplyRequest.Change(upsert=s) for s in new_shards])
+
+
+async def publish_lines(broker: str, prefix: str, parts: int, lines: int, seed: int) -> Counter:
+    """Publish `lines` random lines, committed, spread over the lines partitions; the words published."""
+    rng = random.Random(seed)
+    counted: Counter = Counter()
+    async with AsyncClient(broker) as c:
+        publisher = Publisher(AppendService(c))
+        for at in range(0, lines, 50):
+            batch = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 8))) for _ in range(min(50, lines - at))]
+            for line in batch:
+                counted.update(line.split())
+            await (
+                await publisher.publish_committed(
+                    f"{prefix}/lines/part-{at // 50 % parts}", *({"line": x} for x in batch)
+                )
+            )
+        await publisher.service.aclose()
+    return counted
+
+
+async def counts_published(broker: str, prefix: str) -> tuple[dict[str, int], list[str]]:
+    """Each word's final count in `{prefix}/counts` (read committed), and what breaks exactly-once there."""
+    seen: dict[str, list[int]] = {}
+    async with AsyncClient(broker) as c:
+        async for env in read_committed(c, f"{prefix}/counts", block=False):
+            seen.setdefault(env.message["word"], []).append(env.message["n"])
+    problems = [f"{w}: {ns[:10]}..." for w, ns in seen.items() if ns != list(range(1, len(ns) + 1))]
+    return {w: len(ns) for w, ns in seen.items()}, problems
+
+
+def start_consumer(
+    etcd: str, broker: str, root: str, data_dir: Path, suffix: str, zone: str
+) -> tuple[subprocess.Popen, str]:
+    """A `tidings consumer` child serving WordCount; returns it and its Shard service endpoint."""
+    cmd = [sys.executable, "-m", "tidings.cli", "consumer", "--app", "examples.wordcount:WordCount", "--etcd", etcd,
+           "--broker", broker, "--root", root, "--data-dir", str(data_dir), "--id", suffix, "--zone", zone,
+           "--listen", "127.0.0.1:0", "--metrics", "", "--lease-ttl", "2", "--exit-timeout", "20"]  # fmt: skip
+    log = open(data_dir.parent / f"{suffix}.log", "ab")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), *sys.path])}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    if not line.startswith("READY "):
+        proc.kill()
+        raise SystemExit(f"consumer {suffix} did not start (see {data_dir.parent / f'{suffix}.log'})")
+    return proc, line.split()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--etcd", default=os.environ.get("TIDINGS_ETCD", ""), help="the cluster's etcd HOST:PORT")
+    ap.add_argument("--broker", default=os.environ.get("TIDINGS_BROKER", "127.0.0.1:8080"))
+    ap.add_argument("--prefix", default=f"examples/wc-{int(time.time())}", help="of the journals and shards (new)")
+    ap.add_argument("--parts", type=int, default=2)
+    ap.add_argument("--replication", type=int, default=1)
+    ap.add_argument("--lines", type=int, default=2000)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    if not args.etcd:
+        ap.error("give --etcd HOST:PORT (the `etcd` line `tidings cluster up` prints)")
+    work = Path(tempfile.mkdtemp(prefix="tidings-wordcount-"))
+    root = f"/tidings/consumers/{args.prefix.replace('/', '-')}"
+    procs = []
+    try:
+        for i in range(2):
+            procs.append(start_consumer(args.etcd, args.broker, root, work / "shards", f"wc{i}", "local"))
+        asyncio.run(setup(args.broker, procs[0][1], args.prefix, args.parts, args.replication))
+        started = time.monotonic()
+        expected = asyncio.run(publish_lines(args.broker, args.prefix, args.parts, args.lines, args.seed))
+        print(f"published {args.lines} lines, {sum(expected.values())} words", flush=True)
+        deadline = time.monotonic() + 120
+        while True:
+            counted, problems = asyncio.run(counts_published(args.broker, args.prefix))
+            if problems:
+                raise SystemExit(f"not exactly once: {problems[:3]}")
+            if all(counted.get(w, 0) >= n for w, n in expected.items()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        took = time.monotonic() - started
+        for word, n in sorted(counted.items(), key=lambda kv: -kv[1]):
+            print(f"{word:>10} {n}")
+        if counted != dict(expected):
+            raise SystemExit(f"counts differ from what was published: {counted} != {dict(expected)}")
+        print(f"counted exactly once in {took:.1f}s")
+    finally:
+        for proc, _endpoint in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc, _endpoint in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        print(f"consumers stopped (logs and stores in {work})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""`tidings consumer` (run a consumer process) and `tidings shards ...` (manage a consumer's shards
+through any of its processes' Shard service: --consumer HOST:PORT, env TIDINGS_CONSUMER)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+import yaml
+from rich.markup import escape
+from rich.table import Table
+
+from tidings.cli.app import (
+    _PLAIN,
+    DEFAULT_BROKER,
+    BrokerOpt,
+    _at_least,
+    _client,
+    _endpoint,
+    _exit_unless_stopped_within,
+    _log_level,
+    _run,
+    app,
+    err,
+    out,
+    usage,
+)
+from tidings.protocol import labels, validate
+from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.specs import shard_documents, shard_from_dict, shard_to_dict
+from tidings.protocol.status import TidingsError, ValidationError
+
+shards = typer.Typer(help="A consumer's shards (through any of its processes).", no_args_is_help=True, **_PLAIN)  # type: ignore[arg-type]
+app.add_typer(shards, name="shards")
+
+ConsumerOpt = Annotated[
+    str,
+    typer.Option(
+        "--consumer",
+        envvar="TIDINGS_CONSUMER",
+        help="Any consumer process of the application, HOST:PORT (its --listen).",
+        callback=_endpoint("--consumer (TIDINGS_CONSUMER)"),
+    ),
+]
+DEFAULT_CONSUMER = "127.0.0.1:9090"
+STATUS_NAMES = {v: k for k, v in pb.ReplicaStatus.Code.items()}
+
+
+def _shard_id(value: str) -> str:
+    if value:
+        try:
+            validate.shard_id(value, "shard")
+        except ValidationError as exc:
+            usage(str(exc))
+    return value
+
+
+def _shard_client(consumer: str):
+    from tidings.consumer.client import ShardClient
+
+    return ShardClient(consumer)
+
+
+@app.command()
+def consumer(
+    app_ref: Annotated[
+        str,
+        typer.Option("--app", envvar="TIDINGS_APP", help="The application: module:factory (called with no arguments)."),
+    ],
+    etcd: Annotated[
+        str, typer.Option(envvar="TIDINGS_ETCD", help="etcd endpoint HOST:PORT.", callback=_endpoint("--etcd"))
+    ],
+    broker: BrokerOpt = DEFAULT_BROKER,
+    zone: Annotated[str, typer.Option(envvar="TIDINGS_ZONE", help="Failure zone.")] = "local",
+    id: Annotated[str, typer.Option("--id", envvar="TIDINGS_ID", help="Process suffix, unique in its zone.")] = "c0",
+    listen: Annotated[
+        str,
+        typer.Option(
+            envvar="TIDINGS_LISTEN",
+            help="HOST:PORT of the Shard service (port 0: any free one).",
+            callback=_endpoint("--listen", any_port=True),
+        ),
+    ] = DEFAULT_CONSUMER,
+    root: Annotated[
+        str, typer.Option(envvar="TIDINGS_ROOT", help="etcd key prefix of this application's shards.")
+    ] = "/tidings/consumers/default",
+    data_dir: Annotated[
+        Path,
+        typer.Option(
+            envvar="TIDINGS_DATA_DIR",
+            help="Shards' local files (SQLite stores): every process of the application must reach the same one.",
+        ),
+    ] = Path("data/consumer"),
+    shard_limit: Annotated[
+        int, typer.Option(envvar="TIDINGS_SHARD_LIMIT", help="Most shard replicas this process takes.")
+    ] = 1024,
+    metrics: Annotated[
+        str,
+        typer.Option(
+            envvar="TIDINGS_METRICS",
+            help="HOST:PORT serving Prometheus /metrics; auto: --listen's port + 1000; '' off.",
+            callback=_endpoint("--metrics", True, also=("auto",)),
+        ),
+    ] = "auto",
+    lease_ttl: Annotated[int, typer.Option(envvar="TIDINGS_LEASE_TTL", callback=_at_least("--lease-ttl", 1))] = 5,
+    exit_timeout: Annotated[
+        float, typer.Option(envvar="TIDINGS_EXIT_TIMEOUT", help="On SIGTERM, seconds to wait for shards to move away.")
+    ] = 60.0,
+    log_level: Annotated[str, typer.Option(envvar="TIDINGS_LOG_LEVEL", callback=_log_level)] = "info",
+) -> None:
+    """Run a consumer process in the foreground: it serves the shards the allocator gives it. Prints
+    `READY HOST:PORT` once it serves (then `METRICS HOST:PORT`); SIGTERM hands its shards to other
+    processes (at most --exit-timeout seconds), then exits; exit code 1 if its etcd lease is lost."""
+    from tidings.consumer.service import Consumer, ConsumerConfig, load_app
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("tidings.cli")
+    try:
+        application = load_app(app_ref)
+    except TidingsError as exc:
+        usage(str(exc))
+    cfg = ConsumerConfig(
+        etcd=etcd,
+        broker=broker,
+        app=application,
+        zone=zone,
+        suffix=id,
+        listen=listen,
+        root=root,
+        data_dir=data_dir,
+        shard_limit=shard_limit,
+        lease_ttl=lease_ttl,
+        metrics_listen=metrics or None,
+        exit_timeout=exit_timeout,
+    )
+
+    async def run() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        signalled = asyncio.ensure_future(stop.wait())
+        starting = asyncio.ensure_future(Consumer(cfg).start())
+        await asyncio.wait([starting, signalled], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            await asyncio.wait([starting])
+            return 0
+        try:
+            c = starting.result()
+        except OSError as exc:
+            raise TidingsError(f"consumer {zone}/{id} could not start: {exc}") from None
+        metrics_at = f" METRICS {c.metrics_endpoint}" if c.metrics_endpoint else ""
+        print(f"READY {c.endpoint}{metrics_at}", flush=True)
+        lost = asyncio.ensure_future(c.announcement.lost.wait())
+        await asyncio.wait([signalled, lost], return_when=asyncio.FIRST_COMPLETED)
+        graceful = not lost.done()
+        if not graceful:
+            log.error("consumer %s/%s: its etcd lease is lost; stopping its shards", zone, id)
+        watchdog = _exit_unless_stopped_within(exit_timeout + 60, f"consumer {zone}/{id}")
+        try:
+            await c.stop(graceful=graceful)
+        finally:
+            watchdog.cancel()
+        return 0 if graceful else 1
+
+    code = _run(run())
+    if code:
+        raise typer.Exit(code)
+
+
+# -- shards --------------------------------------------------------------------------------------
+
+
+@shards.command("apply")
+def shards_apply(
+    file: Path,
+    consumer: ConsumerOpt = DEFAULT_CONSUMER,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would change; change nothing.")] = False,
+) -> None:
+    """Create, update or delete shards from a YAML file (fields and defaults: docs/shards.md); prints
+    per shard what changed: created, updated (the fields, old -> new), deleted, unchanged."""
+    _apply_file(file, consumer, dry_run)
+
+
+def _apply_file(file: Path, consumer: str, dry_run: bool = False) -> None:
+    try:
+        with file.open() as f:
+            loaded = yaml.safe_load(f)
+    except OSError as exc:
+        usage(f"cannot read {file}: {exc.strerror or exc}")
+    except UnicodeDecodeError as exc:
+        usage(f"{file} is not UTF-8 text ({exc.reason} at byte {exc.start}): save it as UTF-8")
+    except yaml.YAMLError as exc:
+        usage(f"{file} is not valid YAML: {' '.join(str(exc).split())}")
+    if loaded is None:
+        usage(f"{file} is empty: give a shard spec, a list of them, or shards: [...] (see docs/shards.md)")
+    docs = shard_documents(loaded)
+    specs = [(d, shard_from_dict(d, f"{file.name}[{i}]")) for i, d in enumerate(docs)]
+    ids = [spec.id for _d, spec in specs]
+    if dup := next((n for n in ids if ids.count(n) > 1), None):
+        usage(f"{file} names shard {dup!r} more than once: give each shard once")
+
+    async def go() -> None:
+        async with _shard_client(consumer) as sc:
+            current = {s.spec.id: s for s in (await sc.list()).shards}
+            changes, report = [], []
+            for d, spec in specs:
+                cur = current.get(spec.id)
+                rev = d["revision"] if "revision" in d else (cur.mod_revision if cur is not None else 0)
+                if d.get("delete"):
+                    if cur is None:
+                        raise TidingsError(f"{file}: shard {spec.id!r} does not exist: there is nothing to delete")
+                    changes.append(pb.ShardApplyRequest.Change(delete=spec.id, expect_mod_revision=rev))
+                    report.append(f"deleted {spec.id}")
+                elif cur is None:
+                    changes.append(pb.ShardApplyRequest.Change(upsert=spec, expect_mod_revision=rev))
+                    report.append(f"created {spec.id}")
+                elif cur.spec == spec:
+                    report.append(f"unchanged {spec.id}")
+                else:
+                    old, new = shard_to_dict(cur.spec), shard_to_dict(spec)
+                    changed = "; ".join(f"{k} {old[k]!r} -> {new[k]!r}" for k in new if old.get(k) != new[k])
+                    changes.append(pb.ShardApplyRequest.Change(upsert=spec, expect_mod_revision=rev))
+                    report.append(f"updated {spec.id}: {changed}")
+            if changes and not dry_run:
+                await sc.apply(changes)
+            for line in report:
+                out.print(line, highlight=False, soft_wrap=True)
+            if dry_run:
+                out.print("dry run: nothing applied", style="bold")
+
+    _run(go())
+
+
+async def _listed(consumer: str, broker: str, selector: str, progress: bool) -> list[dict]:
+    """Shards as `list` shows them: spec, revision, primary, statuses and (`progress`) the primary's
+    read-through offsets and the lag behind each source's write head."""
+    rows = []
+    async with _shard_client(consumer) as sc:
+        resp = await sc.list(labels.parse_selector(selector) if selector else None)
+        heads: dict[str, int] = {}
+        if progress and resp.shards:
+            async with _client(broker) as c:
+                for journal in sorted({src.journal for s in resp.shards for src in s.spec.sources}):
+                    try:
+                        heads[journal] = await c.write_head(journal)
+                    except TidingsError:
+                        pass  # (a deleted source: its shard says FAILED)
+        for s in resp.shards:
+            members = [f"{m.zone}/{m.suffix}" for m in s.route.members]
+            statuses = {m: STATUS_NAMES.get(st.code, str(st.code)) for m, st in zip(members, s.status, strict=True)}
+            errors = [e for st in s.status for e in st.errors]
+            row = {**shard_to_dict(s.spec), "revision": s.mod_revision}
+            primary = members[s.route.primary] if s.route.primary >= 0 else ""
+            row |= {"primary": primary, "status": statuses, "errors": errors}
+            if progress:
+                through: dict[str, int] = {}
+                if primary and statuses.get(primary) == "PRIMARY":
+                    try:
+                        through = dict((await sc.stat(s.spec.id, timeout=5.0)).read_through)
+                    except (TidingsError, TimeoutError):
+                        pass
+                row["read_through"] = through
+                row["lag"] = {j: max(0, heads[j] - through.get(j, 0)) for j in through if j in heads}
+            rows.append(row)
+    return rows
+
+
+@shards.command("list")
+def shards_list(
+    consumer: ConsumerOpt = DEFAULT_CONSUMER,
+    broker: BrokerOpt = DEFAULT_BROKER,
+    selector: Annotated[str, typer.Option(help="Label selector, e.g. app=wc (id=ID selects one).")] = "",
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_yaml: Annotated[bool, typer.Option("--yaml", help="Specs only, as `shards apply` reads them.")] = False,
+) -> None:
+    """List shards: status of each replica, the primary, read-through offsets and lag in bytes behind
+    each source's write head (asked of the primary, and of --broker)."""
+    rows = _run(_listed(consumer, broker, selector, progress=not as_yaml))
+    if as_json:
+        for row in rows:
+            print(json.dumps(row))
+        return
+    if as_yaml:
+        keep = [{k: v for k, v in r.items() if k not in ("primary", "status", "errors")} for r in rows]
+        print(yaml.safe_dump({"shards": keep}, sort_keys=False))
+        return
+    t = Table("id", "status", "primary", "read through", "lag", "sources")
+    for r in rows:
+        status = " ".join(f"{m}:{s}" for m, s in r["status"].items()) or "unassigned"
+        if r["errors"]:
+            status += " (" + "; ".join(r["errors"]) + ")"
+        t.add_row(
+            r["id"],
+            status,
+            r["primary"],
+            " ".join(f"{j}@{o}" for j, o in r["read_through"].items()),
+            str(sum(r["lag"].values())) if r["lag"] else "",
+            " ".join(s if isinstance(s, str) else s["journal"] for s in r["sources"]),
+        )
+    out.print(t)
+
+
+@shards.command("unassign")
+def shards_unassign(
+    ids: Annotated[list[str], typer.Argument(help="Shard ids.", callback=lambda v: [_shard_id(i) for i in v])],
+    consumer: ConsumerOpt = DEFAULT_CONSUMER,
+    failed: Annotated[bool, typer.Option("--failed", help="Only shards whose primary FAILED.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say which would be; change nothing.")] = False,
+) -> None:
+    """Remove shards' assignments so the allocator assigns them afresh (after mending a FAILED one)."""
+
+    async def go() -> list[str]:
+        async with _shard_client(consumer) as sc:
+            return await sc.unassign(ids, only_failed=failed, dry_run=dry_run)
+
+    done = _run(go())
+    verb = "would unassign" if dry_run else "unassigned"
+    out.print(f"{verb} {' '.join(done)}" if done else "nothing to unassign", highlight=False)
+
+
+@shards.command("edit")
+def shards_edit(
+    id: Annotated[str, typer.Argument(help="The shard to edit (or --selector).", callback=_shard_id)] = "",
+    consumer: ConsumerOpt = DEFAULT_CONSUMER,
+    selector: Annotated[str, typer.Option(help="Edit every shard it matches, e.g. app=wc.")] = "",
+) -> None:
+    """Open shard specs in $VISUAL or $EDITOR (as `list --yaml` prints them) and apply what you change,
+    each at the revision it was read at (gazctl's edit); a failed apply keeps your edit in a file."""
+    import shlex
+    import subprocess
+    import tempfile
+
+    if bool(id) == bool(selector):
+        usage("give a shard ID or --selector S (one of them)")
+    editor = os.environ.get("VISUAL") or os.environ.get("EDITOR") or ""
+    if not editor:
+        if not sys.stdin.isatty():
+            usage("shards edit needs $EDITOR (or $VISUAL) when no terminal can run vi")
+        editor = "vi"
+    rows = _run(_listed(consumer, "", f"id={id}" if id else selector, progress=False))
+    if not rows:
+        raise TidingsError(f"no shard matches {id or selector!r} (see `tidings shards list`)")
+    keep = [{k: v for k, v in r.items() if k not in ("primary", "status", "errors")} for r in rows]
+    text = yaml.safe_dump({"shards": keep}, sort_keys=False)
+    with tempfile.NamedTemporaryFile("w", prefix="tidings-shards-", suffix=".yaml", delete=False) as f:
+        f.write(text)
+    path = Path(f.name)
+    try:
+        code = subprocess.call([*shlex.split(editor), str(path)])
+    except (OSError, ValueError) as exc:
+        path.unlink()
+        usage(f"cannot run the editor {editor!r} ({exc}): set $EDITOR (or $VISUAL) to one, e.g. EDITOR=nano")
+    if code != 0:
+        raise TidingsError(f"{editor} exited with {code}: nothing applied (your edit is in {path})")
+    if path.read_text() == text:
+        path.unlink()
+        out.print("no changes")
+        return
+    try:
+        _apply_file(path, consumer)
+    except (TidingsError, typer.Exit):
+        err.print(f"your edit is in {escape(str(path))}: fix it, then `tidings shards apply {path}`", highlight=False)
+        raise
+    path.unlink()
