@@ -52,10 +52,8 @@ class WordCount:
     """The application (`tidings consumer --app examples.wordcount:WordCount`)."""
 
     def new_store(self, shard: Any) -> SQLiteStore:
-        store = SQLiteStore(shard.path())
-        if _label(shard, "stage") == "count":
-            store.db.execute("CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NOT NULL)")
-        return store
+        counts = "CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NOT NULL)"
+        return SQLiteStore(shard.path(), schema=[counts] if _label(shard, "stage") == "count" else [])
 
     async def consume_message(self, shard: Any, store: SQLiteStore, envelope: Any, publisher: Publisher) -> None:
         prefix = _label(shard, "prefix")

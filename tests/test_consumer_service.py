@@ -23,6 +23,7 @@ from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import shard_from_dict
 from tidings.protocol.status import TransportError
 
+COUNTS = "CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NOT NULL)"
 WORDS = ["apple", "banana", "cherry", "date", "elder", "fig", "grape"]
 PRIMARY, FAILED, STANDBY = pb.ReplicaStatus.PRIMARY, pb.ReplicaStatus.FAILED, pb.ReplicaStatus.STANDBY
 
@@ -31,9 +32,7 @@ class Counts:
     """Word count per shard: its own SQLite file (Shard.path), running counts to wc/out/{n}."""
 
     def new_store(self, shard) -> SQLiteStore:
-        store = SQLiteStore(shard.path())
-        store.db.execute("CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NOT NULL)")
-        return store
+        return SQLiteStore(shard.path(), schema=[COUNTS])
 
     async def consume_message(self, shard, store, env, publisher) -> None:
         word = env.message["word"]

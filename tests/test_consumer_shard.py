@@ -17,6 +17,7 @@ from tidings.consumer.shard import Shard, serve_primary
 from tidings.message import Publisher, read_committed
 from tidings.protocol import protocol_pb2 as pb
 
+COUNTS = "CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NOT NULL)"
 WORDS = ["apple", "banana", "cherry", "date", "elder", "fig", "grape"]
 
 
@@ -27,9 +28,7 @@ class WordCount:
         self.path, self.on_message, self.consumed = path, on_message, 0
 
     def new_store(self, shard) -> SQLiteStore:
-        store = SQLiteStore(self.path)
-        store.db.execute("CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NOT NULL)")
-        return store
+        return SQLiteStore(self.path, schema=[COUNTS])
 
     async def consume_message(self, shard, store, env, publisher) -> None:
         word = env.message["word"]

@@ -227,6 +227,9 @@ class _Read:
 
 
 READ_AHEAD = 8  # chunks read ahead of the transaction consuming them
+# consume_message rarely waits (appends are queued), so a chunk of messages could hold the event loop
+# for seconds: every YIELD_EVERY messages, if TURN seconds passed, the loop gets a turn.
+YIELD_EVERY, TURN = 64, 0.02
 
 
 class _Transactions:
@@ -311,10 +314,14 @@ class _Transactions:
         publish = _Tracking(publisher, appends)
         consumed = 0
         last: _Read | None = read
+        turn = time.monotonic()
         while last is not None:
             read = last
-            for env in read.envelopes:
+            for i, env in enumerate(read.envelopes):
                 await app.consume_message(shard, store, env, publish)
+                if not i % YIELD_EVERY and time.monotonic() - turn > TURN:
+                    await asyncio.sleep(0)  # let the process's other work in (its etcd lease, other shards)
+                    turn = time.monotonic()
             consumed += len(read.envelopes)
             last = await self._next_read(began, read, stopped)
         # `read` is the last chunk consumed: its checkpoint is where this transaction stands.

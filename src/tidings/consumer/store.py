@@ -11,8 +11,10 @@ the same transaction as the application's changes. A primary that lost its shard
 (a zombie, still running) therefore fails its next commit with `FenceError`, and none of that
 transaction's changes land; it must stop.
 
-`SQLiteStore` keeps a shard's store in a SQLite file (apsw, in WAL mode). The application reads and
-writes through `transaction()` (an apsw Connection inside the open transaction, begun IMMEDIATE:
+`SQLiteStore` keeps a shard's store in a SQLite file (apsw, in WAL mode); its tables are created
+from `schema` (CREATE ... IF NOT EXISTS statements) with the restore, off the event loop (another
+process's lock may make them wait: a process whose event loop stops misses its lease). The
+application reads and writes through `transaction()` (an apsw Connection inside the open transaction, begun IMMEDIATE:
 it holds the file's write lock) from the event loop's thread; a commit runs in a worker thread (it
 may wait on the disk, and a cancelled commit still waits for it), and the next transaction begins
 (`begin`, from a worker thread too) once it is done. A shard's file has one writer; while a zombie
@@ -72,21 +74,32 @@ class Store(Protocol):
 class SQLiteStore:
     """A shard's store in the SQLite file at `path` (created if missing)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, schema: Iterable[str] = ()) -> None:
         self.path = str(path)
+        self.schema = list(schema)  # the application's CREATE statements, run with the restore
         self.db = apsw.Connection(self.path)
         # Another connection may hold the write lock (a zombie's open transaction while a newer primary
         # restores, or the other way round): retry every millisecond, so a writer between two of its
         # transactions (committing, then writing its ACKs) lets the other in (SQLite's own busy timeout
         # backs off to 100 ms and could wait out a busy zombie for ever).
         self.db.set_busy_handler(_retry_for(BUSY_TIMEOUT))
+        self._fence = 0  # the fence this store restored; 0 before restore_checkpoint
+        self._open = False
+        self._created = False
+
+    def _create(self) -> None:
+        """WAL mode, the checkpoints table and the application's `schema`: statements that may wait for
+        another connection's lock, so they run with the restore, in a worker thread."""
+        if self._created:
+            return
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(
             f"CREATE TABLE IF NOT EXISTS {TABLE} (shard TEXT PRIMARY KEY NOT NULL, fence INTEGER NOT NULL, "
             "checkpoint BLOB NOT NULL)"
         )
-        self._fence = 0  # the fence this store restored; 0 before restore_checkpoint
-        self._open = False
+        for statement in self.schema:
+            self.db.execute(statement)
+        self._created = True
 
     async def begin(self) -> None:
         """Open the next transaction from a worker thread: waiting for the file's write lock (held by
@@ -125,6 +138,7 @@ class SQLiteStore:
         return checkpoint
 
     def _restore(self, shard: str) -> tuple[int, bytes]:
+        self._create()
         self.db.execute("BEGIN IMMEDIATE")
         try:
             row = self.db.execute(f"SELECT fence, checkpoint FROM {TABLE} WHERE shard = ?", (shard,)).fetchone()
