@@ -10,7 +10,8 @@ import asyncio
 from collections import Counter
 
 from tests.support.waiting import wait_until
-from tests.test_consumer_shard import WordCount, produce, spec, stored_counts
+from tests.test_consumer_shard import COUNTS, WordCount, produce, spec, stored_counts
+from tidings.consumer import SQLiteStore
 from tidings.consumer.shard import serve_primary
 from tidings.message import read_uncommitted
 
@@ -19,7 +20,9 @@ async def test_a_raised_min_offset_skips_what_lies_below_it(cluster, tmp_path) -
     for name in ("wc/in", "wc/out"):
         await cluster.create_journal(name, 3)
     path = tmp_path / "wc-0.db"
-    WordCount(path).new_store(None).destroy()  # (the counts table, before anyone polls it)
+    setup = SQLiteStore(path)  # (the counts table, before anyone polls it)
+    setup.db.execute(COUNTS)
+    setup.destroy()
     await produce(cluster, ["apple"] * 5)
     async with cluster.client() as c:
         stop = asyncio.Event()
