@@ -117,6 +117,7 @@ class ShardReplica:
         self.shard: Shard | None = None  # while primary
         self.status = pb.ReplicaStatus(code=pb.ReplicaStatus.IDLE)  # what this replica says of itself
         self._primary: asyncio.Task[None] | None = None
+        self._stopping: asyncio.Task[None] | None = None  # a demoted primary, until it has stopped
         self._stop = asyncio.Event()
         self._changed = asyncio.Event()
         self._writer = asyncio.create_task(self._write_status(), name=f"status:{shard_id}")
@@ -128,16 +129,33 @@ class ShardReplica:
 
     def update(self, spec: pb.ShardSpec, assignment: Assignment) -> None:
         """Follow the shard's spec and this process's assignment of it (a KeySpace update)."""
-        restart = self._primary is not None and self.spec is not None and spec != self.spec
-        self.spec, self.assignment = spec, assignment
-        if restart and self.status.code != pb.ReplicaStatus.FAILED:
-            log.info("shard %s: its spec changed; restarting its primary", self.id)
-            self._restart()
-        elif assignment.slot == 0 and self._primary is None and self.status.code != pb.ReplicaStatus.FAILED:
-            self._start_primary()
-        elif assignment.slot > 0 and self.status.code == pb.ReplicaStatus.IDLE:
+        old_spec, self.spec, self.assignment = self.spec, spec, assignment
+        failed = self.status.code == pb.ReplicaStatus.FAILED
+        if assignment.slot == 0:
+            if self._primary is None and not failed:
+                self._start_primary(after=self._stopping)
+            elif self._primary is not None and not failed and old_spec is not None and spec != old_spec:
+                log.info("shard %s: its spec changed; restarting its primary", self.id)
+                self._restart()
+        elif self._primary is not None:  # demoted (the allocator moved the primary elsewhere)
+            log.info("shard %s: no longer primary here; stopping it and standing by", self.id)
+            self._demote()
+        elif self.status.code == pb.ReplicaStatus.IDLE:
             self._set_status(pb.ReplicaStatus.STANDBY)  # (no recovery log to tail: ready at once)
         self._changed.set()
+
+    def _demote(self) -> None:
+        """Stop the primary (a successor fences it anyway), then stand by."""
+        self._stop.set()
+        self._stopping, self._primary, self.shard = self._primary, None, None
+
+        def stood_down(_task: asyncio.Task[None]) -> None:
+            code = self.status.code
+            if self._primary is None and not self.closed and code != pb.ReplicaStatus.FAILED:
+                self._set_status(pb.ReplicaStatus.STANDBY)
+
+        assert self._stopping is not None
+        self._stopping.add_done_callback(stood_down)
 
     def _start_primary(self, after: asyncio.Task[None] | None = None) -> None:
         assert self.spec is not None
@@ -208,7 +226,7 @@ class ShardReplica:
                     [mod_revision_is(a.key, a.mod_revision)],
                     [put_op(a.key, self.status.SerializeToString(), ignore_lease=True)],
                 )
-            except TidingsError as exc:
+            except Exception as exc:  # (etcd unreachable, most likely: the writer must live on)
                 log.warning("shard %s: cannot write its status %s (%s); retrying", self.id, self.status.code, exc)
                 await asyncio.sleep(1.0)
                 self._changed.set()
@@ -221,13 +239,14 @@ class ShardReplica:
         """Stop: the primary commits its open transaction (at most `timeout` seconds, then it is cancelled)."""
         self.closed = True
         self._stop.set()
-        primary = self._primary
-        if primary is not None:
-            _done, pending = await asyncio.wait([primary], timeout=timeout)
+        running = [t for t in (self._primary, self._stopping) if t is not None]
+        if running:
+            _done, pending = await asyncio.wait(running, timeout=timeout)
             if pending:
                 log.warning("shard %s: did not stop within %.0fs; cancelling it", self.id, timeout)
-                primary.cancel()
-                await asyncio.wait([primary])
+                for task in pending:
+                    task.cancel()
+                await asyncio.wait(pending)
         self._writer.cancel()
         await asyncio.wait([self._writer])
 
@@ -436,7 +455,8 @@ class Consumer:
             if change.expect_mod_revision >= 0:
                 compares.append(mod_revision_is(key, change.expect_mod_revision))
         ok, revision = await self.etcd.txn(compares, ops)
-        await self.keyspace.wait_for_revision(revision, timeout=10)
+        with contextlib.suppress(TimeoutError):  # (applied either way; our view catches up later)
+            await self.keyspace.wait_for_revision(revision, timeout=10)
         if not ok:
             return pb.ShardApplyResponse(
                 status=pb.ETCD_TRANSACTION_FAILED,
@@ -466,7 +486,8 @@ class Consumer:
         ok, revision = await self.etcd.txn(compares, ops)
         if not ok:
             return pb.UnassignResponse(status=pb.ETCD_TRANSACTION_FAILED)
-        await self.keyspace.wait_for_revision(revision, timeout=10)
+        with contextlib.suppress(TimeoutError):
+            await self.keyspace.wait_for_revision(revision, timeout=10)
         return pb.UnassignResponse(status=pb.OK, shards=done)
 
 

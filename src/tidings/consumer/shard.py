@@ -255,7 +255,12 @@ class _Transactions:
                 read = self._ready()
                 if read is None:
                     self.upcoming = self.upcoming or asyncio.ensure_future(self.reads.get())
-                    await asyncio.wait([self.upcoming, stopped], return_when=asyncio.FIRST_COMPLETED)
+                    waits = [self.upcoming, stopped]
+                    if self.acks is not None and not self.acks.done():
+                        waits.append(self.acks)  # (a failed ACK write fails the shard, idle or not)
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    if self.acks is not None and self.acks.done():
+                        self.acks.result()  # (raises the ACKs' failure)
                     if self.stop.is_set():
                         break
                     continue

@@ -51,10 +51,15 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _DUR_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "": 1000}
 
 
-def _count(value: Any, ctx: str) -> int:
-    """A whole number given as one (YAML's 3), not text ("three", "3") or a fraction."""
+INT32, INT64 = 2**31 - 1, 2**63 - 1
+
+
+def _count(value: Any, ctx: str, most: int = INT64) -> int:
+    """A whole number given as one (YAML's 3), not text ("three", "3") or a fraction, at most `most`."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValidationError(ctx, f"{value!r} is not a whole number: give one, e.g. 3")
+    if value > most:
+        raise ValidationError(ctx, f"{value} is more than {most}")
     return value
 
 
@@ -275,21 +280,25 @@ def shard_from_dict(d: dict[str, Any], ctx: str = "shard") -> pb.ShardSpec:
         sources = [sources]
     spec = pb.ShardSpec(
         id=str(d.get("id", "")),
-        max_txn_duration_ms=parse_duration_ms(d.get("max_txn_duration", "1s"), f"{ctx}.max_txn_duration"),
-        min_txn_duration_ms=parse_duration_ms(d.get("min_txn_duration", 0), f"{ctx}.min_txn_duration"),
-        hot_standbys=_count(d.get("hot_standbys", 0), f"{ctx}.hot_standbys"),
+        max_txn_duration_ms=_count(
+            parse_duration_ms(d.get("max_txn_duration", "1s"), f"{ctx}.max_txn_duration"), f"{ctx}.max_txn_duration"
+        ),
+        min_txn_duration_ms=_count(
+            parse_duration_ms(d.get("min_txn_duration", 0), f"{ctx}.min_txn_duration"), f"{ctx}.min_txn_duration"
+        ),
+        hot_standbys=_count(d.get("hot_standbys", 0), f"{ctx}.hot_standbys", INT32),
         disable=_flag(d, "disable", ctx),
         disable_wait_for_ack=_flag(d, "disable_wait_for_ack", ctx),
         labels=lbl.label_set(
             (str(k), str(one))
             for k, v in _mapping(d.get("labels"), f"{ctx}.labels").items()
-            for one in (v if isinstance(v, list) else [v])
+            for one in (v if isinstance(v, list) else ["" if v is None else v])
         ),
-        recovery_log_prefix=str(d.get("recovery_log_prefix", "")),
-        hint_prefix=str(d.get("hint_prefix", "")),
-        hint_backups=_count(d.get("hint_backups", 0), f"{ctx}.hint_backups"),
-        ring_buffer_size=_count(d.get("ring_buffer_size", 0), f"{ctx}.ring_buffer_size"),
-        read_channel_size=_count(d.get("read_channel_size", 0), f"{ctx}.read_channel_size"),
+        recovery_log_prefix=str(d.get("recovery_log_prefix") or ""),
+        hint_prefix=str(d.get("hint_prefix") or ""),
+        hint_backups=_count(d.get("hint_backups", 0), f"{ctx}.hint_backups", INT32),
+        ring_buffer_size=_count(d.get("ring_buffer_size", 0), f"{ctx}.ring_buffer_size", INT32),
+        read_channel_size=_count(d.get("read_channel_size", 0), f"{ctx}.read_channel_size", INT32),
     )
     for i, src in enumerate(sources):
         at = f"{ctx}.sources[{i}]"
@@ -298,7 +307,9 @@ def shard_from_dict(d: dict[str, Any], ctx: str = "shard") -> pb.ShardSpec:
         src = _mapping(src, at)
         if set(src) - {"journal", "min_offset"}:
             raise ValidationError(at, f"unknown field(s) {sorted(set(src) - {'journal', 'min_offset'})}")
-        spec.sources.add(journal=str(src.get("journal", "")), min_offset=_count(src.get("min_offset", 0), at))
+        spec.sources.add(
+            journal=str(src.get("journal") or ""), min_offset=_count(src.get("min_offset", 0), f"{at}.min_offset")
+        )
     validate.shard_spec(spec, ctx)
     return spec
 
