@@ -477,7 +477,8 @@ def journals_apply(
     _apply_file(file, broker, dry_run)
 
 
-def _apply_file(file: Path, broker: str, dry_run: bool = False) -> None:
+def load_yaml(file: Path, what: str, doc: str) -> Any:
+    """A YAML file of specs (`what`: "journal", "shard"), its every mistake one usage line."""
     try:
         with file.open() as f:  # (a stream: YAML's errors then name the file, not "<unicode string>")
             loaded = yaml.safe_load(f)
@@ -488,8 +489,51 @@ def _apply_file(file: Path, broker: str, dry_run: bool = False) -> None:
     except yaml.YAMLError as exc:
         usage(f"{file} is not valid YAML: {' '.join(str(exc).split())}")
     if loaded is None:
-        usage(f"{file} is empty: give a journal spec, a list of them, or journals: [...] (see docs/specs.md)")
-    docs = documents(loaded)
+        usage(f"{file} is empty: give a {what} spec, a list of them, or {what}s: [...] (see {doc})")
+    return loaded
+
+
+def editor(command: str) -> str:
+    """The user's editor ($VISUAL, $EDITOR, else vi on a terminal), checked before anything connects."""
+    chosen = os.environ.get("VISUAL") or os.environ.get("EDITOR") or ""
+    if not chosen:
+        if not sys.stdin.isatty():
+            usage(f"{command} needs $EDITOR (or $VISUAL) when no terminal can run vi")
+        chosen = "vi"
+    return chosen
+
+
+def edit_then_apply(text: str, editor: str, apply: Callable[[Path], None], again: str) -> None:
+    """Open `text` in `editor` and `apply` the file it is saved to, if changed; a failed apply keeps
+    the file and says so (`again`: the command that applies it)."""
+    import shlex
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", prefix="tidings-edit-", suffix=".yaml", delete=False) as f:
+        f.write(text)
+    path = Path(f.name)
+    try:
+        code = subprocess.call([*shlex.split(editor), str(path)])
+    except (OSError, ValueError) as exc:  # (not found, not runnable, unbalanced quotes)
+        path.unlink()
+        usage(f"cannot run the editor {editor!r} ({exc}): set $EDITOR (or $VISUAL) to one, e.g. EDITOR=nano")
+    if code != 0:
+        raise TidingsError(f"{editor} exited with {code}: nothing applied (your edit is in {path})")
+    if path.read_text() == text:
+        path.unlink()
+        out.print("no changes")
+        return
+    try:
+        apply(path)
+    except (TidingsError, typer.Exit):
+        err.print(f"your edit is in {path}: fix it, then `{again} {path}`", highlight=False, soft_wrap=True)
+        raise
+    path.unlink()
+
+
+def _apply_file(file: Path, broker: str, dry_run: bool = False) -> None:
+    docs = documents(load_yaml(file, "journal", "docs/specs.md"))
     specs = [(d, spec_from_dict(d, f"{file.name}[{i}]")) for i, d in enumerate(docs)]
     names = [spec.name for _d, spec in specs]
     if dup := next((n for n in names if names.count(n) > 1), None):
@@ -608,17 +652,9 @@ def journals_edit(
     """Open journal specs in $VISUAL or $EDITOR (as `list --yaml` prints them) and apply what you
     change, each at the revision it was read at (gazctl's edit): a spec changed meanwhile fails the
     whole apply, and your edit is kept in a file to apply again."""
-    import shlex
-    import subprocess
-    import tempfile
-
     if bool(name) == bool(selector):
         usage("give a journal NAME or --selector S (one of them)")
-    editor = os.environ.get("VISUAL") or os.environ.get("EDITOR") or ""
-    if not editor:
-        if not sys.stdin.isatty():
-            usage("journals edit needs $EDITOR (or $VISUAL) when no terminal can run vi")
-        editor = "vi"
+    chosen = editor("journals edit")
     wanted = f"name={name}" if name else selector
 
     async def go() -> pb.ListResponse:
@@ -629,28 +665,7 @@ def journals_edit(
     if not rows:
         raise TidingsError(f"no journal matches {name or selector!r} (see `tidings journals list`)")
     text = yaml.safe_dump({"journals": rows}, sort_keys=False)
-    with tempfile.NamedTemporaryFile("w", prefix="tidings-edit-", suffix=".yaml", delete=False) as f:
-        f.write(text)
-    path = Path(f.name)
-    try:
-        code = subprocess.call([*shlex.split(editor), str(path)])
-    except (OSError, ValueError) as exc:  # (not found, not runnable, unbalanced quotes)
-        path.unlink()
-        usage(f"cannot run the editor {editor!r} ({exc}): set $EDITOR (or $VISUAL) to one, e.g. EDITOR=nano")
-    if code != 0:
-        raise TidingsError(f"{editor} exited with {code}: nothing applied (your edit is in {path})")
-    if path.read_text() == text:
-        path.unlink()
-        out.print("no changes")
-        return
-    try:
-        _apply_file(path, broker)
-    except (TidingsError, typer.Exit):
-        err.print(
-            f"your edit is in {path}: fix it, then `tidings journals apply {path}`", highlight=False, soft_wrap=True
-        )
-        raise
-    path.unlink()
+    edit_then_apply(text, chosen, lambda path: _apply_file(path, broker), "tidings journals apply")
 
 
 def _rows(resp: pb.ListResponse, routes: bool = True) -> list[dict]:

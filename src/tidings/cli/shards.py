@@ -6,15 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import signal
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 import yaml
-from rich.markup import escape
 from rich.table import Table
 
 from tidings.cli.app import (
@@ -28,13 +25,15 @@ from tidings.cli.app import (
     _log_level,
     _run,
     app,
-    err,
+    edit_then_apply,
+    editor,
+    load_yaml,
     out,
     usage,
 )
 from tidings.protocol import labels, validate
 from tidings.protocol import protocol_pb2 as pb
-from tidings.protocol.specs import shard_documents, shard_from_dict, shard_to_dict
+from tidings.protocol.specs import documents, shard_from_dict, shard_to_dict
 from tidings.protocol.status import TidingsError, ValidationError
 
 shards = typer.Typer(help="A consumer's shards (through any of its processes).", no_args_is_help=True, **_PLAIN)  # type: ignore[arg-type]
@@ -191,18 +190,8 @@ def shards_apply(
 
 
 def _apply_file(file: Path, consumer: str, dry_run: bool = False) -> None:
-    try:
-        with file.open() as f:
-            loaded = yaml.safe_load(f)
-    except OSError as exc:
-        usage(f"cannot read {file}: {exc.strerror or exc}")
-    except UnicodeDecodeError as exc:
-        usage(f"{file} is not UTF-8 text ({exc.reason} at byte {exc.start}): save it as UTF-8")
-    except yaml.YAMLError as exc:
-        usage(f"{file} is not valid YAML: {' '.join(str(exc).split())}")
-    if loaded is None:
-        usage(f"{file} is empty: give a shard spec, a list of them, or shards: [...] (see docs/shards.md)")
-    docs = shard_documents(loaded)
+    loaded = load_yaml(file, "shard", "docs/shards.md")
+    docs = documents(loaded, "shard")
     specs = [(d, shard_from_dict(d, f"{file.name}[{i}]")) for i, d in enumerate(docs)]
     ids = [spec.id for _d, spec in specs]
     if dup := next((n for n in ids if ids.count(n) > 1), None):
@@ -335,39 +324,12 @@ def shards_edit(
 ) -> None:
     """Open shard specs in $VISUAL or $EDITOR (as `list --yaml` prints them) and apply what you change,
     each at the revision it was read at (gazctl's edit); a failed apply keeps your edit in a file."""
-    import shlex
-    import subprocess
-    import tempfile
-
     if bool(id) == bool(selector):
         usage("give a shard ID or --selector S (one of them)")
-    editor = os.environ.get("VISUAL") or os.environ.get("EDITOR") or ""
-    if not editor:
-        if not sys.stdin.isatty():
-            usage("shards edit needs $EDITOR (or $VISUAL) when no terminal can run vi")
-        editor = "vi"
+    chosen = editor("shards edit")
     rows = _run(_listed(consumer, "", f"id={id}" if id else selector, progress=False))
     if not rows:
         raise TidingsError(f"no shard matches {id or selector!r} (see `tidings shards list`)")
     keep = [{k: v for k, v in r.items() if k not in ("primary", "status", "errors")} for r in rows]
     text = yaml.safe_dump({"shards": keep}, sort_keys=False)
-    with tempfile.NamedTemporaryFile("w", prefix="tidings-shards-", suffix=".yaml", delete=False) as f:
-        f.write(text)
-    path = Path(f.name)
-    try:
-        code = subprocess.call([*shlex.split(editor), str(path)])
-    except (OSError, ValueError) as exc:
-        path.unlink()
-        usage(f"cannot run the editor {editor!r} ({exc}): set $EDITOR (or $VISUAL) to one, e.g. EDITOR=nano")
-    if code != 0:
-        raise TidingsError(f"{editor} exited with {code}: nothing applied (your edit is in {path})")
-    if path.read_text() == text:
-        path.unlink()
-        out.print("no changes")
-        return
-    try:
-        _apply_file(path, consumer)
-    except (TidingsError, typer.Exit):
-        err.print(f"your edit is in {escape(str(path))}: fix it, then `tidings shards apply {path}`", highlight=False)
-        raise
-    path.unlink()
+    edit_then_apply(text, chosen, lambda path: _apply_file(path, consumer), "tidings shards apply")

@@ -209,15 +209,15 @@ def _suspend_dict(spec: pb.JournalSpec) -> dict[str, Any]:
     return {"suspend": {"level": level, "offset": spec.suspend.offset}}
 
 
-def documents(loaded: Any) -> list[dict[str, Any]]:
-    """The journal mappings of a loaded YAML document."""
-    if isinstance(loaded, dict) and "journals" in loaded:
-        loaded = loaded["journals"]
+def documents(loaded: Any, what: str = "journal") -> list[dict[str, Any]]:
+    """The spec mappings of a loaded YAML document: one, a list, or ``{journals: [...]}`` (``shards``)."""
+    if isinstance(loaded, dict) and f"{what}s" in loaded:
+        loaded = loaded[f"{what}s"]
     if isinstance(loaded, dict):
         return [loaded]
     if isinstance(loaded, list):
         return loaded
-    raise ValidationError("file", "expected a journal mapping, a list of them, or {journals: [...]}")
+    raise ValidationError("file", f"expected a {what} mapping, a list of them, or {{{what}s: [...]}}")
 
 
 def spec_changes(old: pb.JournalSpec, new: pb.JournalSpec) -> dict[str, tuple[Any, Any]]:
@@ -332,14 +332,3 @@ def shard_to_dict(spec: pb.ShardSpec) -> dict[str, Any]:
         "ring_buffer_size": spec.ring_buffer_size,
         "read_channel_size": spec.read_channel_size,
     }
-
-
-def shard_documents(loaded: Any) -> list[dict[str, Any]]:
-    """The shard mappings of a loaded YAML document: one, a list, or ``{shards: [...]}``."""
-    if isinstance(loaded, dict) and "shards" in loaded:
-        loaded = loaded["shards"]
-    if isinstance(loaded, dict):
-        return [loaded]
-    if isinstance(loaded, list):
-        return loaded
-    raise ValidationError("file", "expected a shard mapping, a list of them, or {shards: [...]}")
