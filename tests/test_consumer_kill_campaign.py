@@ -27,6 +27,7 @@ from tidings.protocol.status import TransportError
 
 KILLS = int(os.environ.get("TIDINGS_CONSUMER_KILLS", "3"))
 PREFIX, PARTS = "wc", 2
+BATCHES_PER_ROUND = 3  # of 100 lines
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -95,11 +96,13 @@ async def test_word_counts_are_exact_through_kill_9_sigterm_and_joins(cluster, e
             await sc.apply([pb.ShardApplyRequest.Change(upsert=s) for s in shard_specs(PREFIX, PARTS)])
         expected: Counter = Counter()
         done_producing = asyncio.Event()
+        credit = asyncio.Semaphore(BATCHES_PER_ROUND)  # input keeps coming, bounded: so many batches a round
 
         async def produce() -> None:
             """Lines keep coming until the campaign ends."""
             i = 0
             while not done_producing.is_set():
+                await credit.acquire()
                 expected.update(await publish_lines(cluster.brokers[0].endpoint, PREFIX, PARTS, 100, seed=i))
                 i += 1
 
@@ -110,13 +113,20 @@ async def test_word_counts_are_exact_through_kill_9_sigterm_and_joins(cluster, e
             holders = await wait_until(lambda: _primaries(procs), 60, interval=0.1)
             async with cluster.client() as c:
                 target = await c.write_head(f"{PREFIX}/counts") + rng.randrange(500, 30_000)
-                await wait_until(lambda c=c, target=target: _head_at_least(c, f"{PREFIX}/counts", target), 120)
+
+                def progressed(c=c, target=target):  # (more input as long as the target is not reached)
+                    if credit.locked():
+                        credit.release()
+                    return _head_at_least(c, f"{PREFIX}/counts", target)
+
+                await wait_until(progressed, 120, interval=0.05)
             # ... then one of them dies mid-stream (kill -9), or every third round stops (SIGTERM: a hand-off).
             victim = rng.choice(sorted(holders))
             await procs.kill(victim, signal.SIGTERM if round_ % 3 == 2 else signal.SIGKILL)
             await procs.start(f"c{next_id}", rng.choice(["zone-a", "zone-b", "zone-c"]))  # a new process joins
             next_id += 1
         done_producing.set()
+        credit.release()
         await producing
         published = sum(expected.values())
 
@@ -125,7 +135,12 @@ async def test_word_counts_are_exact_through_kill_9_sigterm_and_joins(cluster, e
             assert not problems, problems  # never a count twice or skipped, read committed
             return sum(counted.values()) >= published
 
-        await wait_until(all_counted, 180, interval=0.2)
+        try:
+            await wait_until(all_counted, 180, interval=0.2)
+        except AssertionError:
+            counted, _ = await counts_published(cluster.brokers[0].endpoint, PREFIX)
+            short = {w: n - counted.get(w, 0) for w, n in expected.items() if counted.get(w, 0) != n}
+            raise AssertionError(f"after 180 s, downstream counts differ (word: missing) {short}") from None
         counted, _ = await counts_published(cluster.brokers[0].endpoint, PREFIX)
         assert counted == dict(expected)
         await wait_until(lambda: store_counts(tmp_path) == expected, 60, interval=0.2)
