@@ -281,12 +281,10 @@ def broker(
     if it serves /metrics); SIGTERM hands
     its journals to other brokers (at most --exit-timeout seconds), then exits. It exits with 1 if
     its etcd lease is lost (etcd unreachable for longer than --lease-ttl)."""
-    from tidings._tasks import dump_tasks_on_sigusr1
     from tidings.broker._malloc import tune_malloc
     from tidings.broker.service import Broker, BrokerConfig
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log = logging.getLogger("tidings.cli")
     tune_malloc()
     cfg = BrokerConfig(
         etcd=etcd,
@@ -310,37 +308,49 @@ def broker(
         auto_suspend=auto_suspend,
     )
 
+    serve_until_signalled(Broker(cfg).start, f"broker {zone}/{id}", exit_timeout)
+
+
+def serve_until_signalled(start: Callable[[], Any], who: str, exit_timeout: float) -> None:
+    """Run a server process in the foreground: start it, print `READY HOST:PORT [METRICS HOST:PORT]`,
+    stop it gracefully on SIGTERM or SIGINT (exit code 0), or without hand-off once its etcd lease is
+    lost (exit code 1). A signal during start (which may wait for a previous process's member key to
+    expire) cancels it; start then undoes what it began."""
+    log = logging.getLogger("tidings.cli")
+
     async def run() -> int:
+        from tidings._tasks import dump_tasks_on_sigusr1
+
         dump_tasks_on_sigusr1()  # `kill -USR1 PID` logs where every task waits
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         signalled = asyncio.ensure_future(stop.wait())
-        # A signal during start (which may wait for a previous process's member key to expire)
-        # cancels it; start then undoes what it began.
-        starting = asyncio.ensure_future(Broker(cfg).start())
+        starting = asyncio.ensure_future(start())
         await asyncio.wait([starting, signalled], return_when=asyncio.FIRST_COMPLETED)
         if not starting.done():
             starting.cancel()
             await asyncio.wait([starting])
-            log.info("broker %s/%s: stopped by a signal before it was ready", zone, id)
+            log.info("%s: stopped by a signal before it was ready", who)
             return 0
         try:
-            b = starting.result()
+            server = starting.result()
         except OSError as exc:
-            raise TidingsError(f"broker {zone}/{id} could not start: {exc}") from None
-        metrics_at = f" METRICS {b.metrics_endpoint}" if b.metrics_endpoint else ""
-        print(f"READY {b.endpoint}{metrics_at}", flush=True)
-        if b.metrics_endpoint:
-            log.info("broker %s/%s: metrics on http://%s/metrics", zone, id, b.metrics_endpoint)
-        lost = asyncio.ensure_future(b.announcement.lost.wait())
+            raise TidingsError(f"{who} could not start: {exc}") from None
+        metrics_at = f" METRICS {server.metrics_endpoint}" if server.metrics_endpoint else ""
+        print(f"READY {server.endpoint}{metrics_at}", flush=True)
+        if server.metrics_endpoint:
+            log.info("%s: metrics on http://%s/metrics", who, server.metrics_endpoint)
+        lost = asyncio.ensure_future(server.announcement.lost.wait())
         await asyncio.wait([signalled, lost], return_when=asyncio.FIRST_COMPLETED)
         graceful = not lost.done()
+        if not graceful:
+            log.error("%s: its etcd lease is lost; stopping without hand-off", who)
         # Every step of stop() is bounded; this is the backstop should one of them still hang.
-        watchdog = _exit_unless_stopped_within(exit_timeout + 60, f"broker {zone}/{id}")
+        watchdog = _exit_unless_stopped_within(exit_timeout + 60, who)
         try:
-            await b.stop(graceful=graceful)
+            await server.stop(graceful=graceful)
         finally:
             watchdog.cancel()
         return 0 if graceful else 1

@@ -3,10 +3,8 @@ through any of its processes' Shard service: --consumer HOST:PORT, env TIDINGS_C
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import signal
 from pathlib import Path
 from typing import Annotated
 
@@ -21,7 +19,6 @@ from tidings.cli.app import (
     _at_least,
     _client,
     _endpoint,
-    _exit_unless_stopped_within,
     _log_level,
     _run,
     app,
@@ -29,6 +26,7 @@ from tidings.cli.app import (
     editor,
     load_yaml,
     out,
+    serve_until_signalled,
     usage,
 )
 from tidings.protocol import labels, validate
@@ -120,7 +118,6 @@ def consumer(
     from tidings.consumer.service import Consumer, ConsumerConfig, load_app
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log = logging.getLogger("tidings.cli")
     try:
         application = load_app(app_ref)
     except TidingsError as exc:
@@ -140,39 +137,7 @@ def consumer(
         exit_timeout=exit_timeout,
     )
 
-    async def run() -> int:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        signalled = asyncio.ensure_future(stop.wait())
-        starting = asyncio.ensure_future(Consumer(cfg).start())
-        await asyncio.wait([starting, signalled], return_when=asyncio.FIRST_COMPLETED)
-        if not starting.done():
-            starting.cancel()
-            await asyncio.wait([starting])
-            return 0
-        try:
-            c = starting.result()
-        except OSError as exc:
-            raise TidingsError(f"consumer {zone}/{id} could not start: {exc}") from None
-        metrics_at = f" METRICS {c.metrics_endpoint}" if c.metrics_endpoint else ""
-        print(f"READY {c.endpoint}{metrics_at}", flush=True)
-        lost = asyncio.ensure_future(c.announcement.lost.wait())
-        await asyncio.wait([signalled, lost], return_when=asyncio.FIRST_COMPLETED)
-        graceful = not lost.done()
-        if not graceful:
-            log.error("consumer %s/%s: its etcd lease is lost; stopping its shards", zone, id)
-        watchdog = _exit_unless_stopped_within(exit_timeout + 60, f"consumer {zone}/{id}")
-        try:
-            await c.stop(graceful=graceful)
-        finally:
-            watchdog.cancel()
-        return 0 if graceful else 1
-
-    code = _run(run())
-    if code:
-        raise typer.Exit(code)
+    serve_until_signalled(Consumer(cfg).start, f"consumer {zone}/{id}", exit_timeout)
 
 
 # -- shards --------------------------------------------------------------------------------------

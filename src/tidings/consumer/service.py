@@ -518,23 +518,19 @@ class _Servicer(pb_grpc.ShardServicer):
             return self.consumer.list_response(request.selector)
 
     async def Apply(self, request, context):
-        with counted(metrics.RPC_STATUS, "apply", context) as outcome:
-            try:
-                resp = await self.consumer.apply(request)
-            except ValidationError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except TransportError as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"apply: {exc}")
-            outcome.append(resp.status)
-            return resp
+        return await self._answer("apply", context, self.consumer.apply(request))
 
     async def Unassign(self, request, context):
-        with counted(metrics.RPC_STATUS, "unassign", context) as outcome:
+        return await self._answer("unassign", context, self.consumer.unassign(request))
+
+    async def _answer(self, rpc: str, context, call) -> Any:
+        """An RPC that changes etcd: bad input is INVALID_ARGUMENT, an unreachable etcd UNAVAILABLE."""
+        with counted(metrics.RPC_STATUS, rpc, context) as outcome:
             try:
-                resp = await self.consumer.unassign(request)
+                resp = await call
             except ValidationError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except TransportError as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"unassign: {exc}")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{rpc}: {exc}")
             outcome.append(resp.status)
             return resp
