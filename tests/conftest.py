@@ -85,6 +85,18 @@ def local_cluster(etcd: EtcdProcess, etcd_root: str, tmp_path):
         lc.stop()
 
 
+@pytest.fixture
+async def consumers(cluster, etcd_root, tmp_path):
+    """Consumer processes in this process over `cluster` (tests/test_consumer_service.py's Consumers)."""
+    from tests.test_consumer_service import Consumers
+
+    cs = Consumers(cluster, etcd_root, tmp_path)
+    try:
+        yield cs
+    finally:
+        await cs.stop()
+
+
 def _dump_asyncio_tasks(signum, frame) -> None:  # debugging aid: `kill -USR1 <pytest pid>`
     import asyncio
     import sys

@@ -6,36 +6,20 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pytest
-
 from tests.support.waiting import wait_until
-from tests.test_consumer_service import PRIMARY, STANDBY, Consumers, counts, produce, shard
+from tests.test_consumer_service import (
+    PRIMARY,
+    STANDBY,
+    counts,
+    produce,
+    two_shards_served,
+)
 from tidings.consumer.client import ShardClient
-from tidings.protocol import protocol_pb2 as pb
-
-
-@pytest.fixture
-async def consumers(cluster, etcd_root, tmp_path):
-    cs = Consumers(cluster, etcd_root, tmp_path)
-    try:
-        yield cs
-    finally:
-        await cs.stop()
 
 
 async def test_a_demoted_primary_stops_and_stands_by(cluster, consumers) -> None:
-    for i in range(2):
-        await cluster.create_journal(f"wc/in/{i}", 1)
-        await cluster.create_journal(f"wc/out/{i}", 1)
-    a = await consumers.add("zone-a")
+    a = await two_shards_served(cluster, consumers, hot_standbys=1, recovery_log_prefix="wc/log")
     async with ShardClient(a.endpoint) as sc:
-        await sc.apply(
-            [
-                pb.ShardApplyRequest.Change(upsert=shard(i, hot_standbys=1, recovery_log_prefix="wc/log"))
-                for i in range(2)
-            ]
-        )
-        await wait_until(lambda: all(consumers.statuses(f"wc/{i}") == {"zone-a/c0": PRIMARY} for i in range(2)), 30)
         # B joins: it gets both standbys, then the balance moves one primary to it (a slot swap).
         await consumers.add("zone-b")
 

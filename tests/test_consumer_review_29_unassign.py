@@ -9,21 +9,17 @@ import asyncio
 import random
 from collections import Counter
 
-import pytest
-
 from tests.support.waiting import wait_until
-from tests.test_consumer_service import PRIMARY, WORDS, Consumers, counts, downstream, produce, shard
+from tests.test_consumer_service import (
+    PRIMARY,
+    WORDS,
+    counts,
+    downstream,
+    produce,
+    shard,
+)
 from tidings.consumer.client import ShardClient
 from tidings.protocol import protocol_pb2 as pb
-
-
-@pytest.fixture
-async def consumers(cluster, etcd_root, tmp_path):
-    cs = Consumers(cluster, etcd_root, tmp_path)
-    try:
-        yield cs
-    finally:
-        await cs.stop()
 
 
 async def test_unassign_and_reassign_while_busy_is_exactly_once(cluster, consumers) -> None:

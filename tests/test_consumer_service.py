@@ -98,15 +98,6 @@ class Consumers:
             await client.aclose()
 
 
-@pytest.fixture
-async def consumers(cluster, etcd_root, tmp_path):
-    cs = Consumers(cluster, etcd_root, tmp_path)
-    try:
-        yield cs
-    finally:
-        await cs.stop()
-
-
 def shard(i: int, **fields) -> pb.ShardSpec:
     return shard_from_dict({"id": f"wc/{i}", "sources": [f"wc/in/{i}"], "max_txn_duration": "200ms", **fields})
 
@@ -127,14 +118,25 @@ async def downstream(cluster, journal: str) -> dict[str, list[int]]:
     return dict(seen)
 
 
-async def test_shards_are_served_and_handed_off_exactly_once(cluster, consumers) -> None:
-    for i in range(2):
+async def create_journals(cluster, n: int = 2) -> None:
+    for i in range(n):
         await cluster.create_journal(f"wc/in/{i}", 1)
         await cluster.create_journal(f"wc/out/{i}", 1)
+
+
+async def two_shards_served(cluster, consumers, **fields) -> Consumer:
+    """Journals wc/in/{0,1} and wc/out/{0,1}, shards wc/0 and wc/1 primaries on a first consumer (returned)."""
+    await create_journals(cluster)
     a = await consumers.add("zone-a")
     async with ShardClient(a.endpoint) as sc:
-        await sc.apply([pb.ShardApplyRequest.Change(upsert=shard(i)) for i in range(2)])
-        await wait_until(lambda: all(consumers.statuses(f"wc/{i}") == {"zone-a/c0": PRIMARY} for i in range(2)), 30)
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=shard(i, **fields)) for i in range(2)])
+    await wait_until(lambda: all(consumers.statuses(f"wc/{i}") == {"zone-a/c0": PRIMARY} for i in range(2)), 30)
+    return a
+
+
+async def test_shards_are_served_and_handed_off_exactly_once(cluster, consumers) -> None:
+    a = await two_shards_served(cluster, consumers)
+    async with ShardClient(a.endpoint) as sc:
         rng = random.Random(5)
         words = {i: [rng.choice(WORDS) for _ in range(300)] for i in range(2)}
         await produce(cluster, "wc/in/0", words[0][:150])
@@ -167,13 +169,8 @@ async def test_shards_are_served_and_handed_off_exactly_once(cluster, consumers)
 
 
 async def test_a_deleted_source_fails_its_shard_only(cluster, consumers) -> None:
-    for i in range(2):
-        await cluster.create_journal(f"wc/in/{i}", 1)
-        await cluster.create_journal(f"wc/out/{i}", 1)
-    a = await consumers.add("zone-a")
+    a = await two_shards_served(cluster, consumers)
     async with ShardClient(a.endpoint) as sc:
-        await sc.apply([pb.ShardApplyRequest.Change(upsert=shard(i)) for i in range(2)])
-        await wait_until(lambda: all(consumers.statuses(f"wc/{i}") == {"zone-a/c0": PRIMARY} for i in range(2)), 30)
         async with cluster.client() as c:
             revision = {j.spec.name: j.mod_revision for j in (await c.list()).journals}["wc/in/1"]
             await c.apply([pb.ApplyRequest.Change(delete="wc/in/1", expect_mod_revision=revision)])
