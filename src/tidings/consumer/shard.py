@@ -254,11 +254,7 @@ class _Transactions:
             while True:
                 read = self._ready()
                 if read is None:
-                    self.upcoming = self.upcoming or asyncio.ensure_future(self.reads.get())
-                    waits = [self.upcoming, stopped]
-                    if self.acks is not None and not self.acks.done():
-                        waits.append(self.acks)  # (a failed ACK write fails the shard, idle or not)
-                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(self._waits(stopped), return_when=asyncio.FIRST_COMPLETED)
                     if self.acks is not None and self.acks.done():
                         self.acks.result()  # (raises the ACKs' failure)
                     if self.stop.is_set():
@@ -301,6 +297,15 @@ class _Transactions:
         if isinstance(item, BaseException):
             raise item
         return item
+
+    def _waits(self, stopped: asyncio.Future) -> list[asyncio.Future]:
+        """What a wait for the next chunk also wakes for: the stop, and the last transaction's ACKs
+        (written: the transaction may close; failed: the shard fails, idle or not)."""
+        self.upcoming = self.upcoming or asyncio.ensure_future(self.reads.get())
+        waits = [self.upcoming, stopped]
+        if self.acks is not None and not self.acks.done():
+            waits.append(self.acks)
+        return waits
 
     def _progress(self, checkpoint: Checkpoint) -> None:
         if self.acks is None or self.acks.done():
@@ -368,10 +373,8 @@ class _Transactions:
                 await asyncio.sleep(0)  # (one more turn for a chunk already on its way)
                 read = self._ready()
                 return read
-            self.upcoming = self.upcoming or asyncio.ensure_future(self.reads.get())
-            waits = [self.upcoming, stopped] if acked else [self.upcoming, stopped, self.acks]
             until = self.min_dur if elapsed < self.min_dur else self.max_dur
-            await asyncio.wait(waits, timeout=until - elapsed, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(self._waits(stopped), timeout=until - elapsed, return_when=asyncio.FIRST_COMPLETED)
 
     def _acked(self, checkpoint: Checkpoint, stats: TxnStats, committed: float, acks: asyncio.Future) -> None:
         if acks.cancelled() or acks.exception() is not None:
