@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Consumer benchmark: one word-count shard (consume + SQLite store + publish downstream), exactly once.
+
+A LocalCluster (etcd + 3 broker processes on loopback); the source journal holds --messages
+committed messages {"word": w} (one of 1,000 words); one shard reads them committed, keeps each
+word's count in its SQLite store (SELECT + UPSERT per message) and publishes the running count
+{"word", "n"} uncommitted downstream, committing store, checkpoint and ACKs per transaction
+(max 1 s). Prints JSON lines:
+
+  consume            msgs_per_s through the shard, from its start to its read-through of the whole source
+  commit_latency     the store commit (finalize, previous ACKs, commit), median and p99 ms
+  end_to_end         one message published committed -> the shard's downstream message committed
+                     (its transaction's ACKs written), median and p99 ms, --samples messages one by one
+
+  bench/consumer.py --messages 200000 --replication 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import tempfile
+import time
+
+from _common import create_journal, emit, run
+
+from tidings.client import AppendService, AsyncClient
+from tidings.cluster import LocalCluster
+from tidings.consumer import SQLiteStore
+from tidings.consumer.shard import Shard, serve_primary
+from tidings.message import Publisher
+from tidings.protocol import protocol_pb2 as pb
+
+COUNTS = "CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NOT NULL)"
+WORDS = [f"w{i:04d}" for i in range(1000)]
+
+
+class WordCount:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def new_store(self, shard: Shard) -> SQLiteStore:
+        return SQLiteStore(self.path, schema=[COUNTS])
+
+    async def consume_message(self, shard, store, env, publisher) -> None:
+        word = env.message["word"]
+        db = store.transaction()
+        n = (db.execute("SELECT n FROM counts WHERE word = ?", (word,)).fetchone() or (0,))[0] + 1
+        db.execute("INSERT INTO counts VALUES (?, ?) ON CONFLICT (word) DO UPDATE SET n = excluded.n", (word, n))
+        await publisher.publish_uncommitted("bench/counts", {"word": word, "n": n})
+
+    async def finalize_txn(self, shard, store, publisher) -> None:
+        pass
+
+
+def ms(values: list[float], q: float) -> float:
+    return round(1000 * statistics.quantiles(values, n=100)[int(q) - 1], 2) if len(values) > 1 else 0.0
+
+
+async def bench(lc: LocalCluster, args: argparse.Namespace, work: str) -> None:
+    endpoint = lc.brokers[0].endpoint
+    async with AsyncClient(endpoint) as c:
+        for name in ("bench/words", "bench/counts"):
+            await create_journal(c, lc, name, args.replication)
+        pub = Publisher(AppendService(c))
+        rng = random.Random(1)
+        for at in range(0, args.messages, 1000):
+            batch = [{"word": rng.choice(WORDS)} for _ in range(min(1000, args.messages - at))]
+            await pub.publish_committed("bench/words", *batch)
+        await pub.service.flush()
+        head = await c.write_head("bench/words")
+
+        spec = pb.ShardSpec(
+            id="bench/0", sources=[pb.ShardSpec.Source(journal="bench/words")], max_txn_duration_ms=1000
+        )
+        commits: list[float] = []
+        shard = Shard(spec, c, on_transaction=lambda stats: commits.append(stats.committing))
+        stop = asyncio.Event()
+        t0 = time.perf_counter()
+        task = asyncio.ensure_future(serve_primary(c, spec, WordCount(f"{work}/bench.db"), stop, shard))
+        await shard.wait_read_through({"bench/words": head}, timeout=600)
+        took = time.perf_counter() - t0
+        common = {"replicas": args.replication, "store": "sqlite", "payload_bytes": 60}
+        emit({"test": "consume", "messages": args.messages, "seconds": round(took, 2),
+              "msgs_per_s": round(args.messages / took), "transactions": len(commits)}, **common)  # fmt: skip
+        emit({"test": "commit_latency", "median_ms": ms(commits, 50), "p99_ms": ms(commits, 99),
+              "transactions": len(commits)}, **common)  # fmt: skip
+
+        e2e: list[float] = []
+        for _ in range(args.samples):
+            t = time.perf_counter()
+            spans = await (await pub.publish_committed("bench/words", {"word": rng.choice(WORDS)}))
+            await shard.wait_read_through({"bench/words": spans[0].end}, timeout=60)
+            e2e.append(time.perf_counter() - t)
+        emit({"test": "end_to_end", "median_ms": ms(e2e, 50), "p99_ms": ms(e2e, 99), "samples": len(e2e)}, **common)
+        stop.set()
+        await task
+        await pub.service.aclose()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--messages", type=int, default=200_000)
+    ap.add_argument("--replication", type=int, default=3)
+    ap.add_argument("--samples", type=int, default=200)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="tidings-bench-consumer-") as work:
+        lc = LocalCluster(brokers=3, zones=3, data_dir=work)
+        try:
+            lc.start()
+            run(bench(lc, args, work))
+        finally:
+            lc.stop()
+
+
+if __name__ == "__main__":
+    main()
