@@ -103,7 +103,11 @@ async def test_append_waiting_on_stdin_stops_at_once_on_ctrl_c_and_commits_nothi
 
     try:
         assert p.stderr is not None
-        os.write(write_end, b"half of what was meant ")
+        try:
+            os.write(write_end, b"half of what was meant ")
+        except BrokenPipeError:  # (it exited before reading: say why, not just that the pipe broke)
+            await asyncio.wait_for(p.wait(), 10)
+            raise AssertionError(f"append exited ({p.returncode}) before reading: {await p.stderr.read()!r}") from None
         await wait_until(waiting_on_stdin, 30)
         p.send_signal(signal.SIGINT)
         code = await asyncio.wait_for(p.wait(), 10)
