@@ -4,12 +4,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install etcd demo test lint proto bench clean
+.PHONY: install etcd postgresql demo test lint proto bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check --upgrade pip
-	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev,spark]'
+	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev,spark,postgres]'
 	touch $@
 
 # etcd from Debian's etcd-server package, only when no etcd binary is on PATH.
@@ -19,7 +19,15 @@ etcd:
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq etcd-server >/dev/null; }
 
-install: $(STAMP) etcd
+# PostgreSQL from Debian (the consumer's PostgresStore tests and bench start their own server),
+# only when no PostgreSQL server binaries are installed.
+postgresql:
+	@command -v postgres >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || { \
+	  echo "installing postgresql from Debian"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq postgresql >/dev/null; }
+
+install: $(STAMP) etcd postgresql
 
 demo: install
 	$(VENV)/bin/tidings demo

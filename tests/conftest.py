@@ -10,6 +10,7 @@ import uvloop
 
 from tests.support.moto_s3 import MotoS3
 from tidings.cluster.etcd import EtcdProcess
+from tidings.cluster.postgres import PostgresProcess
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], object]]:
@@ -33,6 +34,19 @@ def moto_s3() -> Iterator[MotoS3]:
     """A real S3 endpoint (moto's server) on a free loopback port, stopped by PID at the end of the session."""
     with MotoS3() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresProcess]:
+    """A real PostgreSQL server on a free loopback port (fsync off: tests), stopped by PID at the end."""
+    with PostgresProcess(fsync=False) as server:
+        yield server
+
+
+@pytest.fixture
+def pg_dsn(postgres: PostgresProcess) -> str:
+    """A fresh database of the session's PostgreSQL server, for one test."""
+    return postgres.create_database()
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,9 @@
 """A consumer shard's transactions (issue 10, item 5, first cut): word counts in a SQLite store and
 a downstream journal of running counts, exactly once through crashes at random points of
 transactions and through a zombie primary racing its successor. Real brokers (in-process), a real
-SQLite file; the shard runs as a task, crashed by cancelling it (its store's open transaction is
-then lost, as in a kill -9: see tests/test_consumer_store.py)."""
+SQLite file or a real PostgreSQL database (the crash and zombie tests run on both stores); the shard
+runs as a task, crashed by cancelling it (its store's open transaction is then lost, as in a kill -9:
+see tests/test_consumer_store.py and tests/test_consumer_store_postgres.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ import random
 import sys
 from collections import Counter, defaultdict
 
+import psycopg
+import pytest
+
 from tests.support.waiting import wait_until
-from tidings.consumer import SQLiteStore
+from tidings.consumer import PostgresStore, SQLiteStore
 from tidings.consumer.shard import Shard, serve_primary
 from tidings.message import Publisher, read_committed
 from tidings.protocol import protocol_pb2 as pb
@@ -21,20 +25,34 @@ COUNTS = "CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NO
 WORDS = ["apple", "banana", "cherry", "date", "elder", "fig", "grape"]
 
 
+def is_postgres(where) -> bool:
+    """Where a WordCount keeps its counts: a PostgreSQL URL, else a SQLite file's path."""
+    return str(where).startswith("postgresql://")
+
+
 class WordCount:
     """The application: count each word in the store, publish its running count downstream."""
 
     def __init__(self, path, on_message=None) -> None:
         self.path, self.on_message, self.consumed = path, on_message, 0
 
-    def new_store(self, shard) -> SQLiteStore:
+    def new_store(self, shard) -> SQLiteStore | PostgresStore:
+        if is_postgres(self.path):
+            return PostgresStore(str(self.path), schema=[COUNTS])
         return SQLiteStore(self.path, schema=[COUNTS])
 
     async def consume_message(self, shard, store, env, publisher) -> None:
         word = env.message["word"]
-        db = store.transaction()
-        n = (db.execute("SELECT n FROM counts WHERE word = ?", (word,)).fetchone() or (0,))[0] + 1
-        db.execute("INSERT INTO counts VALUES (?, ?) ON CONFLICT (word) DO UPDATE SET n = excluded.n", (word, n))
+        if isinstance(store, PostgresStore):
+            cur = await store.transaction().execute(
+                "INSERT INTO counts VALUES (%s, 1) ON CONFLICT (word) DO UPDATE SET n = counts.n + 1 RETURNING n",
+                (word,),
+            )
+            (n,) = await cur.fetchone()
+        else:
+            db = store.transaction()
+            n = (db.execute("SELECT n FROM counts WHERE word = ?", (word,)).fetchone() or (0,))[0] + 1
+            db.execute("INSERT INTO counts VALUES (?, ?) ON CONFLICT (word) DO UPDATE SET n = excluded.n", (word, n))
         await publisher.publish_uncommitted("wc/out", {"word": word, "n": n})
         self.consumed += 1
         if self.on_message is not None:
@@ -60,25 +78,40 @@ async def produce(cluster, words: list[str]) -> None:
         await pub.service.aclose()
 
 
-def read_through(path) -> int:
-    """The read-through offset of wc/in in the committed checkpoint (0 before any)."""
-    store = SQLiteStore(path)
+def _query(where, sql: str) -> list[tuple]:
+    """Rows of a query on the committed state of a WordCount's store (none if its table is not there yet)."""
+    if is_postgres(where):
+        with psycopg.connect(str(where)) as conn:
+            try:
+                return conn.execute(sql).fetchall()
+            except psycopg.errors.UndefinedTable:
+                return []
+    store = SQLiteStore(where)
     try:
-        row = store.db.execute("SELECT checkpoint FROM tidings_checkpoints WHERE shard = 'wc/0'").fetchone()
+        return store.db.execute(sql).fetchall()
     finally:
         store.destroy()
+
+
+def read_through(path) -> int:
+    """The read-through offset of wc/in in the committed checkpoint (0 before any)."""
+    rows = _query(path, "SELECT checkpoint FROM tidings_checkpoints WHERE shard = 'wc/0'")
     cp = pb.Checkpoint()
-    if row:
-        cp.ParseFromString(row[0])
+    if rows:
+        cp.ParseFromString(bytes(rows[0][0]))
     return cp.sources["wc/in"].read_through if "wc/in" in cp.sources else 0
 
 
 def stored_counts(path) -> dict[str, int]:
-    store = SQLiteStore(path)
-    try:
-        return dict(store.db.execute("SELECT word, n FROM counts").fetchall())
-    finally:
-        store.destroy()
+    return dict(_query(path, "SELECT word, n FROM counts"))  # type: ignore[arg-type]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def where(request, tmp_path):
+    """A WordCount's store: a SQLite file, or a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return tmp_path / "wc-0.db"
+    return request.getfixturevalue("pg_dsn")
 
 
 async def crash_at_random_points(c, shard_spec, path, rng, crashes: int, fewest: int, most: int) -> None:
@@ -103,13 +136,13 @@ async def check_downstream(cluster, expected: Counter) -> None:
     assert {w: ns for w, ns in seen.items()} == {w: list(range(1, n + 1)) for w, n in expected.items()}
 
 
-async def test_word_counts_are_exact_through_crashes_at_random_points(cluster, tmp_path) -> None:
+async def test_word_counts_are_exact_through_crashes_at_random_points(cluster, where) -> None:
     for name in ("wc/in", "wc/out"):
         await cluster.create_journal(name, 3)
     rng = random.Random(20261124)
     words = [rng.choice(WORDS) for _ in range(400)]
     producing = asyncio.ensure_future(produce(cluster, words))
-    path = tmp_path / "wc-0.db"
+    path = where
     async with cluster.client() as c:
         await crash_at_random_points(c, spec(), path, rng, 4, 20, 120)
         stop = asyncio.Event()
@@ -142,9 +175,10 @@ asyncio.run(main(sys.argv[1], sys.argv[2]))
 """
 
 
-async def test_a_zombie_primary_stops_at_its_next_commit_and_nothing_is_doubled(cluster, tmp_path) -> None:
+async def test_a_zombie_primary_stops_at_its_next_commit_and_nothing_is_doubled(cluster, where) -> None:
     """The zombie is another process (two primaries of one shard never share a process), still
-    consuming when its successor restores the store."""
+    consuming when its successor restores the store (SQLite: fenced at its next commit; PostgreSQL:
+    its transaction in progress commits before the restore, its next begin is fenced)."""
     for name in ("wc/in", "wc/out"):
         await cluster.create_journal(name, 3)
     rng = random.Random(7)
@@ -158,7 +192,7 @@ async def test_a_zombie_primary_stops_at_its_next_commit_and_nothing_is_doubled(
             words.extend(batch)
             await produce(cluster, batch)
 
-    path = tmp_path / "wc-0.db"
+    path = where
     zombie = await asyncio.create_subprocess_exec(
         sys.executable, "-c", ZOMBIE, cluster.brokers[0].endpoint, str(path), stdout=asyncio.subprocess.PIPE
     )

@@ -21,6 +21,17 @@ may wait on the disk, and a cancelled commit still waits for it), and the next t
 and its successor (other processes on one host) both hold it open, each waits for the other's lock
 between transactions, and a successor's restore waits as long as a paused zombie holds the lock
 (until it resumes, and is fenced, or dies). Recovery logs (next) give each replica its own file.
+
+`PostgresStore` keeps shards' stores in a PostgreSQL database (psycopg 3, asyncio; one connection
+per shard, READ COMMITTED), the checkpoints table a row per shard. Each transaction begins
+(`begin`) by locking its shard's row (SELECT ... FOR UPDATE) and checking the fence there, so the
+transactions of a zombie and of its successor take turns on that row before touching any of the
+application's (they never deadlock on those), a restore waits for the zombie's transaction in
+progress and restores what it committed, and a fenced zombie fails at its next begin, before it
+consumes anything. The application writes through `transaction()` (the connection, inside that
+transaction). A paused zombie holds its row until it resumes or dies, as with SQLite (the restore
+warns every RESTORE_WAIT seconds). Per-message round trips bound a shard's speed: an application
+keeps a transaction's changes in memory and writes them in `finalize_txn`.
 """
 
 from __future__ import annotations
@@ -31,19 +42,23 @@ import logging
 import time
 from collections.abc import Awaitable, Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import apsw
 
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import TidingsError
 
-__all__ = ["FenceError", "SQLiteStore", "Store"]
+if TYPE_CHECKING:
+    import psycopg
+
+__all__ = ["FenceError", "PostgresStore", "SQLiteStore", "Store"]
 
 log = logging.getLogger(__name__)
 
 TABLE = "tidings_checkpoints"
 BUSY_TIMEOUT = 30.0  # seconds a statement waits for another connection's write lock
+RESTORE_WAIT = 10.0  # seconds between warnings while a restore waits for another primary's transaction
 
 
 def _retry_for(seconds: float):  # -> Callable[[int], bool]
@@ -61,6 +76,23 @@ def _retry_for(seconds: float):  # -> Callable[[int], bool]
 
 class FenceError(TidingsError):
     """A newer primary restored this shard's store: this one is a zombie and must stop."""
+
+    @classmethod
+    def of(cls, shard: str, fence: int) -> FenceError:
+        return cls(
+            f"shard {shard!r}: its checkpoint fence moved past {fence}: a newer primary restored it, "
+            "so this transaction is rolled back and this primary must stop"
+        )
+
+
+def _restore_first(shard: str) -> TidingsError:
+    return TidingsError(f"shard {shard!r}: restore_checkpoint must come before the first commit")
+
+
+def _parse(raw: bytes) -> pb.Checkpoint:
+    checkpoint = pb.Checkpoint()
+    checkpoint.ParseFromString(raw)
+    return checkpoint
 
 
 class Store(Protocol):
@@ -133,9 +165,7 @@ class SQLiteStore:
                 log.warning("shard %s: the store %s stays locked by another connection; still waiting", shard,
                             self.path)  # fmt: skip
         self._fence = fence
-        checkpoint = pb.Checkpoint()
-        checkpoint.ParseFromString(raw)
-        return checkpoint
+        return _parse(raw)
 
     def _restore(self, shard: str) -> tuple[int, bytes]:
         self._create()
@@ -159,7 +189,7 @@ class SQLiteStore:
         failed, the transaction is rolled back and its error raised). FenceError if a newer primary
         restored the shard since this store did."""
         if not self._fence:
-            raise TidingsError(f"shard {shard!r}: restore_checkpoint must come before the first commit")
+            raise _restore_first(shard)
         await self.begin()
         try:
             for op in wait_for:
@@ -187,10 +217,7 @@ class SQLiteStore:
     def _commit(self, shard: str, raw: bytes) -> None:
         self.db.execute(f"UPDATE {TABLE} SET checkpoint = ? WHERE shard = ? AND fence = ?", (raw, shard, self._fence))
         if self.db.changes() != 1:
-            raise FenceError(
-                f"shard {shard!r}: its checkpoint fence moved past {self._fence}: a newer primary restored it, "
-                "so this transaction is rolled back and this primary must stop"
-            )
+            raise FenceError.of(shard, self._fence)
         self.db.execute("COMMIT")
         self._open = False
 
@@ -203,3 +230,134 @@ class SQLiteStore:
         if self._open:
             self._rollback()
         self.db.close()
+
+
+class PostgresStore:
+    """A shard's store in the PostgreSQL database at `dsn` (a libpq connection string or URL); the
+    application's `schema` (CREATE ... IF NOT EXISTS statements) runs with the restore."""
+
+    def __init__(self, dsn: str, schema: Iterable[str] = ()) -> None:
+        self.dsn = dsn
+        self.schema = list(schema)
+        self.conn: psycopg.AsyncConnection | None = None
+        self._shard = ""
+        self._fence = 0  # the fence this store restored; 0 before restore_checkpoint
+        self._open = False
+
+    async def begin(self) -> None:
+        """Open the next transaction: lock the shard's checkpoint row, checking the fence. Every primary
+        locks that row first, so a zombie's transaction and its successor's take turns, never deadlock
+        on the application's rows, and a fenced zombie fails here, before consuming anything."""
+        if self._open:
+            return
+        if self.conn is None or not self._fence:
+            raise _restore_first(self._shard)
+        conn = self.conn
+        try:
+            cur = await conn.execute(f"SELECT fence FROM {TABLE} WHERE shard = %s FOR UPDATE", (self._shard,))
+            row = await cur.fetchone()
+            if row is None or row[0] != self._fence:
+                raise FenceError.of(self._shard, self._fence)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await conn.rollback()
+            raise
+        self._open = True
+
+    def transaction(self) -> psycopg.AsyncConnection:
+        """The shard's connection, inside the transaction `begin` opened (the shard begins each)."""
+        if self.conn is None or not self._open:
+            raise TidingsError("PostgresStore: no transaction is open: begin() opens one (after restore_checkpoint)")
+        return self.conn
+
+    async def restore_checkpoint(self, shard: str) -> pb.Checkpoint:
+        """The shard's last committed Checkpoint (empty for a new shard), fencing off earlier primaries:
+        its fence is incremented in a committed transaction of its own (once a transaction of the
+        previous primary in progress has ended, and with what it committed)."""
+        import psycopg
+
+        if self.conn is None or self.conn.closed:
+            self.conn = await psycopg.AsyncConnection.connect(self.dsn)
+        conn, self._shard, self._open = self.conn, shard, False
+        await conn.rollback()
+        try:
+            # Concurrent CREATE ... IF NOT EXISTS of one table can collide in PostgreSQL's catalog: one at a time.
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (TABLE,))
+            await conn.execute(
+                f"CREATE TABLE IF NOT EXISTS {TABLE} (shard TEXT PRIMARY KEY NOT NULL, fence BIGINT NOT NULL, "
+                "checkpoint BYTEA NOT NULL)"
+            )
+            for statement in self.schema:
+                await conn.execute(statement)
+            await conn.commit()
+            await conn.execute(f"SET lock_timeout = {int(RESTORE_WAIT * 1000)}")
+            while True:
+                try:
+                    cur = await conn.execute(
+                        f"INSERT INTO {TABLE} AS t (shard, fence, checkpoint) VALUES (%s, 1, '') "
+                        "ON CONFLICT (shard) DO UPDATE SET fence = t.fence + 1 RETURNING fence, checkpoint",
+                        (shard,),
+                    )
+                    break
+                except psycopg.errors.LockNotAvailable:  # a transaction of another primary (paused?) holds the row
+                    await conn.rollback()
+                    log.warning("shard %s: its checkpoint row stays locked by another primary's transaction; "
+                                "still waiting", shard)  # fmt: skip
+            fence, raw = await cur.fetchone() or (0, b"")
+            await conn.commit()
+            await conn.execute("SET lock_timeout = 0")
+            await conn.commit()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await conn.rollback()
+            raise
+        self._fence = fence
+        return _parse(bytes(raw))
+
+    async def start_commit(self, shard: str, checkpoint: pb.Checkpoint, wait_for: Iterable[Awaitable] = ()) -> None:
+        """Commit the open transaction with `checkpoint`, once every `wait_for` has succeeded (else it is
+        rolled back and the failure raised); FenceError if a newer primary restored the shard."""
+        await self.begin()
+        assert self.conn is not None
+        conn = self.conn
+        try:
+            for op in wait_for:
+                await op
+        except BaseException:
+            await self._rollback()
+            raise
+        # As SQLiteStore: a cancelled commit still runs to its end, so its outcome is known when we return.
+        commit = asyncio.ensure_future(self._commit(conn, shard, checkpoint.SerializeToString()))
+        try:
+            await asyncio.shield(commit)
+        except asyncio.CancelledError:
+            while not commit.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([commit])
+            raise
+
+    async def _commit(self, conn: psycopg.AsyncConnection, shard: str, raw: bytes) -> None:
+        try:
+            cur = await conn.execute(
+                f"UPDATE {TABLE} SET checkpoint = %s WHERE shard = %s AND fence = %s", (raw, shard, self._fence)
+            )
+            if cur.rowcount != 1:
+                raise FenceError.of(shard, self._fence)
+            await conn.commit()
+            self._open = False
+        except BaseException:
+            await self._rollback()
+            raise
+
+    async def _rollback(self) -> None:
+        self._open = False
+        if self.conn is not None:
+            with contextlib.suppress(Exception):  # (a broken connection rolled back already)
+                await self.conn.rollback()
+
+    def destroy(self) -> None:
+        """Close the connection (the server rolls back an open transaction). psycopg's close is libpq's
+        PQfinish and nothing else, so it is done here without awaiting."""
+        self._open = False
+        if self.conn is not None:
+            self.conn.pgconn.finish()
