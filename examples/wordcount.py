@@ -20,23 +20,17 @@ what it published (exactly), prints them and stops the consumers.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
 import random
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 import zlib
 from collections import Counter
-from pathlib import Path
 from typing import Any
+
+from examples._consumers import arguments, consumers, create, failures, wait_for
 
 from tidings.client import AppendService, AsyncClient
 from tidings.consumer import SQLiteStore
-from tidings.consumer.client import ShardClient
 from tidings.message import Publisher, read_committed
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import shard_from_dict, spec_from_dict
@@ -99,20 +93,6 @@ def shard_specs(prefix: str, parts: int) -> list[pb.ShardSpec]:
     return specs
 
 
-async def setup(broker: str, consumer: str, prefix: str, parts: int, replication: int) -> None:
-    """Create the journals and shards that do not exist yet."""
-    async with AsyncClient(broker) as c:
-        have = {j.spec.name for j in (await c.list()).journals}
-        new = [s for s in journal_specs(prefix, parts, replication) if s.name not in have]
-        if new:
-            await c.apply([pb.ApplyRequest.Change(upsert=s) for s in new])
-    async with ShardClient(consumer) as sc:
-        have = {s.spec.id for s in (await sc.list()).shards}
-        new_shards = [s for s in shard_specs(prefix, parts) if s.id not in have]
-        if new_shards:
-            await sc.apply([pb.ShardApplyRequest.Change(upsert=s) for s in new_shards])
-
-
 async def publish_lines(broker: str, prefix: str, parts: int, lines: int, seed: int) -> Counter:
     """Publish `lines` random lines, committed, spread over the lines partitions; the words published."""
     rng = random.Random(seed)
@@ -142,69 +122,41 @@ async def counts_published(broker: str, prefix: str) -> tuple[dict[str, int], li
     return {w: len(ns) for w, ns in seen.items()}, problems
 
 
-def start_consumer(
-    etcd: str, broker: str, root: str, data_dir: Path, suffix: str, zone: str
-) -> tuple[subprocess.Popen, str]:
-    """A `tidings consumer` child serving WordCount; returns it and its Shard service endpoint."""
-    cmd = [sys.executable, "-m", "tidings.cli", "consumer", "--app", "examples.wordcount:WordCount", "--etcd", etcd,
-           "--broker", broker, "--root", root, "--data-dir", str(data_dir), "--id", suffix, "--zone", zone,
-           "--listen", "127.0.0.1:0", "--metrics", "", "--lease-ttl", "2", "--exit-timeout", "20"]  # fmt: skip
-    log = open(data_dir.parent / f"{suffix}.log", "ab")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), *sys.path])}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env)
-    assert proc.stdout is not None
-    line = proc.stdout.readline().decode()
-    if not line.startswith("READY "):
-        proc.kill()
-        raise SystemExit(f"consumer {suffix} did not start (see {data_dir.parent / f'{suffix}.log'})")
-    return proc, line.split()[1]
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--etcd", default=os.environ.get("TIDINGS_ETCD", ""), help="the cluster's etcd HOST:PORT")
-    ap.add_argument("--broker", default=os.environ.get("TIDINGS_BROKER", "127.0.0.1:8080"))
-    ap.add_argument("--prefix", default=f"examples/wc-{int(time.time())}", help="of the journals and shards (new)")
-    ap.add_argument("--parts", type=int, default=2)
-    ap.add_argument("--replication", type=int, default=1)
+    ap = arguments(__doc__, "wc")
     ap.add_argument("--lines", type=int, default=2000)
-    ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
     if not args.etcd:
         ap.error("give --etcd HOST:PORT (the `etcd` line `tidings cluster up` prints)")
-    work = Path(tempfile.mkdtemp(prefix="tidings-wordcount-"))
-    root = f"/tidings/consumers/{args.prefix.replace('/', '-')}"
-    procs = []
-    try:
-        for i in range(2):
-            procs.append(start_consumer(args.etcd, args.broker, root, work / "shards", f"wc{i}", "local"))
-        asyncio.run(setup(args.broker, procs[0][1], args.prefix, args.parts, args.replication))
+    with consumers("examples.wordcount:WordCount", args, "wc") as endpoints:
+        asyncio.run(create(args.broker, endpoints[0], journal_specs(args.prefix, args.parts, args.replication),
+                           shard_specs(args.prefix, args.parts)))  # fmt: skip
         started = time.monotonic()
         expected = asyncio.run(publish_lines(args.broker, args.prefix, args.parts, args.lines, args.seed))
         print(f"published {args.lines} lines, {sum(expected.values())} words", flush=True)
-        deadline = time.monotonic() + 120
-        while True:
-            counted, problems = asyncio.run(counts_published(args.broker, args.prefix))
-            if problems:
-                raise SystemExit(f"not exactly once: {problems[:3]}")
-            if all(counted.get(w, 0) >= n for w, n in expected.items()) or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
+        counted: dict[str, int] = {}
+
+        def all_counted() -> bool:
+            failed = asyncio.run(failures(endpoints[0], args.prefix))
+            if failed:
+                raise SystemExit(f"a shard failed: {failed[0]}")
+            counted.update(_checked(asyncio.run(counts_published(args.broker, args.prefix))))
+            return all(counted.get(w, 0) >= n for w, n in expected.items())
+
+        wait_for(all_counted, 120, "counting every word")
         took = time.monotonic() - started
         for word, n in sorted(counted.items(), key=lambda kv: -kv[1]):
             print(f"{word:>10} {n}")
         if counted != dict(expected):
             raise SystemExit(f"counts differ from what was published: {counted} != {dict(expected)}")
         print(f"counted exactly once in {took:.1f}s")
-    finally:
-        for proc, _endpoint in procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc, _endpoint in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        print(f"consumers stopped (logs and stores in {work})")
+
+
+def _checked(result: tuple[dict[str, int], list[str]]) -> dict[str, int]:
+    counted, problems = result
+    if problems:
+        raise SystemExit(f"not exactly once: {problems[:3]}")
+    return counted
 
 
 if __name__ == "__main__":

@@ -64,11 +64,11 @@ class Consumers:
         self.running: list[Consumer] = []
         self._n = 0
 
-    async def add(self, zone: str = "zone-a") -> Consumer:
+    async def add(self, zone: str = "zone-a", app=None) -> Consumer:
         cfg = ConsumerConfig(
             etcd=self.cluster.etcd_endpoint,
             broker=self.cluster.brokers[0].endpoint,
-            app=Counts(),
+            app=app or Counts(),
             zone=zone,
             suffix=f"c{self._n}",
             root=self.root,

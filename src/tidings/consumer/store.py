@@ -42,7 +42,7 @@ import logging
 import time
 from collections.abc import Awaitable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import apsw
 
@@ -115,6 +115,7 @@ class SQLiteStore:
         # transactions (committing, then writing its ACKs) lets the other in (SQLite's own busy timeout
         # backs off to 100 ms and could wait out a busy zombie for ever).
         self.db.set_busy_handler(_retry_for(BUSY_TIMEOUT))
+        self.cache: Any = None  # the application's, as Gazette's SQLStore.Cache: e.g. a transaction's changes
         self._fence = 0  # the fence this store restored; 0 before restore_checkpoint
         self._open = False
         self._created = False
@@ -239,6 +240,7 @@ class PostgresStore:
     def __init__(self, dsn: str, schema: Iterable[str] = ()) -> None:
         self.dsn = dsn
         self.schema = list(schema)
+        self.cache: Any = None  # the application's, as Gazette's SQLStore.Cache: e.g. a transaction's changes
         self.conn: psycopg.AsyncConnection | None = None
         self._shard = ""
         self._fence = 0  # the fence this store restored; 0 before restore_checkpoint
