@@ -289,3 +289,30 @@ async def test_an_ack_is_not_written_when_a_message_of_its_transaction_failed(cl
         flags = [get_flags(e.uuid) async for e in _aiter(read_uncommitted(c, "msg/ok", block=False))]
         assert flags == [CONTINUE_TXN], "the ACK was not written"
         assert await _committed(c, ["msg/ok", "msg/ro"]) == []
+
+
+async def test_a_long_transaction_of_single_message_publishes_stays_linear(cluster, monkeypatch) -> None:
+    """A consumer publishes a message at a time, thousands per transaction, faster than appends commit:
+    the Publisher's forgetting of committed appends must not rescan every pending one per publish
+    (it did: 37M checks for 50k messages, a consumer shard's whole time)."""
+    from tidings.message import publisher as publisher_module
+
+    await cluster.create_journal("pub/long", 3, labels=NDJSON_LABELS)
+    checks = 0
+    committed = publisher_module._committed
+
+    def counting(fut):
+        nonlocal checks
+        checks += 1
+        return committed(fut)
+
+    monkeypatch.setattr(publisher_module, "_committed", counting)
+    async with cluster.client() as c:
+        pub = Publisher(AppendService(c))
+        n = 4000
+        futures = [await pub.publish_uncommitted("pub/long", {"i": i}) for i in range(n)]
+        assert checks <= 4 * n, checks
+        await (await pub.write_ack_intents(pub.build_ack_intents()))
+        assert len(await asyncio.gather(*futures)) == n
+        await pub.service.aclose()
+        assert [env.message["i"] for env in await _committed(c, "pub/long")] == list(range(n))

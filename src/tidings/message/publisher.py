@@ -265,6 +265,7 @@ class Publisher:
         self._txn_appends: list[asyncio.Future[AppendResult]] = []  # appends of the open transaction
         self._acked_appends: list[asyncio.Future[AppendResult]] = []  # appends the built intents acknowledge
         self._acks_written = True  # the last built intents went through write_ack_intents
+        self._prune_at = PRUNE_AT  # _txn_appends' length that makes _publish forget committed ones
 
     @staticmethod
     def new_producer_id() -> ProducerID:
@@ -285,6 +286,7 @@ class Publisher:
         # ours in each journal; one whose intents were not written must commit before ours do.
         earlier = [] if self._acks_written else [f for f in self._acked_appends if not _committed(f)]
         self._acked_appends, self._txn_appends, self._acks_written = earlier + self._txn_appends, [], False
+        self._prune_at = PRUNE_AT
         if not self._txn:
             return []
         self.clock.update()
@@ -352,9 +354,14 @@ class Publisher:
             if flags == CONTINUE_TXN:
                 self._txn[journal] = type(msgs[-1])
                 self._txn_appends.append(fut)
-        if len(self._txn_appends) > 256:  # a long transaction: forget appends that committed
+        if len(self._txn_appends) > self._prune_at:  # a long transaction: forget appends that committed
             self._txn_appends = [f for f in self._txn_appends if not _committed(f)]
+            # (amortised: the next pass once the list doubled, not at each publish while appends are in flight)
+            self._prune_at = max(PRUNE_AT, 2 * len(self._txn_appends))
         return _all(futures)
+
+
+PRUNE_AT = 256
 
 
 def _committed(fut: asyncio.Future[AppendResult]) -> bool:
