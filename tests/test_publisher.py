@@ -316,3 +316,24 @@ async def test_a_long_transaction_of_single_message_publishes_stays_linear(clust
         assert len(await asyncio.gather(*futures)) == n
         await pub.service.aclose()
         assert [env.message["i"] for env in await _committed(c, "pub/long")] == list(range(n))
+
+
+async def test_a_single_appends_future_is_listed_as_gather_would() -> None:
+    """The one-journal publish returns `_listed(append)` instead of `gather(append)` (half the cost per
+    message): the same result, failure and cancellation."""
+    from tidings.message.publisher import _listed
+
+    loop = asyncio.get_running_loop()
+    ok, bad, gone = loop.create_future(), loop.create_future(), loop.create_future()
+    listed = [_listed(f) for f in (ok, bad, gone)]
+    ok.set_result("span")
+    bad.set_exception(NotAllowedError("refused"))
+    gone.cancel()
+    assert await listed[0] == ["span"]
+    with pytest.raises(NotAllowedError, match="refused"):
+        await listed[1]
+    with pytest.raises(asyncio.CancelledError):
+        await listed[2]
+    waiting = loop.create_future()
+    _listed(waiting).cancel()  # (the caller stops waiting; the append itself goes on)
+    assert not waiting.cancelled()

@@ -370,7 +370,29 @@ def _committed(fut: asyncio.Future[AppendResult]) -> bool:
 
 
 def _all(futures: list[asyncio.Future[AppendResult]]) -> asyncio.Future[list[AppendResult]]:
+    if len(futures) == 1:  # (the usual case, per message for a consumer: a gather costs twice as much)
+        return _listed(futures[0])
     return asyncio.gather(*futures) if futures else _done([])
+
+
+def _listed(fut: asyncio.Future[AppendResult]) -> asyncio.Future[list[AppendResult]]:
+    """A future of ``[fut's result]``, as ``gather(fut)`` gives, failed or cancelled with it. Cancelling
+    it only stops the caller's wait: the append is queued and goes on (nothing can take it back; the
+    AppendService still tells its outcome to what depends on it)."""
+    out = fut.get_loop().create_future()
+
+    def settle(f: asyncio.Future[AppendResult]) -> None:
+        if out.done():
+            return
+        if f.cancelled():
+            out.cancel()
+        elif (exc := f.exception()) is not None:
+            out.set_exception(exc)
+        else:
+            out.set_result([f.result()])
+
+    fut.add_done_callback(settle)
+    return out
 
 
 def _done(value: Any) -> asyncio.Future:

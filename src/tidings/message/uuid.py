@@ -30,6 +30,7 @@ slot directly), validates with one combined test, and does integer shifts only. 
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import threading
 import time
@@ -135,9 +136,16 @@ def uuid_strs(producer: bytes, clocks: range, flags: int) -> list[str]:
         return []
     if flags & -0x400 or clocks[0] < 0 or clocks[-1] >> 64 or len(producer) != 6:
         _check_build_args(producer, clocks[0] if clocks[0] < 0 else clocks[-1], flags)
-    node = producer.hex()
-    seq = [f"{0x8000 | (s << 10) | flags:04x}-{node}" for s in range(16)]  # variant, sequence bits, flags
+    seq = _tails(producer, flags)
     return [f"{(c >> 4) & 0xFFFFFFFF:08x}-{(c >> 36) & 0xFFFF:04x}-1{c >> 52:03x}-{seq[c & 0xF]}" for c in clocks]
+
+
+@functools.lru_cache(maxsize=64)
+def _tails(producer: bytes, flags: int) -> tuple[str, ...]:
+    """A UUID string's last two groups for each of the 16 sequence values: variant, sequence bits and
+    flags, then the node (a producer publishing a message at a time would format them per message)."""
+    node = producer.hex()
+    return tuple(f"{0x8000 | (s << 10) | flags:04x}-{node}" for s in range(16))
 
 
 def uuid_from_str(s: str) -> UUID:
