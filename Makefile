@@ -34,12 +34,12 @@ demo: install
 
 test: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench examples
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench examples
 
 # Regenerate the committed protobuf code (tests/test_protocol_generated.py checks it is current).
 proto: $(STAMP)
