@@ -176,3 +176,35 @@ async def test_a_process_killed_mid_transaction_leaves_nothing_of_it(pg_dsn) -> 
     finally:
         store.destroy()
     assert counts(pg_dsn) == {}
+
+
+async def test_a_new_index_waits_for_a_writers_transaction_without_holding_up_others(
+    pg_dsn, monkeypatch, caplog
+) -> None:
+    """A schema statement that needs a table's lock (a new index) tries for it briefly, again and again
+    (warning), rather than waiting in the table's lock queue, where every writer would queue behind it:
+    another shard keeps writing meanwhile, and the restore completes once the long transaction ends."""
+    monkeypatch.setattr(store_module, "RESTORE_WAIT", 0.2)
+    running = PostgresStore(pg_dsn, schema=[COUNTS])
+    await running.restore_checkpoint("wc/running")
+    await add(running, "before")  # a writer's transaction stays open on counts
+    migrating = PostgresStore(pg_dsn, schema=[COUNTS, "CREATE INDEX IF NOT EXISTS counts_n ON counts (n)"])
+    other = PostgresStore(pg_dsn, schema=[COUNTS])
+    try:
+        with caplog.at_level(logging.WARNING, logger=store_module.__name__):
+            restoring = asyncio.ensure_future(migrating.restore_checkpoint("wc/migrating"))
+            await wait_until(
+                lambda: any("waits for another transaction's locks" in r.getMessage() for r in caplog.records), 30
+            )
+            await other.restore_checkpoint("wc/other")  # not held up by the index
+            await add(other, "other")
+            await asyncio.wait_for(other.start_commit("wc/other", checkpoint(1)), 10)
+            assert not restoring.done()
+            await running.start_commit("wc/running", checkpoint(2))
+            assert await asyncio.wait_for(restoring, 30) == pb.Checkpoint()
+        with psycopg.connect(pg_dsn) as conn:
+            assert conn.execute("SELECT to_regclass('counts_n') IS NOT NULL").fetchone() == (True,)
+        assert counts(pg_dsn) == {"before": 1, "other": 1}
+    finally:
+        for s in (running, migrating, other):
+            s.destroy()

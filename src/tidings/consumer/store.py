@@ -30,8 +30,11 @@ application's (they never deadlock on those), a restore waits for the zombie's t
 progress and restores what it committed, and a fenced zombie fails at its next begin, before it
 consumes anything. The application writes through `transaction()` (the connection, inside that
 transaction). A paused zombie holds its row until it resumes or dies, as with SQLite (the restore
-warns every RESTORE_WAIT seconds). Per-message round trips bound a shard's speed: an application
-keeps a transaction's changes in memory and writes them in `finalize_txn`.
+warns every RESTORE_WAIT seconds). The schema runs with each restore; CREATE TABLE|INDEX IF NOT
+EXISTS of a relation that exists is skipped, and what does run (a new index, say) takes its locks
+only briefly at a time, retrying, so writers never queue behind it for more than a second.
+Per-message round trips bound a shard's speed: an application keeps a transaction's changes in
+memory and writes them in `finalize_txn`.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
+import re
 import time
 from collections.abc import Awaitable, Iterable
 from pathlib import Path
@@ -59,6 +64,25 @@ log = logging.getLogger(__name__)
 TABLE = "tidings_checkpoints"
 BUSY_TIMEOUT = 30.0  # seconds a statement waits for another connection's write lock
 RESTORE_WAIT = 10.0  # seconds between warnings while a restore waits for another primary's transaction
+SCHEMA_LOCK_WAIT_MS = 20  # a PostgresStore's schema statements wait no longer for a lock at first...
+SCHEMA_RETRY = 0.1  # ...then try again after about this many seconds
+CHECKPOINTS_TABLE = (
+    f"CREATE TABLE IF NOT EXISTS {TABLE} (shard TEXT PRIMARY KEY NOT NULL, fence BIGINT NOT NULL, "
+    "checkpoint BYTEA NOT NULL)"
+)
+_CREATED = re.compile(r"\s*CREATE\s+(?:UNIQUE\s+)?(?:TABLE|INDEX)\s+IF\s+NOT\s+EXISTS\s+([^\s(]+)", re.IGNORECASE)
+
+
+class _Waiting:
+    """Warns that a shard's restore is still waiting, every RESTORE_WAIT seconds of it."""
+
+    def __init__(self, shard: str) -> None:
+        self.shard, self.warned = shard, time.monotonic()
+
+    def tick(self, why: str) -> None:
+        if time.monotonic() - self.warned >= RESTORE_WAIT:
+            log.warning("shard %s: %s; still waiting", self.shard, why)
+            self.warned = time.monotonic()
 
 
 def _retry_for(seconds: float):  # -> Callable[[int], bool]
@@ -283,18 +307,15 @@ class PostgresStore:
         conn, self._shard, self._open = self.conn, shard, False
         await conn.rollback()
         try:
-            # Concurrent CREATE ... IF NOT EXISTS of one table can collide in PostgreSQL's catalog: one at a time.
-            await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (TABLE,))
-            await conn.execute(
-                f"CREATE TABLE IF NOT EXISTS {TABLE} (shard TEXT PRIMARY KEY NOT NULL, fence BIGINT NOT NULL, "
-                "checkpoint BYTEA NOT NULL)"
-            )
-            for statement in self.schema:
-                await conn.execute(statement)
-            await conn.commit()
-            await conn.execute(f"SET lock_timeout = {int(RESTORE_WAIT * 1000)}")
+            waited = _Waiting(shard)
+            attempt = 0
+            while not await self._create(conn, attempt):  # (another transaction holds a lock it needs: try again)
+                attempt += 1
+                waited.tick("creating the store's tables waits for another transaction's locks")
+                await asyncio.sleep(SCHEMA_RETRY * (0.5 + random.random()))
             while True:
-                try:
+                try:  # (SET LOCAL: for this attempt's transaction, which a rollback ends)
+                    await conn.execute(f"SET LOCAL lock_timeout = {int(RESTORE_WAIT * 1000)}")
                     cur = await conn.execute(
                         f"INSERT INTO {TABLE} AS t (shard, fence, checkpoint) VALUES (%s, 1, '') "
                         "ON CONFLICT (shard) DO UPDATE SET fence = t.fence + 1 RETURNING fence, checkpoint",
@@ -303,11 +324,8 @@ class PostgresStore:
                     break
                 except psycopg.errors.LockNotAvailable:  # a transaction of another primary (paused?) holds the row
                     await conn.rollback()
-                    log.warning("shard %s: its checkpoint row stays locked by another primary's transaction; "
-                                "still waiting", shard)  # fmt: skip
+                    waited.tick("its checkpoint row stays locked by another primary's transaction")
             fence, raw = await cur.fetchone() or (0, b"")
-            await conn.commit()
-            await conn.execute("SET lock_timeout = 0")
             await conn.commit()
         except BaseException:
             with contextlib.suppress(Exception):
@@ -315,6 +333,32 @@ class PostgresStore:
             raise
         self._fence = fence
         return _parse(bytes(raw))
+
+    async def _create(self, conn: psycopg.AsyncConnection, attempt: int) -> bool:
+        """The checkpoints table and the application's `schema`, one restore at a time (concurrent CREATE
+        ... IF NOT EXISTS of one table collide in PostgreSQL's catalog). A CREATE [UNIQUE] TABLE|INDEX
+        IF NOT EXISTS of a relation that exists is skipped: CREATE INDEX takes its table's lock even
+        then, and waiting in that table's lock queue (behind a paused zombie's transaction, or any
+        writer's) holds up every writer queued behind it, and every other restore. What still runs
+        waits for a lock at most 20 ms, doubling each attempt up to a second; False (rolled back)
+        if it did not get one: the caller tries again."""
+        import psycopg
+
+        try:
+            await conn.execute(f"SET LOCAL lock_timeout = {min(1000, SCHEMA_LOCK_WAIT_MS << min(attempt, 6))}")
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (TABLE,))
+            for statement in (CHECKPOINTS_TABLE, *self.schema):
+                created = _CREATED.match(statement)
+                if created is not None:
+                    cur = await conn.execute("SELECT to_regclass(%s) IS NOT NULL", (created.group(1),))
+                    if (await cur.fetchone() or (False,))[0]:
+                        continue
+                await conn.execute(statement)
+            await conn.commit()
+            return True
+        except psycopg.errors.LockNotAvailable:
+            await conn.rollback()
+            return False
 
     async def start_commit(self, shard: str, checkpoint: pb.Checkpoint, wait_for: Iterable[Awaitable] = ()) -> None:
         """Commit the open transaction with `checkpoint`, once every `wait_for` has succeeded (else it is

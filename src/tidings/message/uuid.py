@@ -136,7 +136,7 @@ def uuid_strs(producer: bytes, clocks: range, flags: int) -> list[str]:
         return []
     if flags & -0x400 or clocks[0] < 0 or clocks[-1] >> 64 or len(producer) != 6:
         _check_build_args(producer, clocks[0] if clocks[0] < 0 else clocks[-1], flags)
-    seq = _tails(producer, flags)
+    seq = _tails(bytes(producer), flags)
     return [f"{(c >> 4) & 0xFFFFFFFF:08x}-{(c >> 36) & 0xFFFF:04x}-1{c >> 52:03x}-{seq[c & 0xF]}" for c in clocks]
 
 
