@@ -12,6 +12,7 @@ import random
 import sys
 from collections import Counter, defaultdict
 
+import apsw
 import psycopg
 import pytest
 
@@ -89,6 +90,10 @@ def _query(where, sql: str) -> list[tuple]:
     store = SQLiteStore(where)
     try:
         return store.db.execute(sql).fetchall()
+    except apsw.SQLError as exc:
+        if "no such table" in str(exc):
+            return []
+        raise
     finally:
         store.destroy()
 
@@ -276,3 +281,42 @@ async def test_read_through_follows_chunks_that_deliver_nothing(cluster, tmp_pat
         await task
         await pub.service.aclose()
     assert stored_counts(tmp_path / "wc-0.db") == {"apple": 1, "banana": 1}
+
+
+class SyncCounts:
+    """The sync variant of the application API: plain functions throughout (it only changes its store)."""
+
+    def __init__(self, path) -> None:
+        self.path, self.hooks = path, Counter()
+
+    def new_store(self, shard) -> SQLiteStore:
+        return SQLiteStore(self.path, schema=[COUNTS])
+
+    def begin_txn(self, shard, store) -> None:
+        self.hooks["begin"] += 1
+
+    def consume_message(self, shard, store, env, publisher) -> None:
+        store.transaction().execute(
+            "INSERT INTO counts VALUES (?, 1) ON CONFLICT (word) DO UPDATE SET n = n + 1", (env.message["word"],)
+        )
+
+    def finalize_txn(self, shard, store, publisher) -> None:
+        self.hooks["finalize"] += 1
+
+    def finished_txn(self, shard, store, future) -> None:
+        self.hooks["finished"] += 1
+
+
+async def test_an_application_of_plain_functions_runs_as_the_async_one(cluster, tmp_path) -> None:
+    await cluster.create_journal("wc/in", 3)
+    words = [WORDS[i % len(WORDS)] for i in range(100)]
+    await produce(cluster, words)
+    path, stop = tmp_path / "sync.db", asyncio.Event()
+    app = SyncCounts(path)
+    async with cluster.client() as c:
+        task = asyncio.ensure_future(serve_primary(c, spec(), app, stop))
+        await wait_until(lambda: sum(stored_counts(path).values()) == len(words), 60)
+        stop.set()
+        await task
+    assert stored_counts(path) == Counter(words)
+    assert app.hooks["begin"] == app.hooks["finalize"] == app.hooks["finished"] >= 1

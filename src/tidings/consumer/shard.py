@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -117,6 +118,10 @@ class Application(Protocol):
     `begin_txn(shard, store)` (awaited as a transaction begins), `finished_txn(shard, store, future)`
     (awaited as its commit starts; the future resolves once the store committed), and
     `on_garbage(shard, journal, garbage)` (an undecodable range: raise to fail the shard).
+
+    The sync variant: `consume_message`, `finalize_txn`, `begin_txn` and `finished_txn` may be plain
+    functions (a SQLite application that only changes its store, say); publishing is async, so an
+    application that publishes does it from async hooks.
     """
 
     def new_store(self, shard: Shard) -> Store: ...
@@ -242,6 +247,7 @@ class _Transactions:
         spec = shard.spec
         self.min_dur, self.max_dur = spec.min_txn_duration_ms / 1000, spec.max_txn_duration_ms / 1000
         self.wait_for_ack = not spec.disable_wait_for_ack
+        self.consume_is_async = inspect.iscoroutinefunction(app.consume_message)
         self.reads: asyncio.Queue[_Read | BaseException] = asyncio.Queue(READ_AHEAD)
         self.upcoming: asyncio.Task | None = None  # a get from `reads`: never cancelled mid-transaction
         self.acks: asyncio.Future | None = None  # the last transaction's ACK appends
@@ -319,7 +325,7 @@ class _Transactions:
         if hasattr(store, "begin"):
             await store.begin()  # (its locks are waited for off the event loop)
         if hasattr(app, "begin_txn"):
-            await app.begin_txn(shard, store)
+            await _called(app.begin_txn(shard, store))
         appends: list[Awaitable[Any]] = []
         publish = _Tracking(publisher, appends)
         consumed = 0
@@ -328,7 +334,10 @@ class _Transactions:
         while last is not None:
             read = last
             for i, env in enumerate(read.envelopes):
-                await app.consume_message(shard, store, env, publish)
+                if self.consume_is_async:
+                    await app.consume_message(shard, store, env, publish)
+                else:
+                    app.consume_message(shard, store, env, publish)
                 if not i % YIELD_EVERY and time.monotonic() - turn > TURN:
                     await asyncio.sleep(0)  # let the process's other work in (its etcd lease, other shards)
                     turn = time.monotonic()
@@ -337,7 +346,7 @@ class _Transactions:
         # `read` is the last chunk consumed: its checkpoint is where this transaction stands.
         self.reader.sequencer.clear_pending()
         closed = time.monotonic()
-        await app.finalize_txn(shard, store, publish)
+        await _called(app.finalize_txn(shard, store, publish))
         intents = publisher.build_ack_intents()
         if self.acks is not None:
             await self.acks  # (N's ACKs must be written before N+1's checkpoint replaces N's intents)
@@ -346,7 +355,7 @@ class _Transactions:
         )
         try:
             if hasattr(app, "finished_txn"):
-                await app.finished_txn(shard, store, commit)
+                await _called(app.finished_txn(shard, store, commit))
             await commit
         except BaseException:
             while not commit.done():  # never leave a commit running under the store's close
@@ -382,6 +391,12 @@ class _Transactions:
         stats.acknowledging = time.monotonic() - committed
         self.shard.advance(checkpoint if self.idle is None else self.idle, stats)
         self.idle = None
+
+
+async def _called(result: Any) -> None:
+    """An application hook's result, awaited if it is a coroutine (hooks may be plain functions)."""
+    if inspect.isawaitable(result):
+        await result
 
 
 class _Tracking:
