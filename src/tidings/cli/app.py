@@ -415,11 +415,13 @@ def cluster_up(
 
     from tidings.cluster import LocalCluster
 
-    for flag, first in (("--port", port), ("--metrics-port", metrics_port)):
-        if not first:
-            continue
+    ranges = [(flag, first) for flag, first in (("--port", port), ("--metrics-port", metrics_port)) if first]
+    for flag, first in ranges:  # (what the flags say is wrong first: it does not depend on what else runs)
         if first + brokers - 1 > 65535:
             usage(f"{flag} {first}: the {brokers} brokers' ports would pass 65535: give a lower {flag}")
+    if metrics_port and not (metrics_port + brokers <= port or port + brokers <= metrics_port):
+        usage(f"--metrics-port {metrics_port} overlaps the brokers' ports from --port {port}: give another")
+    for flag, first in ranges:
         for at in range(first, first + brokers):  # (before anything starts: one line, not a broker's death)
             with socket.socket() as probe:
                 try:
@@ -427,8 +429,6 @@ def cluster_up(
                 except OSError as exc:
                     usage(f"{flag} {first}: 127.0.0.1:{at} is taken ({exc.strerror}): give another {flag} "
                           f"(the brokers use {brokers} ports from it)")  # fmt: skip
-    if metrics_port and not (metrics_port + brokers <= port or port + brokers <= metrics_port):
-        usage(f"--metrics-port {metrics_port} overlaps the brokers' ports from --port {port}: give another")
     lc = LocalCluster(brokers=brokers, zones=zones, data_dir=data_dir, port=port, metrics_port=metrics_port)
     stop = False
 
