@@ -9,30 +9,12 @@ import psycopg
 import pytest
 
 from tests.support.waiting import wait_until
+from tests.test_consumer_store_postgres import COUNTS, add, checkpoint, counts
 from tidings.consumer import FenceError, PostgresStore
 from tidings.consumer import store as store_module
 from tidings.protocol import protocol_pb2 as pb
 
-COUNTS = "CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NOT NULL)"
 INDEX = "CREATE INDEX IF NOT EXISTS counts_n ON counts (n)"
-
-
-def checkpoint(offset: int) -> pb.Checkpoint:
-    cp = pb.Checkpoint()
-    cp.sources["words/in"].read_through = offset
-    return cp
-
-
-def counts(dsn: str) -> dict[str, int]:
-    with psycopg.connect(dsn) as conn:
-        return dict(conn.execute("SELECT word, n FROM counts ORDER BY word").fetchall())  # type: ignore[arg-type]
-
-
-async def add(store: PostgresStore, word: str) -> None:
-    await store.begin()
-    await store.transaction().execute(
-        "INSERT INTO counts VALUES (%s, 1) ON CONFLICT (word) DO UPDATE SET n = counts.n + 1", (word,)
-    )
 
 
 async def backend_pid(store: PostgresStore) -> int:

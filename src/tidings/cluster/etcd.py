@@ -66,6 +66,18 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def stop_process(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout: float = 5.0) -> None:
+    """Stop a child by PID: `sig`, then SIGKILL if it has not exited within `timeout` seconds."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def die_with_parent(argv: list[str]) -> tuple[list[str], Callable[[], None] | None]:
     """``(argv, preexec_fn)`` for a child that gets SIGTERM if its parent dies (Linux ``PR_SET_PDEATHSIG``).
 
@@ -177,13 +189,7 @@ class EtcdProcess:
     def stop(self) -> None:
         """Stop the child by PID (SIGTERM, then SIGKILL) and remove a data dir we created."""
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 

@@ -23,7 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
-from tidings.cluster.etcd import ClusterError, die_with_parent, free_port, last_line
+from tidings.cluster.etcd import ClusterError, die_with_parent, free_port, last_line, stop_process
 from tidings.protocol.status import UsageError
 
 USER = "tidings"  # the server's superuser; trust authentication on loopback
@@ -125,13 +125,7 @@ class PostgresProcess:
     def stop(self) -> None:
         """Stop the server by PID (fast shutdown, then SIGKILL) and remove its data dir."""
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, signal.SIGINT, timeout=20)
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
     def __enter__(self) -> PostgresProcess:

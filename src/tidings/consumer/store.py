@@ -109,6 +109,19 @@ class FenceError(TidingsError):
         )
 
 
+async def _to_the_end(commit: Awaitable[None]) -> None:
+    """Await a commit to its end even if the caller is cancelled meanwhile (CancelledError comes after):
+    its outcome is then known when the caller goes on (to roll back, close, or restore)."""
+    task = asyncio.ensure_future(commit)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([task])
+        raise
+
+
 def _restore_first(shard: str) -> TidingsError:
     return TidingsError(f"shard {shard!r}: restore_checkpoint must come before the first commit")
 
@@ -223,19 +236,11 @@ class SQLiteStore:
             self._rollback()
             raise
         # The worker runs to its end whatever happens to us: rolling back (or closing) under it would let
-        # its UPDATE commit the checkpoint alone. So a cancelled commit first waits for the worker.
-        commit = asyncio.ensure_future(asyncio.to_thread(self._commit, shard, checkpoint.SerializeToString()))
+        # its UPDATE commit the checkpoint alone.
         try:
-            await asyncio.shield(commit)
-        except asyncio.CancelledError:
-            while not commit.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait([commit])
-            if self._open:  # (the worker failed: nothing of the transaction landed)
-                self._rollback()
-            raise
+            await _to_the_end(asyncio.to_thread(self._commit, shard, checkpoint.SerializeToString()))
         except BaseException:
-            if self._open:
+            if self._open:  # (the worker failed: nothing of the transaction landed)
                 self._rollback()
             raise
 
@@ -372,15 +377,7 @@ class PostgresStore:
         except BaseException:
             await self._rollback()
             raise
-        # As SQLiteStore: a cancelled commit still runs to its end, so its outcome is known when we return.
-        commit = asyncio.ensure_future(self._commit(conn, shard, checkpoint.SerializeToString()))
-        try:
-            await asyncio.shield(commit)
-        except asyncio.CancelledError:
-            while not commit.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait([commit])
-            raise
+        await _to_the_end(self._commit(conn, shard, checkpoint.SerializeToString()))
 
     async def _commit(self, conn: psycopg.AsyncConnection, shard: str, raw: bytes) -> None:
         try:
