@@ -168,9 +168,14 @@ async def test_a_commit_cancelled_while_waiting_for_dependencies_rolls_back_and_
         await store.restore_checkpoint("wc/0")
         await add(store, "lost")
         dep: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        commit = asyncio.ensure_future(store.start_commit("wc/0", checkpoint(3), [dep]))
-        for _ in range(3):  # (loop turns, no I/O: the commit gets to its wait on `dep`)
-            await asyncio.sleep(0)
+        awaited = asyncio.Event()
+
+        async def dependency() -> None:  # (says when the commit waits on it)
+            awaited.set()
+            await dep
+
+        commit = asyncio.ensure_future(store.start_commit("wc/0", checkpoint(3), [dependency()]))
+        await asyncio.wait_for(awaited.wait(), 10)
         assert not commit.done()
         commit.cancel()
         with pytest.raises(asyncio.CancelledError):
