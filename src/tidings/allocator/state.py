@@ -14,7 +14,7 @@ from typing import Any
 
 from tidings.allocator import keys
 from tidings.allocator.kind import JOURNALS, Kind
-from tidings.keyspace import KeySpace
+from tidings.keyspace import KeySpace, delete_op
 from tidings.protocol import protocol_pb2 as pb
 
 __all__ = ["Assignment", "Item", "Member", "MemberId", "State", "route_of", "routes_equivalent"]
@@ -134,6 +134,10 @@ class State:
         if not self.members:
             return None
         return min(self.members.values(), key=lambda m: (m.create_revision, m.id)).id
+
+    def delete_ops(self, root: str, item: str) -> list[Any]:
+        """etcd ops deleting `item` and its assignments: an Apply's delete, of a journal or a shard."""
+        return [delete_op(keys.item_key(root, item)), *(delete_op(a.key) for a in self.assignments.get(item, []))]
 
     def route(self, journal: str) -> pb.Route:
         return route_of(self.assignments.get(journal, []), self.members)

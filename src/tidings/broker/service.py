@@ -52,7 +52,7 @@ from tidings.fragment.spool import Recovered, SpoolFile, recover
 from tidings.fragment.store import check_store_url, store_for
 from tidings.keyspace import KeySpace
 from tidings.keyspace.decode import decoder
-from tidings.keyspace.etcd import Etcd, delete_op, mod_revision_is, put_op
+from tidings.keyspace.etcd import Etcd, mod_revision_is, put_op
 from tidings.protocol import labels, validate
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
@@ -482,9 +482,7 @@ class Broker:
             elif change.delete:
                 validate.journal_name(change.delete, f"changes[{i}].delete")
                 key = keys.item_key(root, change.delete)
-                ops.append(delete_op(key))
-                for a in self.resolver.state.assignments.get(change.delete, []):
-                    ops.append(delete_op(a.key))
+                ops.extend(self.resolver.state.delete_ops(root, change.delete))
             else:
                 raise ValidationError(f"changes[{i}]", "expected an upsert or a delete")
             compares.append(mod_revision_is(key, change.expect_mod_revision))

@@ -448,8 +448,7 @@ class Consumer:
             elif change.delete:
                 validate.shard_id(change.delete, f"changes[{i}].delete")
                 key = keys.item_key(root, change.delete)
-                ops.append(delete_op(key))
-                ops.extend(delete_op(a.key) for a in self.state.assignments.get(change.delete, []))
+                ops.extend(self.state.delete_ops(root, change.delete))
             else:
                 raise ValidationError(f"changes[{i}]", "expected an upsert or a delete")
             if change.expect_mod_revision >= 0:
