@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install etcd postgresql demo test lint proto bench clean
+.PHONY: install etcd postgresql spin demo test lint proto bench models clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,19 +27,27 @@ postgresql:
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq postgresql >/dev/null; }
 
-install: $(STAMP) etcd postgresql
+# spin (Debian) and a C compiler for the verifier it generates: the LogPlayer model's checks
+# (models/check.py, tests/test_models.py), only when either is missing.
+spin:
+	@{ command -v spin >/dev/null 2>&1 && command -v gcc >/dev/null 2>&1; } || { \
+	  echo "installing spin and gcc from Debian"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq spin gcc >/dev/null; }
+
+install: $(STAMP) etcd postgresql spin
 
 demo: install
 	$(VENV)/bin/tidings demo
 
 test: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check src tests bench examples
+	$(VENV)/bin/ruff format --check src tests bench examples models
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check src tests bench examples
+	$(VENV)/bin/ruff format --check src tests bench examples models
 
 # Regenerate the committed protobuf code (tests/test_protocol_generated.py checks it is current).
 proto: $(STAMP)
@@ -48,6 +56,10 @@ proto: $(STAMP)
 bench: install
 	$(PY) bench/append.py
 	$(PY) bench/messages.py
+
+# The LogPlayer model at larger bounds than `make test` checks (tens of minutes).
+models: install
+	$(PY) models/check.py --size large
 
 clean:
 	rm -rf $(VENV) build *.egg-info
