@@ -107,6 +107,9 @@ def run(check: Check, memory_mb: int = 8192) -> Result:
         _run(["gcc", *cflags, "-o", "pan", "pan.c"], work)
         pan = ["./pan", "-m200000", *check.pan_flags] + (["-a", "-f"] if check.liveness else [])
         output = _run(pan, work, check=False)
+    stopped = [reason for reason in INCOMPLETE if reason in output]
+    if stopped and _number(r"errors: (\d+)", output) == 0:
+        raise IncompleteError(f"{check.name}: pan stopped early ({stopped[0]}); raise its bounds:\n{output}")
     return Result(
         check,
         _number(r"errors: (\d+)", output),
@@ -114,6 +117,14 @@ def run(check: Check, memory_mb: int = 8192) -> Result:
         time.monotonic() - started,
         output,
     )
+
+
+# What pan prints when it stopped before exploring every state: its "errors: 0" then proves nothing.
+INCOMPLETE = ("reached -DMEMLIM bound", "out of memory", "max search depth too small")
+
+
+class IncompleteError(RuntimeError):
+    """spin's verifier stopped early (memory or depth bound): the check neither passed nor failed."""
 
 
 def _run(argv: list[str], cwd: Path, check: bool = True) -> str:
@@ -142,7 +153,12 @@ def main() -> int:
     for check in SIZES[args.size]:
         if args.only and check.name != args.only:
             continue
-        result = run(check)
+        try:
+            result = run(check)
+        except IncompleteError as e:
+            print(json.dumps({"check": check.name, "incomplete": str(e).splitlines()[0]}), flush=True)
+            ok = False
+            continue
         print(result.line(), flush=True)
         ok &= result.as_expected
     return 0 if ok else 1

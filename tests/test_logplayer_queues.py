@@ -317,3 +317,10 @@ def test_a_stale_recovery_fetcher_delivers_nothing_twice() -> None:
         pass
     settle(player, targets)
     assert targets["t"].applied == [0, 10, 20, 30, 40]
+
+
+def test_an_entry_naming_an_unknown_target_queues_nothing() -> None:
+    d = Dispatcher(["a"], lambda t: None)
+    with pytest.raises(KeyError, match="unknown targets"):
+        d.dispatch(10, {"a": ("x",), "zz": ("y",)})
+    assert (list(d.queues["a"].normal), d.current_index) == ([], NOTHING)

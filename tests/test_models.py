@@ -37,3 +37,9 @@ def test_model(case) -> None:
     assert result.errors > 0, f"spin found no violation in {case.name}:\n{result.output}"
     expected = "acceptance cycle" if case.liveness else "assertion violated"
     assert expected in result.output, result.output
+
+
+def test_a_verifier_stopped_by_its_bounds_is_no_pass() -> None:
+    """pan prints "errors: 0" also when it ran out of memory: that must not read as verified."""
+    with pytest.raises(check.IncompleteError, match="stopped early"):
+        check.run(check.SMALL[0], memory_mb=64)

@@ -60,7 +60,10 @@ class Dispatcher:
 
     def dispatch(self, index: int, parts: Mapping[str, tuple], *, normal: bool = True, term: int = 0) -> None:
         """Queue each target's part of the entry at `index`: all of `parts` for the main stream,
-        or (a recovery stream) the parts of the targets named, in `term`."""
+        or (a recovery stream) the parts of the targets named, in `term`. A target not among
+        the queues' is refused before anything is queued (a retry would queue the rest twice)."""
+        if unknown := parts.keys() - self.queues.keys():
+            raise KeyError(f"entry {index} names unknown targets {sorted(unknown)}")
         for target, mutations in parts.items():
             if self.last_acks[target] >= index:
                 continue
