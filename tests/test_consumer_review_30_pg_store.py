@@ -8,8 +8,9 @@ import logging
 import psycopg
 import pytest
 
+from tests.support.stores import checkpoint
 from tests.support.waiting import wait_until
-from tests.test_consumer_store_postgres import COUNTS, add, checkpoint, counts
+from tests.test_consumer_store_postgres import COUNTS, add, counts
 from tidings.consumer import FenceError, PostgresStore
 from tidings.consumer import store as store_module
 from tidings.protocol import protocol_pb2 as pb

@@ -14,15 +14,9 @@ import textwrap
 
 import pytest
 
+from tests.support.stores import checkpoint
 from tidings.consumer import FenceError, SQLiteStore
 from tidings.protocol import protocol_pb2 as pb
-
-
-def checkpoint(offset: int) -> pb.Checkpoint:
-    cp = pb.Checkpoint()
-    cp.sources["words/in"].read_through = offset
-    cp.ack_intents["words/out"] = b'{"ack": 1}\n'
-    return cp
 
 
 def counts(store: SQLiteStore) -> dict[str, int]:

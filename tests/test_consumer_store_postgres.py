@@ -17,19 +17,13 @@ import textwrap
 import psycopg
 import pytest
 
+from tests.support.stores import checkpoint
 from tests.support.waiting import wait_until
 from tidings.consumer import FenceError, PostgresStore
 from tidings.consumer import store as store_module
 from tidings.protocol import protocol_pb2 as pb
 
 COUNTS = "CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NOT NULL)"
-
-
-def checkpoint(offset: int) -> pb.Checkpoint:
-    cp = pb.Checkpoint()
-    cp.sources["words/in"].read_through = offset
-    cp.ack_intents["words/out"] = b'{"ack": 1}\n'
-    return cp
 
 
 def counts(dsn: str) -> dict[str, int]:
