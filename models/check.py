@@ -89,6 +89,14 @@ LARGE = (
 SIZES = {"small": SMALL, "large": LARGE}
 
 
+# What pan prints when it stopped before exploring every state: its "errors: 0" then proves nothing.
+INCOMPLETE = ("reached -DMEMLIM bound", "out of memory", "max search depth too small")
+
+
+class IncompleteError(RuntimeError):
+    """spin's verifier stopped early (memory or depth bound): the check neither passed nor failed."""
+
+
 def tools_missing() -> list[str]:
     """The programs a check needs that are not installed (`make install` installs them)."""
     return [tool for tool in ("spin", "gcc") if shutil.which(tool) is None]
@@ -107,24 +115,17 @@ def run(check: Check, memory_mb: int = 8192) -> Result:
         _run(["gcc", *cflags, "-o", "pan", "pan.c"], work)
         pan = ["./pan", "-m200000", *check.pan_flags] + (["-a", "-f"] if check.liveness else [])
         output = _run(pan, work, check=False)
+    errors = _number(r"errors: (\d+)", output)
     stopped = [reason for reason in INCOMPLETE if reason in output]
-    if stopped and _number(r"errors: (\d+)", output) == 0:
+    if stopped and errors == 0:
         raise IncompleteError(f"{check.name}: pan stopped early ({stopped[0]}); raise its bounds:\n{output}")
     return Result(
         check,
-        _number(r"errors: (\d+)", output),
+        errors,
         _number(r"(\d+) states, stored", output),
         time.monotonic() - started,
         output,
     )
-
-
-# What pan prints when it stopped before exploring every state: its "errors: 0" then proves nothing.
-INCOMPLETE = ("reached -DMEMLIM bound", "out of memory", "max search depth too small")
-
-
-class IncompleteError(RuntimeError):
-    """spin's verifier stopped early (memory or depth bound): the check neither passed nor failed."""
 
 
 def _run(argv: list[str], cwd: Path, check: bool = True) -> str:

@@ -62,8 +62,8 @@ class Dispatcher:
         """Queue each target's part of the entry at `index`: all of `parts` for the main stream,
         or (a recovery stream) the parts of the targets named, in `term`. A target not among
         the queues' is refused before anything is queued (a retry would queue the rest twice)."""
-        if unknown := parts.keys() - self.queues.keys():
-            raise KeyError(f"entry {index} names unknown targets {sorted(unknown)}")
+        if not parts.keys() <= self.queues.keys():  # a subset test: no set built per entry
+            raise KeyError(f"entry {index} names unknown targets {sorted(parts.keys() - self.queues.keys())}")
         for target, mutations in parts.items():
             if self.last_acks[target] >= index:
                 continue
