@@ -90,7 +90,9 @@ SIZES = {"small": SMALL, "large": LARGE}
 
 
 # What pan prints when it stopped before exploring every state: its "errors: 0" then proves nothing.
-INCOMPLETE = ("reached -DMEMLIM bound", "out of memory", "max search depth too small")
+# "Search not completed" is printed on every early stop (memory, SIGINT, a -Q time limit); a
+# depth cut-off prints only its own message (review 32).
+INCOMPLETE = ("Search not completed", "reached -DMEMLIM bound", "out of memory", "max search depth too small")
 
 
 class IncompleteError(RuntimeError):
@@ -115,17 +117,16 @@ def run(check: Check, memory_mb: int = 8192) -> Result:
         _run(["gcc", *cflags, "-o", "pan", "pan.c"], work)
         pan = ["./pan", "-m200000", *check.pan_flags] + (["-a", "-f"] if check.liveness else [])
         output = _run(pan, work, check=False)
+    return result_of(check, output, time.monotonic() - started)
+
+
+def result_of(check: Check, output: str, seconds: float) -> Result:
+    """What pan's `output` says of `check`; IncompleteError when it stopped before the end."""
     errors = _number(r"errors: (\d+)", output)
     stopped = [reason for reason in INCOMPLETE if reason in output]
     if stopped and errors == 0:
         raise IncompleteError(f"{check.name}: pan stopped early ({stopped[0]}); raise its bounds:\n{output}")
-    return Result(
-        check,
-        errors,
-        _number(r"(\d+) states, stored", output),
-        time.monotonic() - started,
-        output,
-    )
+    return Result(check, errors, _number(r"(\d+) states, stored", output), seconds, output)
 
 
 def _run(argv: list[str], cwd: Path, check: bool = True) -> str:

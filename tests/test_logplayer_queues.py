@@ -321,6 +321,16 @@ def test_a_stale_recovery_fetcher_delivers_nothing_twice() -> None:
 
 def test_an_entry_naming_an_unknown_target_queues_nothing() -> None:
     d = Dispatcher(["a"], lambda t: None)
-    with pytest.raises(KeyError, match="unknown targets"):
+    with pytest.raises(KeyError, match="unknown target"):
         d.dispatch(10, {"a": ("x",), "zz": ("y",)})
     assert (list(d.queues["a"].normal), d.current_index) == ([], NOTHING)
+
+
+def test_a_bad_part_queues_nothing_and_a_retry_queues_once() -> None:
+    """Review 32: any part that cannot be built refuses the whole entry before a push."""
+    d = Dispatcher(["a", "b"], lambda t: None)
+    with pytest.raises(TypeError):
+        d.dispatch(10, {"a": ("x",), "b": None})  # type: ignore[dict-item]
+    assert list(d.queues["a"].normal) == []
+    d.dispatch(10, {"a": ("x",), "b": ("y",)})
+    assert [x.index for x in d.queues["a"].normal] == [10]

@@ -43,3 +43,13 @@ def test_a_verifier_stopped_by_its_bounds_is_no_pass() -> None:
     """pan prints "errors: 0" also when it ran out of memory: that must not read as verified."""
     with pytest.raises(check.IncompleteError, match="stopped early"):
         check.run(check.SMALL[0], memory_mb=64)
+
+
+def test_an_interrupted_verifier_is_no_pass() -> None:
+    """Review 32: pan stopped by SIGINT or a time limit prints "errors: 0" and exits 0."""
+    output = (
+        "Interrupted\nWarning: Search not completed\n"
+        "State-vector 96 byte, depth reached 9, errors: 0\n  3600000 states, stored\n"
+    )
+    with pytest.raises(check.IncompleteError, match="Search not completed"):
+        check.result_of(check.SMALL[0], output, 3.0)

@@ -61,16 +61,17 @@ class Dispatcher:
     def dispatch(self, index: int, parts: Mapping[str, tuple], *, normal: bool = True, term: int = 0) -> None:
         """Queue each target's part of the entry at `index`: all of `parts` for the main stream,
         or (a recovery stream) the parts of the targets named, in `term`. A target not among
-        the queues' is refused before anything is queued (a retry would queue the rest twice)."""
-        if not parts.keys() <= self.queues.keys():  # a subset test: no set built per entry
-            raise KeyError(f"entry {index} names unknown targets {sorted(parts.keys() - self.queues.keys())}")
-        for target, mutations in parts.items():
-            if self.last_acks[target] >= index:
-                continue
-            if self.queues[target].push(Entry(index, tuple(mutations)), normal, term):
-                if normal:
-                    self._last_queued[target] = index
-                self.wake(target)
+        the queues' is refused before anything is queued: every part is built before the first
+        push, and targets are woken after the last (a retry would otherwise queue some twice)."""
+        try:
+            entries = [(t, Entry(index, tuple(m))) for t, m in parts.items() if self.last_acks[t] < index]
+        except KeyError as e:
+            raise KeyError(f"entry {index} names unknown target {e.args[0]!r}") from None
+        pushed = [t for t, entry in entries if self.queues[t].push(entry, normal, term)]
+        for target in pushed:
+            if normal:
+                self._last_queued[target] = index
+            self.wake(target)
         if normal:
             self.current_index = index
             self._dummies()
