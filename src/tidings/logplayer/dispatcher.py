@@ -42,8 +42,10 @@ class Dispatcher:
         *,
         dummy_every: int = 0,
         last_acks: Mapping[str, int] | None = None,
+        suspended: bool = False,
     ) -> None:
-        self.queues = {t: TargetQueue(t) for t in targets}
+        state = QueueState.SUSPENDED if suspended else QueueState.NORMAL  # (suspended: until each connects)
+        self.queues = {t: TargetQueue(t, state) for t in targets}
         self.wake = wake
         self.dummy_every = dummy_every
         self.last_acks = {t: (last_acks or {}).get(t, NOTHING) for t in self.queues}
@@ -58,13 +60,26 @@ class Dispatcher:
         begins), NOTHING when some target applied nothing."""
         return min(self.last_acks.values(), default=NOTHING)
 
-    def dispatch(self, index: int, parts: Mapping[str, tuple], *, normal: bool = True, term: int = 0) -> None:
+    def dispatch(
+        self,
+        index: int,
+        parts: Mapping[str, tuple],
+        *,
+        normal: bool = True,
+        term: int = 0,
+        committed_ns: int = 0,
+        dispatched_ns: int = 0,
+    ) -> None:
         """Queue each target's part of the entry at `index`: all of `parts` for the main stream,
         or (a recovery stream) the parts of the targets named, in `term`. A target not among
         the queues' is refused before anything is queued: every part is built before the first
         push, and targets are woken after the last (a retry would otherwise queue some twice)."""
         try:
-            entries = [(t, Entry(index, tuple(m))) for t, m in parts.items() if self.last_acks[t] < index]
+            entries = [
+                (t, Entry(index, tuple(m), committed_ns, dispatched_ns))
+                for t, m in parts.items()
+                if self.last_acks[t] < index
+            ]
         except KeyError as e:
             raise KeyError(f"entry {index} names unknown target {e.args[0]!r}") from None
         pushed = [t for t, entry in entries if self.queues[t].push(entry, normal, term)]
@@ -76,9 +91,9 @@ class Dispatcher:
             self.current_index = index
             self._dummies()
 
-    def dispatch_recovery(self, target: str, index: int, mutations: tuple, term: int) -> None:
+    def dispatch_recovery(self, target: str, index: int, mutations: tuple, term: int, committed_ns: int = 0) -> None:
         """Queue `target`'s part of the entry at `index` for its recovery stream of `term`."""
-        self.dispatch(index, {target: mutations}, normal=False, term=term)
+        self.dispatch(index, {target: mutations}, normal=False, term=term, committed_ns=committed_ns)
 
     def acknowledged(self, target: str, index: int) -> None:
         """`target` applied every entry up to `index` (its acknowledgement, or what it reported

@@ -49,6 +49,8 @@ class Entry:
 
     index: int
     mutations: tuple[Any, ...] = ()
+    committed_ns: int = 0  # when the transaction manager appended the entry (unix ns; for apply delay)
+    dispatched_ns: int = 0  # when the LogPlayer dispatched it (unix ns; for LogPlayer delay)
 
     @property
     def dummy(self) -> bool:

@@ -46,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import random
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -185,23 +185,27 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def rendezvous_pick(names: Sequence[str], key_hash: int, cache: dict[str, int]) -> str:
+    """The name with the highest score for a key's 32-bit hash (rendezvous hashing): adding or
+    removing a name moves only the keys that score highest there. `cache` keeps the names' hashes."""
+    k = key_hash * 0x9E3779B97F4A7C15
+    best, best_score = names[0], -1
+    for name in names:
+        h = cache.get(name)
+        if h is None:
+            h = cache[name] = zlib.crc32(name.encode()) << 32 | zlib.crc32(name[::-1].encode())
+        score = _mix((k ^ h) & 0xFFFFFFFFFFFFFFFF)
+        if score > best_score:
+            best, best_score = name, score
+    return best
+
+
 def rendezvous_mapping(journals: JournalList, key: KeyFn) -> Mapping:
-    """The journal with the highest score for the key (rendezvous hashing): adding or removing a
-    journal moves only the keys that score highest there."""
+    """The journal with the highest score for the key (`rendezvous_pick`)."""
     cache: dict[str, int] = {}
 
     def mapping(msg: Any) -> str:
-        names = journals._require()
-        k = zlib.crc32(_key_bytes(key(msg))) * 0x9E3779B97F4A7C15
-        best, best_score = names[0], -1
-        for name in names:
-            h = cache.get(name)
-            if h is None:
-                h = cache[name] = zlib.crc32(name.encode()) << 32 | zlib.crc32(name[::-1].encode())
-            score = _mix((k ^ h) & 0xFFFFFFFFFFFFFFFF)
-            if score > best_score:
-                best, best_score = name, score
-        return best
+        return rendezvous_pick(journals._require(), zlib.crc32(_key_bytes(key(msg))), cache)
 
     return mapping
 

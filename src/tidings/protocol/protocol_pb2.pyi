@@ -29,6 +29,9 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NO_SHARD_PRIMARY: _ClassVar[Status]
     NOT_SHARD_PRIMARY: _ClassVar[Status]
     SHARD_STOPPED: _ClassVar[Status]
+    TARGET_NOT_FOUND: _ClassVar[Status]
+    TARGET_FENCED: _ClassVar[Status]
+    WRONG_TARGET_INDEX: _ClassVar[Status]
 
 class CompressionCodec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -56,6 +59,9 @@ SHARD_NOT_FOUND: Status
 NO_SHARD_PRIMARY: Status
 NOT_SHARD_PRIMARY: Status
 SHARD_STOPPED: Status
+TARGET_NOT_FOUND: Status
+TARGET_FENCED: Status
+WRONG_TARGET_INDEX: Status
 INVALID: CompressionCodec
 NONE: CompressionCodec
 GZIP: CompressionCodec
@@ -680,3 +686,74 @@ class UnassignResponse(_message.Message):
     status: Status
     shards: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, status: _Optional[_Union[Status, str]] = ..., shards: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Mutation(_message.Message):
+    __slots__ = ("key", "value", "delete")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    DELETE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: bytes
+    delete: bool
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ..., delete: _Optional[bool] = ...) -> None: ...
+
+class TargetEntry(_message.Message):
+    __slots__ = ("index", "mutations", "dispatched_ns", "committed_ns")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    MUTATIONS_FIELD_NUMBER: _ClassVar[int]
+    DISPATCHED_NS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_NS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    mutations: _containers.RepeatedCompositeFieldContainer[Mutation]
+    dispatched_ns: int
+    committed_ns: int
+    def __init__(self, index: _Optional[int] = ..., mutations: _Optional[_Iterable[_Union[Mutation, _Mapping]]] = ..., dispatched_ns: _Optional[int] = ..., committed_ns: _Optional[int] = ...) -> None: ...
+
+class DeliverRequest(_message.Message):
+    __slots__ = ("open", "prev_index", "entries")
+    class Open(_message.Message):
+        __slots__ = ("target", "player", "epoch", "nonce")
+        TARGET_FIELD_NUMBER: _ClassVar[int]
+        PLAYER_FIELD_NUMBER: _ClassVar[int]
+        EPOCH_FIELD_NUMBER: _ClassVar[int]
+        NONCE_FIELD_NUMBER: _ClassVar[int]
+        target: str
+        player: str
+        epoch: int
+        nonce: int
+        def __init__(self, target: _Optional[str] = ..., player: _Optional[str] = ..., epoch: _Optional[int] = ..., nonce: _Optional[int] = ...) -> None: ...
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    PREV_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    open: DeliverRequest.Open
+    prev_index: int
+    entries: _containers.RepeatedCompositeFieldContainer[TargetEntry]
+    def __init__(self, open: _Optional[_Union[DeliverRequest.Open, _Mapping]] = ..., prev_index: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[TargetEntry, _Mapping]]] = ...) -> None: ...
+
+class DeliverResponse(_message.Message):
+    __slots__ = ("status", "last_applied", "detail")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    LAST_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    last_applied: int
+    detail: str
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., last_applied: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class LastAckRequest(_message.Message):
+    __slots__ = ("target",)
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    def __init__(self, target: _Optional[str] = ...) -> None: ...
+
+class LastAckResponse(_message.Message):
+    __slots__ = ("status", "last_applied", "epoch", "detail")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    LAST_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    last_applied: int
+    epoch: int
+    detail: str
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., last_applied: _Optional[int] = ..., epoch: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...

@@ -226,6 +226,121 @@ class Shard:
             _registered_method=True)
 
 
+class TargetStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Deliver = channel.stream_stream(
+                '/tidings.protocol.Target/Deliver',
+                request_serializer=tidings_dot_protocol_dot_protocol__pb2.DeliverRequest.SerializeToString,
+                response_deserializer=tidings_dot_protocol_dot_protocol__pb2.DeliverResponse.FromString,
+                _registered_method=True)
+        self.GetLastAck = channel.unary_unary(
+                '/tidings.protocol.Target/GetLastAck',
+                request_serializer=tidings_dot_protocol_dot_protocol__pb2.LastAckRequest.SerializeToString,
+                response_deserializer=tidings_dot_protocol_dot_protocol__pb2.LastAckResponse.FromString,
+                _registered_method=True)
+
+
+class TargetServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Deliver(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLastAck(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_TargetServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Deliver': grpc.stream_stream_rpc_method_handler(
+                    servicer.Deliver,
+                    request_deserializer=tidings_dot_protocol_dot_protocol__pb2.DeliverRequest.FromString,
+                    response_serializer=tidings_dot_protocol_dot_protocol__pb2.DeliverResponse.SerializeToString,
+            ),
+            'GetLastAck': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLastAck,
+                    request_deserializer=tidings_dot_protocol_dot_protocol__pb2.LastAckRequest.FromString,
+                    response_serializer=tidings_dot_protocol_dot_protocol__pb2.LastAckResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'tidings.protocol.Target', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('tidings.protocol.Target', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Target:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Deliver(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tidings.protocol.Target/Deliver',
+            tidings_dot_protocol_dot_protocol__pb2.DeliverRequest.SerializeToString,
+            tidings_dot_protocol_dot_protocol__pb2.DeliverResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLastAck(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tidings.protocol.Target/GetLastAck',
+            tidings_dot_protocol_dot_protocol__pb2.LastAckRequest.SerializeToString,
+            tidings_dot_protocol_dot_protocol__pb2.LastAckResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class JournalStub:
     """Missing associated documentation comment in .proto file."""
 

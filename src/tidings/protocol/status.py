@@ -43,6 +43,9 @@ _NEXT_STEP: dict[int, str] = {
         "backend (e.g. pip install 'tidings[s3]'); retry"
     ),
     pb.SUSPENDED: "the journal is suspended; an append resumes it",
+    pb.TARGET_NOT_FOUND: "check the target's id and endpoint in targets.yaml",
+    pb.TARGET_FENCED: "a newer LogPlayer delivers to this target; stop this one",
+    pb.WRONG_TARGET_INDEX: "the LogPlayer reconnects and recovers the target from what it applied",
 }
 
 RETRIABLE = frozenset(
@@ -125,6 +128,9 @@ ShardNotFoundError = _define(pb.SHARD_NOT_FOUND)
 NoShardPrimaryError = _define(pb.NO_SHARD_PRIMARY)
 NotShardPrimaryError = _define(pb.NOT_SHARD_PRIMARY)
 ShardStoppedError = _define(pb.SHARD_STOPPED)
+TargetNotFoundError = _define(pb.TARGET_NOT_FOUND)
+TargetFencedError = _define(pb.TARGET_FENCED)
+WrongTargetIndexError = _define(pb.WRONG_TARGET_INDEX)
 
 
 def for_status(status: int) -> type[StatusError]:

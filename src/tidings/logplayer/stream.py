@@ -1,0 +1,220 @@
+"""A target's link: its health checker, and per connection one writer and one reader task
+(logplayer-paper.txt, sections 2.4 and 2.5.2; the asyncio form of Algorithm 4).
+
+The paper drives every stream from one gRPC completion queue and its consumer thread: a write's
+completion releases the stream's next write, a read's completion is an acknowledgement. Here each
+connection has a *writer* task (at most one write in flight: it sends the next batch once the
+previous write completed) and a *reader* task (each acknowledgement erases the batches up to it
+and advances the target's last_ack); both run on the LogPlayer's one event loop, so queue and
+dispatcher operations stay synchronous, as the model's coarse granularity assumes.
+
+`TargetLink.run` is the target's health checker: connect, open the stream (the target answers
+with its last applied index *before* the queue begins recovery: an older stream's batch in
+flight cannot be applied after that answer), then hand the returning target to the LogPlayer
+(`on_open`: recovery stream or straight back to normal), and watch. A failed connection, a
+refused batch, an acknowledgement naming no batch sent (a target answering a wrong index is not
+trusted), a stream that ends, or no acknowledgement within `ack_timeout` while batches wait (a
+stopped target: SIGSTOP keeps its TCP connection up) fails the link: both tasks are cancelled
+before the queue is suspended, so no task of a dead connection touches the queue again, and the
+link reconnects with backoff. TARGET_FENCED stops the LogPlayer (a newer one holds the target).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+
+from tidings.logplayer.dispatcher import Dispatcher
+from tidings.logplayer.target_queue import QueueState, TargetQueue
+from tidings.logplayer.wal import Target
+from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol import protocol_pb2_grpc as pb_grpc
+from tidings.protocol.status import TargetFencedError, TidingsError, for_status
+
+__all__ = ["LinkFailed", "TargetLink"]
+
+log = logging.getLogger(__name__)
+
+_CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+
+
+class LinkFailed(TidingsError):
+    """This connection to the target is done for; the link reconnects."""
+
+
+class TargetLink:
+    """One target's connection, health checker, writer and reader; see the module docstring."""
+
+    def __init__(
+        self,
+        target: Target,
+        dispatcher: Dispatcher,
+        on_open: Callable[[TargetLink, int], None],
+        open_request: pb.DeliverRequest,
+        *,
+        max_batch: int = 256,
+        ack_timeout: float = 5.0,
+        backoff: tuple[float, float] = (0.05, 2.0),
+    ) -> None:
+        self.target = target
+        self.id = target.id
+        self.dispatcher = dispatcher
+        self.queue: TargetQueue = dispatcher.queues[target.id]
+        self.on_open = on_open
+        self.open_request = open_request
+        self.max_batch = max_batch
+        self.ack_timeout = ack_timeout
+        self.backoff = backoff
+        self.wake = asyncio.Event()  # set when the queue got something to send
+        self.room = asyncio.Event()  # set when the writer took entries (a recovery waiting for room)
+        self.opened = asyncio.Event()  # set once the target answered an Open (the first time)
+        self.up = False
+        self.sent = -1  # the last index written on this connection (the next batch's prev_index)
+        self.last_progress = 0.0  # monotonic: the last acknowledgement, or the first write after none waited
+        self.failures = 0
+        self.last_error = ""
+        self._doomed = ""  # why the LogPlayer gave this connection up (fail_soon)
+
+    async def run(self) -> None:
+        """Connect, deliver, and reconnect after each failure, for ever (TargetFencedError ends it)."""
+        delay = self.backoff[0]
+        while True:
+            try:
+                await self._connection()
+            except (LinkFailed, grpc.aio.AioRpcError, OSError, TimeoutError) as exc:
+                self.last_error = _describe(exc)
+            except TargetFencedError:
+                self._fail()
+                raise
+            except TidingsError as exc:  # TARGET_NOT_FOUND, say: a misconfiguration, said and retried
+                self.last_error = str(exc)
+            except BaseException:
+                self._fail()
+                raise
+            was_up = self.up
+            self._fail()
+            if was_up:
+                delay = self.backoff[0]
+                log.warning("target %s at %s failed: %s; reconnecting", self.id, self.target.endpoint, self.last_error)
+            elif delay < self.backoff[1] <= delay * 2:
+                log.warning("target %s at %s is down: %s; still trying", self.id, self.target.endpoint, self.last_error)
+            await asyncio.sleep(delay)  # the health checker's backoff, not a synchronisation
+            delay = min(delay * 2, self.backoff[1])
+
+    def fail_soon(self, why: str) -> None:
+        """Give the connection up from outside (a queue too long, a recovery that failed): the queue
+        is suspended now, and the writer ends the connection."""
+        if self.queue.state is not QueueState.SUSPENDED:
+            self.queue.suspend()
+        self._doomed = why
+        self.wake.set()
+
+    def _fail(self) -> None:
+        if self.queue.state is not QueueState.SUSPENDED:
+            self.queue.suspend()
+        self.failures += int(self.up)
+        self.up = False
+        self.room.set()  # (a recovery waiting for room sees its term go stale)
+
+    async def _connection(self) -> None:
+        async with grpc.aio.insecure_channel(self.target.endpoint, options=_CHANNEL_OPTIONS) as channel:
+            call = pb_grpc.TargetStub(channel).Deliver()
+            try:
+                await asyncio.wait_for(self._open(call), self.ack_timeout)
+                tasks = [
+                    asyncio.create_task(self._write(call), name=f"write:{self.id}"),
+                    asyncio.create_task(self._read(call), name=f"read:{self.id}"),
+                    asyncio.create_task(self._watch(), name=f"watch:{self.id}"),
+                ]
+                try:
+                    done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for task in tasks:
+                        task.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                for task in done:
+                    task.result()  # (raises what failed the connection)
+                raise LinkFailed("the stream ended")
+            finally:
+                call.cancel()
+
+    async def _open(self, call: grpc.aio.StreamStreamCall) -> None:
+        await call.write(self.open_request)
+        resp = await call.read()
+        if resp is grpc.aio.EOF:
+            raise LinkFailed("the target closed the stream before answering Open")
+        if resp.status != pb.OK:
+            raise for_status(resp.status)("", f"target {self.id}: {resp.detail}")
+        self.sent = resp.last_applied
+        self._doomed = ""
+        self.up = True
+        self.last_progress = time.monotonic()
+        self.opened.set()
+        log.info("target %s at %s: stream open, last applied %d", self.id, self.target.endpoint, resp.last_applied)
+        self.on_open(self, resp.last_applied)  # (synchronously: no dispatch between the answer and recovery)
+
+    async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
+        queue, wake = self.queue, self.wake
+        while True:
+            if self._doomed:
+                raise LinkFailed(self._doomed)
+            batch = queue.next_batch(self.max_batch)
+            if not batch:
+                wake.clear()
+                await wake.wait()
+                continue
+            self.room.set()
+            if not queue.popped:
+                self.last_progress = time.monotonic()
+            queue.pop_batch()
+            req = pb.DeliverRequest(
+                prev_index=self.sent,
+                entries=[
+                    pb.TargetEntry(
+                        index=e.index, mutations=e.mutations, committed_ns=e.committed_ns, dispatched_ns=e.dispatched_ns
+                    )
+                    for e in batch
+                ],
+            )
+            self.sent = batch[-1].index
+            await call.write(req)
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        queue, acknowledged = self.queue, self.dispatcher.acknowledged
+        while True:
+            resp = await call.read()
+            if resp is grpc.aio.EOF:
+                raise LinkFailed("the target ended the stream")
+            if resp.status != pb.OK:
+                raise for_status(resp.status)("", f"target {self.id}: {resp.detail}")
+            if not queue.erase(resp.last_applied):
+                if self._doomed:
+                    raise LinkFailed(self._doomed)
+                raise LinkFailed(f"acknowledged index {resp.last_applied}, which ends no batch sent: not trusted")
+            acknowledged(self.id, resp.last_applied)
+            self.last_progress = time.monotonic()
+
+    async def _watch(self) -> None:
+        """No acknowledgement for `ack_timeout` while batches wait for one: the target is stopped or stuck."""
+        while True:
+            await asyncio.sleep(self.ack_timeout / 4)  # (a periodic health check)
+            if self.queue.popped and time.monotonic() - self.last_progress > self.ack_timeout:
+                raise LinkFailed(f"no acknowledgement for {self.ack_timeout:g}s")
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    if isinstance(exc, TimeoutError):
+        return "no answer to Open in time"
+    return str(exc) or type(exc).__name__

@@ -1,0 +1,302 @@
+"""A LogPlayer target: a storage shard that applies its part of every WAL entry, in order, once
+(logplayer-paper.txt, section 2: "a target must make sure consuming an entry happens atomically
+together with durably storing the index of the entry").
+
+`TargetStore` keeps the target's state in one SQLite file (apsw, WAL mode, synchronous=FULL): the
+last applied index, the newest LogPlayer epoch it accepted, the data (a key-value table by
+default) and, optionally, an apply log (one row per applied entry, for tests and benchmarks).
+A batch is applied in one SQLite transaction together with its last index, so a crash leaves the
+target either before or after the whole batch. The apply function is the user's: called with the
+connection (inside the transaction) and each `pb.TargetEntry`; `apply_key_values` by default.
+
+`TargetService` serves the Target gRPC service (protocol.proto):
+
+* `Deliver` (bidi): the first request opens the stream for a LogPlayer (target id, epoch, nonce).
+  An (epoch, nonce) older than the newest the target accepted is refused (TARGET_FENCED), so two
+  LogPlayers started by mistake cannot both deliver; an equal or newer one takes the target over
+  (an older stream's next batch is refused), after any apply in progress, and is answered with
+  the last applied index: the LogPlayer's `last_ack` for the stream. Each later request is a
+  batch; it must follow what the target applied (`prev_index`) with increasing indices, else
+  WRONG_TARGET_INDEX (the LogPlayer reconnects and recovers the target: a target is never asked
+  to trust a gap or a repeat). Each applied batch is answered with its last index.
+* `GetLastAck`: the last applied index and the newest epoch (a LogPlayer's start, `targets status`).
+
+Statuses come back in responses; a non-OK one ends the stream. A user's apply function that
+raises rolls its batch back and ends the stream with gRPC INTERNAL (logged with the entry's
+index): the LogPlayer retries, as a Kafka consumer stays on a message it cannot process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import apsw
+import grpc
+from prometheus_client import Counter, Gauge
+
+from tidings._serving import check_listen, serve_metrics, stop_metrics
+from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol import protocol_pb2_grpc as pb_grpc
+from tidings.protocol.status import UsageError
+
+__all__ = ["ApplyFn", "TargetServer", "TargetService", "TargetStore", "WrongIndex", "apply_key_values"]
+
+log = logging.getLogger(__name__)
+
+NOTHING = -1
+ApplyFn = Callable[[apsw.Connection, pb.TargetEntry], None]
+
+ENTRIES = Counter("tidings_target_entries_applied_total", "WAL entries applied (dummy ones included)", ["target"])
+BATCHES = Counter("tidings_target_batches_total", "Deliver batches by outcome", ["target", "status"])
+LAST_APPLIED = Gauge("tidings_target_last_applied", "The index of the last applied WAL entry", ["target"])
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS target_meta (name TEXT PRIMARY KEY NOT NULL, value INTEGER NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY NOT NULL, value BLOB NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS applied (seq INTEGER PRIMARY KEY, idx INTEGER NOT NULL, "
+    "mutations INTEGER NOT NULL, committed_ns INTEGER NOT NULL, dispatched_ns INTEGER NOT NULL, "
+    "received_ns INTEGER NOT NULL)",
+)
+
+
+class WrongIndex(ValueError):
+    """A batch that does not follow what the target applied: said back as WRONG_TARGET_INDEX."""
+
+
+def apply_key_values(db: apsw.Connection, entry: pb.TargetEntry) -> None:
+    """The default apply: each mutation sets (or deletes) its key in the `kv` table."""
+    for m in entry.mutations:
+        if m.delete:
+            db.execute("DELETE FROM kv WHERE key = ?", (m.key,))
+        else:
+            db.execute("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)", (m.key, m.value))
+
+
+class TargetStore:
+    """A target's SQLite file; see the module docstring. Calls block: run them off the event loop."""
+
+    def __init__(self, path: str | Path, apply: ApplyFn | None = None, *, log_applied: bool = False) -> None:
+        self.path = Path(path)
+        self.apply_fn = apply or apply_key_values
+        self.log_applied = log_applied
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # One process per file: a second one would interleave applies with the first's.
+        self._lock = open(f"{self.path}.lock", "a+b")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise UsageError(
+                f"another process serves the target file {self.path}; stop it or pass another --db"
+            ) from None
+        self.db = apsw.Connection(str(self.path))
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        for statement in _SCHEMA:
+            self.db.execute(statement)
+        self.last_applied = self._meta("last_applied", NOTHING)
+        self.fence = (self._meta("epoch", 0), self._meta("nonce", 0))
+
+    def _meta(self, name: str, default: int) -> int:
+        row = self.db.execute("SELECT value FROM target_meta WHERE name = ?", (name,)).fetchone()
+        return default if row is None else int(row[0])
+
+    def _set(self, name: str, value: int) -> None:
+        self.db.execute("INSERT OR REPLACE INTO target_meta (name, value) VALUES (?, ?)", (name, value))
+
+    def accept(self, epoch: int, nonce: int) -> None:
+        """Remember (epoch, nonce) as the newest LogPlayer's (durably: a restarted target still fences)."""
+        with self.db:
+            self._set("epoch", epoch)
+            self._set("nonce", nonce & 0x7FFF_FFFF_FFFF_FFFF)  # (SQLite integers are signed)
+        self.fence = (epoch, nonce & 0x7FFF_FFFF_FFFF_FFFF)
+
+    def apply(self, prev_index: int, entries: Any, received_ns: int) -> int:
+        """Apply a batch and store its last index, in one transaction; the new last applied index.
+        Raises WrongIndex for a batch that does not follow the last applied index in order."""
+        if prev_index != self.last_applied:
+            raise WrongIndex(f"the batch follows index {prev_index}, the target applied {self.last_applied} last")
+        last = prev_index
+        for entry in entries:
+            if entry.index <= last:
+                raise WrongIndex(f"entry index {entry.index} does not follow {last}")
+            last = entry.index
+        if last == prev_index:
+            return last
+        with self.db:  # one transaction: the entries and the index, or nothing
+            for entry in entries:
+                if entry.mutations:
+                    self.apply_fn(self.db, entry)
+                    if self.log_applied:
+                        self.db.execute(
+                            "INSERT INTO applied (idx, mutations, committed_ns, dispatched_ns, received_ns) "
+                            "VALUES (?, ?, ?, ?, ?)",
+                            (entry.index, len(entry.mutations), entry.committed_ns, entry.dispatched_ns, received_ns),
+                        )
+            self._set("last_applied", last)
+        self.last_applied = last
+        return last
+
+    def applied_log(self) -> list[tuple[int, int, int, int, int]]:
+        """The apply log: (index, mutations, committed_ns, dispatched_ns, received_ns) in apply order."""
+        return [tuple(r) for r in self.db.execute(  # type: ignore[misc]
+            "SELECT idx, mutations, committed_ns, dispatched_ns, received_ns FROM applied ORDER BY seq"
+        )]  # fmt: skip
+
+    def close(self) -> None:
+        self.db.close()
+        self._lock.close()
+
+
+class TargetService(pb_grpc.TargetServicer):
+    """The Target gRPC service of one target; see the module docstring."""
+
+    def __init__(self, target: str, store: TargetStore) -> None:
+        self.target = target
+        self.store = store
+        self._applying = asyncio.Lock()  # one apply at a time; an Open waits for the one in progress
+        self._holder: object | None = None  # the stream that may apply now
+        LAST_APPLIED.labels(target).set(store.last_applied)
+
+    def _refuse(self, status: int, detail: str) -> pb.DeliverResponse:
+        log.warning("target %s: %s: %s", self.target, pb.Status.Name(status), detail)
+        BATCHES.labels(self.target, pb.Status.Name(status)).inc()
+        return pb.DeliverResponse(status=status, last_applied=self.store.last_applied, detail=detail)
+
+    async def Deliver(
+        self, requests: AsyncIterator[pb.DeliverRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.DeliverResponse]:
+        first = await anext(aiter(requests), None)
+        if first is None:
+            return
+        if not first.HasField("open"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Deliver stream begins with an Open request")
+        opened = first.open
+        if opened.target != self.target:
+            yield self._refuse(
+                pb.TARGET_NOT_FOUND, f"this process serves target {self.target!r}, not {opened.target!r}"
+            )
+            return
+        token = object()
+        async with self._applying:
+            mine, newest = (opened.epoch, opened.nonce & 0x7FFF_FFFF_FFFF_FFFF), self.store.fence
+            if mine < newest:
+                yield self._refuse(pb.TARGET_FENCED, f"LogPlayer {opened.player!r} (epoch {opened.epoch}) is older "
+                                   f"than the one of epoch {newest[0]} that holds the target")  # fmt: skip
+                return
+            if mine > newest:
+                await asyncio.to_thread(self.store.accept, opened.epoch, opened.nonce)
+            self._holder = token
+            last = self.store.last_applied
+        log.info("target %s: LogPlayer %s (epoch %d) opened a stream at index %d", self.target, opened.player,
+                 opened.epoch, last)  # fmt: skip
+        yield pb.DeliverResponse(status=pb.OK, last_applied=last)
+        async for req in requests:
+            received = time.time_ns()
+            async with self._applying:
+                if self._holder is not token:
+                    yield self._refuse(
+                        pb.TARGET_FENCED, f"a newer stream holds the target (this one: {opened.player!r})"
+                    )
+                    return
+                try:
+                    last = await asyncio.to_thread(self.store.apply, req.prev_index, req.entries, received)
+                except WrongIndex as exc:
+                    yield self._refuse(pb.WRONG_TARGET_INDEX, str(exc))
+                    return
+                except Exception as exc:  # the user's apply function failed: nothing of the batch applied
+                    log.exception("target %s: applying the batch after index %d failed", self.target, req.prev_index)
+                    await context.abort(grpc.StatusCode.INTERNAL, f"target {self.target}: apply failed: {exc}")
+            ENTRIES.labels(self.target).inc(len(req.entries))
+            BATCHES.labels(self.target, "OK").inc()
+            LAST_APPLIED.labels(self.target).set(last)
+            yield pb.DeliverResponse(status=pb.OK, last_applied=last)
+
+    async def GetLastAck(self, request: pb.LastAckRequest, context: grpc.aio.ServicerContext) -> pb.LastAckResponse:
+        if request.target and request.target != self.target:
+            return pb.LastAckResponse(
+                status=pb.TARGET_NOT_FOUND, detail=f"this process serves target {self.target!r}, not {request.target!r}"
+            )
+        return pb.LastAckResponse(status=pb.OK, last_applied=self.store.last_applied, epoch=self.store.fence[0])
+
+
+def load_apply(ref: str) -> ApplyFn:
+    """The apply function named `module:function` (UsageError naming what is wrong)."""
+    import importlib
+
+    module, _, name = ref.partition(":")
+    if not module or not name:
+        raise UsageError(f"--apply {ref!r} is not module:function")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise UsageError(f"--apply {ref!r}: {exc}") from None
+    if not callable(fn):
+        raise UsageError(f"--apply {ref!r} is not a function")
+    return fn
+
+
+class TargetServer:
+    """A target process: its store and its Target service on `listen` (and /metrics)."""
+
+    def __init__(
+        self,
+        target: str,
+        db: str | Path,
+        listen: str,
+        *,
+        apply: ApplyFn | None = None,
+        log_applied: bool = False,
+        metrics_listen: str | None = None,
+    ) -> None:
+        self.target = target
+        self.db = db
+        self.listen = listen
+        self.apply = apply
+        self.log_applied = log_applied
+        self.metrics_listen = metrics_listen
+        self.endpoint = ""
+        self.metrics_endpoint = ""
+        self.store: TargetStore | None = None
+        self._server: grpc.aio.Server | None = None
+        self._metrics: Any = None
+
+    async def start(self) -> TargetServer:
+        async with contextlib.AsyncExitStack() as undo:
+            self.store = await asyncio.to_thread(TargetStore, self.db, self.apply, log_applied=self.log_applied)
+            undo.callback(self.store.close)
+            self._server = grpc.aio.server()
+            pb_grpc.add_TargetServicer_to_server(TargetService(self.target, self.store), self._server)
+            host = self.listen.rsplit(":", 1)[0]
+            try:
+                check_listen(self.listen)
+                port = self._server.add_insecure_port(self.listen)
+            except (OSError, RuntimeError) as err:
+                raise UsageError(
+                    f"target {self.target} cannot listen on {self.listen} ({err}); pass another --listen"
+                ) from None
+            self.endpoint = f"{host}:{port}"
+            await self._server.start()
+            undo.push_async_callback(self._server.stop, 0)
+            if self.metrics_listen:
+                self._metrics, self.metrics_endpoint = serve_metrics(
+                    self.metrics_listen, host, port, f"target {self.target}"
+                )
+            undo.pop_all()
+        log.info("target %s serving on %s (%s, last applied %d)", self.target, self.endpoint, self.db,
+                 self.store.last_applied)  # fmt: skip
+        return self
+
+    async def stop(self, graceful: bool = True) -> None:
+        if self._server is not None:
+            await self._server.stop(1.0 if graceful else 0)
+        stop_metrics(self._metrics)
+        if self.store is not None:
+            self.store.close()

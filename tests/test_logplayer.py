@@ -1,0 +1,268 @@
+"""LogPlayer end to end in one process: real etcd and brokers (the WAL journal, R=3), real Target
+gRPC servers with SQLite files, the LogPlayer, and a WalWriter. Each test checks every target's
+apply log against the WAL read committed: each of its entries exactly once, in order.
+(Process kills and SIGSTOP: tests/test_logplayer_kill.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import apsw
+import grpc
+import msgspec
+import pytest
+
+from tests.support.waiting import wait_until
+from tidings.client import AsyncClient
+from tidings.cluster.etcd import free_port
+from tidings.logplayer.player import LogPlayer, last_acks
+from tidings.logplayer.target import TargetServer
+from tidings.logplayer.wal import Target, Targets, WalEntry, WalWriter
+from tidings.message.iterators import ReadCommitted
+from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol import protocol_pb2_grpc as pb_grpc
+from tidings.protocol.status import TargetFencedError
+
+WAL = "wal/test"
+
+
+class Rig:
+    """Targets (servers on free ports), a WAL journal, writers and players, all stopped at the end."""
+
+    def __init__(self, cluster, tmp_path: Path, n_targets: int) -> None:
+        self.cluster = cluster
+        self.tmp = tmp_path
+        self.targets = Targets([Target(f"t{i}", f"127.0.0.1:{free_port()}") for i in range(n_targets)])
+        self.servers: dict[str, TargetServer] = {}
+        self.players: list[tuple[LogPlayer, asyncio.Task]] = []
+        self.client = AsyncClient(cluster.brokers[0].endpoint)
+
+    def db(self, target: str) -> Path:
+        return self.tmp / "targets" / f"{target}.sqlite"
+
+    async def start_target(self, target: str) -> TargetServer:
+        t = self.targets.by_id[target]
+        server = TargetServer(target, self.db(target), t.endpoint, log_applied=True)
+        self.servers[target] = await server.start()
+        return server
+
+    async def stop_target(self, target: str) -> None:
+        await self.servers.pop(target).stop(graceful=False)
+
+    def start_player(self, **options) -> LogPlayer:
+        options.setdefault("state_path", self.tmp / "player.state")
+        options.setdefault("start_wait", 3.0)
+        options.setdefault("ack_timeout", 2.0)
+        player = LogPlayer(self.client, WAL, self.targets, **options)
+        self.players.append((player, asyncio.create_task(player.run())))
+        return player
+
+    async def stop_player(self, player: LogPlayer) -> None:
+        for p, task in self.players:
+            if p is player:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self.players = [(p, t) for p, t in self.players if p is not player]
+
+    async def stop(self) -> None:
+        for p, _ in list(self.players):
+            await self.stop_player(p)
+        for target in list(self.servers):
+            await self.stop_target(target)
+        await self.client.aclose()
+
+    async def expected(self) -> dict[str, list[int]]:
+        """Per target, the indices of the WAL entries (read committed) with a part for it."""
+        out: dict[str, list[int]] = {t: [] for t in self.targets.ids}
+        reader = ReadCommitted(self.client, WAL, message_type=WalEntry, block=False)
+        async for env in reader:
+            for t in env.message.parts:
+                out[t].append(env.begin)
+        return out
+
+    def applied(self, target: str) -> list[int]:
+        db = apsw.Connection(str(self.db(target)), flags=apsw.SQLITE_OPEN_READONLY)
+        try:
+            return [r[0] for r in db.execute("SELECT idx FROM applied ORDER BY seq")]
+        finally:
+            db.close()
+
+    async def wait_delivered(self, timeout: float = 30.0) -> dict[str, list[int]]:
+        expected = await self.expected()
+
+        async def done() -> bool:
+            answers = await last_acks(self.targets)
+            return all(
+                isinstance(a, pb.LastAckResponse) and (not expected[t] or a.last_applied >= expected[t][-1])
+                for t, a in answers.items()
+            )
+
+        await wait_until(done, timeout, interval=0.05)
+        for t in self.targets.ids:
+            assert self.applied(t) == expected[t], f"target {t}"
+        return expected
+
+
+@pytest.fixture
+async def rig(cluster, tmp_path):
+    await cluster.create_journal(WAL, replication=3)
+    r = Rig(cluster, tmp_path, 3)
+    try:
+        yield r
+    finally:
+        await r.stop()
+
+
+def txn(i: int, n: int = 4) -> list[dict]:
+    return [{"key": f"k{i}-{j}", "value": {"i": i, "j": j}} for j in range(n)]
+
+
+async def test_every_target_applies_its_entries_once_in_order(rig: Rig) -> None:
+    for t in rig.targets.ids:
+        await rig.start_target(t)
+    rig.start_player()
+    writer = WalWriter(rig.client, WAL, rig.targets)
+    indices = [await writer.append(txn(i)) for i in range(50)]
+    assert indices == sorted(indices) and len(set(indices)) == 50
+    expected = await rig.wait_delivered()
+    assert sum(map(len, expected.values())) >= 50
+    # The key-value default applied the values.
+    db = apsw.Connection(str(rig.db(rig.targets.target_of("k3-1"))))
+    assert msgspec.json.decode(db.execute("SELECT value FROM kv WHERE key = 'k3-1'").fetchone()[0]) == {"i": 3, "j": 1}
+    db.close()
+    await writer.aclose()
+
+
+async def test_a_retried_transaction_is_applied_once(rig: Rig) -> None:
+    for t in rig.targets.ids:
+        await rig.start_target(t)
+    rig.start_player()
+    writer = WalWriter(rig.client, WAL, rig.targets)
+    entry = writer.prepare(txn(0))
+    first = await writer.append(entry)
+    again = await writer.append(entry)  # (a retry after an unknown outcome: the same UUID)
+    assert again > first
+    await writer.append(txn(1))
+    expected = await rig.wait_delivered()
+    assert all(again not in indices for indices in expected.values())
+    await writer.aclose()
+
+
+async def test_a_target_down_catches_up_through_a_recovery_stream(rig: Rig) -> None:
+    for t in rig.targets.ids:
+        await rig.start_target(t)
+    player = rig.start_player()
+    writer = WalWriter(rig.client, WAL, rig.targets)
+    for i in range(20):
+        await writer.append(txn(i))
+    await rig.wait_delivered()
+    await rig.stop_target("t1")
+    await wait_until(lambda: not player.links["t1"].up)
+    for i in range(20, 60):
+        await writer.append(txn(i))
+    # The others go on without t1.
+    others = Targets([rig.targets.by_id["t0"], rig.targets.by_id["t2"]])
+    expected = await rig.expected()
+
+    async def others_done() -> bool:
+        answers = await last_acks(others)
+        return all(a.last_applied >= expected[t][-1] for t, a in answers.items())
+
+    await wait_until(others_done, 30, interval=0.05)
+    await rig.start_target("t1")
+    await rig.wait_delivered()
+    assert player.links["t1"].up and player.dispatcher.queues["t1"].state.value == "N"
+    await writer.aclose()
+
+
+async def test_a_restarted_player_resumes_without_loss_or_duplicates(rig: Rig) -> None:
+    for t in rig.targets.ids:
+        await rig.start_target(t)
+    player = rig.start_player(checkpoint_every=5)
+    writer = WalWriter(rig.client, WAL, rig.targets)
+    for i in range(30):
+        await writer.append(txn(i))
+    await rig.wait_delivered()
+    await rig.stop_player(player)
+    for i in range(30, 60):
+        await writer.append(txn(i))
+    rig.start_player(checkpoint_every=5)
+    await rig.wait_delivered()
+    await writer.aclose()
+
+
+async def test_a_second_player_fences_the_first(rig: Rig) -> None:
+    for t in rig.targets.ids:
+        await rig.start_target(t)
+    first = rig.start_player(state_path=rig.tmp / "a.state")
+    writer = WalWriter(rig.client, WAL, rig.targets)
+    for i in range(10):
+        await writer.append(txn(i))
+    await rig.wait_delivered()
+    rig.start_player(state_path=rig.tmp / "b.state")
+    first_task = rig.players[0][1]
+    for i in range(10, 40):
+        await writer.append(txn(i))
+    with pytest.raises(TargetFencedError):
+        await asyncio.wait_for(first_task, 30)
+    rig.players = rig.players[1:]
+    await rig.wait_delivered()
+    assert first.epoch < rig.players[0][0].epoch
+    await writer.aclose()
+
+
+async def test_undecodable_wal_entries_are_reported_and_skipped(rig: Rig, caplog) -> None:
+    for t in rig.targets.ids:
+        await rig.start_target(t)
+    rig.start_player()
+    writer = WalWriter(rig.client, WAL, rig.targets)
+    await writer.append(txn(0))
+    bad = await (await writer.service.append(WAL, b'{"parts": 42}\nnot json\n'))
+    await writer.append(txn(1))
+    await rig.wait_delivered()
+    assert f"[{bad.begin}, " in caplog.text and "undecodable" in caplog.text
+    await writer.aclose()
+
+
+class WrongAcks(pb_grpc.TargetServicer):
+    """A target that answers Open, then acknowledges an index it was never sent."""
+
+    def __init__(self) -> None:
+        self.opens = 0
+
+    async def Deliver(self, requests, context):
+        async for req in requests:
+            if req.HasField("open"):
+                self.opens += 1
+                yield pb.DeliverResponse(last_applied=-1)
+            else:
+                yield pb.DeliverResponse(last_applied=req.entries[-1].index + 1)
+
+    async def GetLastAck(self, request, context):
+        return pb.LastAckResponse(last_applied=-1)
+
+
+async def test_a_target_answering_a_wrong_index_is_disconnected_not_trusted(rig: Rig) -> None:
+    for t in ("t0", "t2"):
+        await rig.start_target(t)
+    liar = WrongAcks()
+    server = grpc.aio.server()
+    pb_grpc.add_TargetServicer_to_server(liar, server)
+    server.add_insecure_port(rig.targets.by_id["t1"].endpoint)
+    await server.start()
+    try:
+        player = rig.start_player()
+        writer = WalWriter(rig.client, WAL, rig.targets)
+        for i in range(10):
+            await writer.append(txn(i))
+        await wait_until(lambda: liar.opens >= 3, 30)  # disconnected, reconnected, again
+        assert "ends no batch sent" in player.links["t1"].last_error
+        assert player.dispatcher.last_acks["t1"] == -1  # never took the liar's word
+    finally:
+        await server.stop(0)
+    await rig.start_target("t1")
+    await rig.wait_delivered()
+    await writer.aclose()

@@ -1,0 +1,138 @@
+"""The Target service alone, over real gRPC and SQLite: opening, fencing, batches that do not
+follow, one process per file, an apply function that fails, and a restart that keeps its state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import apsw
+import grpc
+import pytest
+
+from tidings.cluster.etcd import free_port
+from tidings.logplayer.target import TargetServer, TargetStore
+from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol import protocol_pb2_grpc as pb_grpc
+from tidings.protocol.status import UsageError
+
+
+def opening(epoch: int, nonce: int = 0, target: str = "t0") -> pb.DeliverRequest:
+    return pb.DeliverRequest(open=pb.DeliverRequest.Open(target=target, player="test", epoch=epoch, nonce=nonce))
+
+
+def batch(prev: int, *indices: int) -> pb.DeliverRequest:
+    return pb.DeliverRequest(
+        prev_index=prev,
+        entries=[pb.TargetEntry(index=i, mutations=[pb.Mutation(key=f"k{i}", value=b"1")]) for i in indices],
+    )
+
+
+@pytest.fixture
+async def target(tmp_path: Path):
+    server = await TargetServer("t0", tmp_path / "t0.sqlite", f"127.0.0.1:{free_port()}", log_applied=True).start()
+    channel = grpc.aio.insecure_channel(server.endpoint)
+    try:
+        yield server, pb_grpc.TargetStub(channel)
+    finally:
+        await channel.close()
+        await server.stop()
+
+
+async def test_batches_apply_in_order_and_a_gap_or_repeat_is_refused(target) -> None:
+    server, stub = target
+    call = stub.Deliver()
+    await call.write(opening(1))
+    assert (await call.read()).last_applied == -1
+    await call.write(batch(-1, 10, 20))
+    assert (await call.read()).last_applied == 20
+    await call.write(batch(20, 30))
+    assert (await call.read()).last_applied == 30
+    await call.write(batch(20, 40))  # does not follow 30
+    refused = await call.read()
+    assert refused.status == pb.WRONG_TARGET_INDEX and refused.last_applied == 30
+    assert await call.read() is grpc.aio.EOF
+    call = stub.Deliver()
+    await call.write(opening(1))
+    assert (await call.read()).last_applied == 30
+    await call.write(batch(30, 40, 40))  # not increasing
+    assert (await call.read()).status == pb.WRONG_TARGET_INDEX
+    assert server.store.applied_log() and [r[0] for r in server.store.applied_log()] == [10, 20, 30]
+
+
+async def test_an_older_player_is_fenced_and_a_newer_one_takes_over(target) -> None:
+    _server, stub = target
+    old = stub.Deliver()
+    await old.write(opening(5, nonce=1))
+    assert (await old.read()).status == pb.OK
+    new = stub.Deliver()
+    await new.write(opening(5, nonce=2))  # same epoch, higher nonce: newer
+    assert (await new.read()).status == pb.OK
+    await old.write(batch(-1, 1))  # the old stream's next batch
+    assert (await old.read()).status == pb.TARGET_FENCED
+    stale = stub.Deliver()
+    await stale.write(opening(4))
+    assert (await stale.read()).status == pb.TARGET_FENCED
+    await new.write(batch(-1, 1))
+    assert (await new.read()).last_applied == 1
+    answer = await stub.GetLastAck(pb.LastAckRequest(target="t0"))
+    assert (answer.last_applied, answer.epoch) == (1, 5)
+    assert (await stub.GetLastAck(pb.LastAckRequest(target="t9"))).status == pb.TARGET_NOT_FOUND
+    wrong = stub.Deliver()
+    await wrong.write(opening(9, target="t9"))
+    assert (await wrong.read()).status == pb.TARGET_NOT_FOUND
+
+
+async def test_a_restarted_target_keeps_its_index_and_its_fence(tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    server = await TargetServer("t0", tmp_path / "t0.sqlite", endpoint).start()
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        call = pb_grpc.TargetStub(channel).Deliver()
+        await call.write(opening(7))
+        await call.read()
+        await call.write(batch(-1, 3))
+        await call.read()
+    await server.stop()
+    server = await TargetServer("t0", tmp_path / "t0.sqlite", endpoint).start()
+    try:
+        async with grpc.aio.insecure_channel(endpoint) as channel:
+            stub = pb_grpc.TargetStub(channel)
+            answer = await stub.GetLastAck(pb.LastAckRequest())
+            assert (answer.last_applied, answer.epoch) == (3, 7)
+            call = stub.Deliver()
+            await call.write(opening(6))
+            assert (await call.read()).status == pb.TARGET_FENCED
+    finally:
+        await server.stop()
+
+
+def test_one_process_per_target_file(tmp_path: Path) -> None:
+    store = TargetStore(tmp_path / "t.sqlite")
+    try:
+        with pytest.raises(UsageError, match="another process serves the target file"):
+            TargetStore(tmp_path / "t.sqlite")
+    finally:
+        store.close()
+
+
+def failing_apply(db: apsw.Connection, entry: pb.TargetEntry) -> None:
+    db.execute("INSERT OR REPLACE INTO kv (key, value) VALUES ('partial', x'00')")
+    if entry.index == 2:
+        raise ValueError("cannot apply entry 2")
+
+
+async def test_an_apply_function_that_fails_applies_nothing_of_its_batch(tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    server = await TargetServer("t0", tmp_path / "t0.sqlite", endpoint, apply=failing_apply).start()
+    try:
+        async with grpc.aio.insecure_channel(endpoint) as channel:
+            call = pb_grpc.TargetStub(channel).Deliver()
+            await call.write(opening(1))
+            await call.read()
+            await call.write(batch(-1, 1, 2))
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await call.read()
+            assert exc.value.code() == grpc.StatusCode.INTERNAL and "cannot apply entry 2" in exc.value.details()
+        assert server.store.last_applied == -1
+        assert server.store.db.execute("SELECT count(*) FROM kv").fetchone()[0] == 0
+    finally:
+        await server.stop()
