@@ -14,13 +14,13 @@ import grpc
 import msgspec
 import pytest
 
+from tests.support.logplayer import applied_log, expected_parts, wait_delivered
 from tests.support.waiting import wait_until
 from tidings.client import AsyncClient
 from tidings.cluster.etcd import free_port
 from tidings.logplayer.player import LogPlayer, last_acks
 from tidings.logplayer.target import TargetServer
-from tidings.logplayer.wal import Target, Targets, WalEntry, WalWriter
-from tidings.message.iterators import ReadCommitted
+from tidings.logplayer.wal import Target, Targets, WalWriter
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
 from tidings.protocol.status import TargetFencedError
@@ -75,32 +75,13 @@ class Rig:
         await self.client.aclose()
 
     async def expected(self) -> dict[str, list[int]]:
-        """Per target, the indices of the WAL entries (read committed) with a part for it."""
-        out: dict[str, list[int]] = {t: [] for t in self.targets.ids}
-        reader = ReadCommitted(self.client, WAL, message_type=WalEntry, block=False)
-        async for env in reader:
-            for t in env.message.parts:
-                out[t].append(env.begin)
-        return out
+        return await expected_parts(self.client, WAL, self.targets)
 
     def applied(self, target: str) -> list[int]:
-        db = apsw.Connection(str(self.db(target)), flags=apsw.SQLITE_OPEN_READONLY)
-        try:
-            return [r[0] for r in db.execute("SELECT idx FROM applied ORDER BY seq")]
-        finally:
-            db.close()
+        return applied_log(self.db(target))
 
     async def wait_delivered(self, timeout: float = 30.0) -> dict[str, list[int]]:
-        expected = await self.expected()
-
-        async def done() -> bool:
-            answers = await last_acks(self.targets)
-            return all(
-                isinstance(a, pb.LastAckResponse) and (not expected[t] or a.last_applied >= expected[t][-1])
-                for t, a in answers.items()
-            )
-
-        await wait_until(done, timeout, interval=0.05)
+        expected = await wait_delivered(self.client, WAL, self.targets, timeout)
         for t in self.targets.ids:
             assert self.applied(t) == expected[t], f"target {t}"
         return expected

@@ -16,8 +16,10 @@ from tidings.protocol import protocol_pb2_grpc as pb_grpc
 from tidings.protocol.status import UsageError
 
 
-def opening(epoch: int, nonce: int = 0, target: str = "t0") -> pb.DeliverRequest:
-    return pb.DeliverRequest(open=pb.DeliverRequest.Open(target=target, player="test", epoch=epoch, nonce=nonce))
+def opening(epoch: int, nonce: int = 0, target: str = "t0", wal: str = "w") -> pb.DeliverRequest:
+    return pb.DeliverRequest(
+        open=pb.DeliverRequest.Open(target=target, player="test", epoch=epoch, nonce=nonce, wal=wal)
+    )
 
 
 def batch(prev: int, *indices: int) -> pb.DeliverRequest:
@@ -80,6 +82,11 @@ async def test_an_older_player_is_fenced_and_a_newer_one_takes_over(target) -> N
     wrong = stub.Deliver()
     await wrong.write(opening(9, target="t9"))
     assert (await wrong.read()).status == pb.TARGET_NOT_FOUND
+    other_wal = stub.Deliver()  # a LogPlayer of another WAL, by mistake: refused, and it fences nobody
+    await other_wal.write(opening(9, wal="another/wal"))
+    refused = await other_wal.read()
+    assert refused.status == pb.TARGET_NOT_FOUND and "applies WAL 'w'" in refused.detail
+    assert (await stub.GetLastAck(pb.LastAckRequest())).epoch == 5
 
 
 async def test_a_restarted_target_keeps_its_index_and_its_fence(tmp_path: Path) -> None:

@@ -342,7 +342,8 @@ def serve_until_signalled(start: Callable[[], Any], who: str, exit_timeout: floa
         print(f"READY {server.endpoint}{metrics_at}", flush=True)
         if server.metrics_endpoint:
             log.info("%s: metrics on http://%s/metrics", who, server.metrics_endpoint)
-        lost = asyncio.ensure_future(server.announcement.lost.wait())
+        announcement = getattr(server, "announcement", None)  # (a server without an etcd lease cannot lose one)
+        lost = asyncio.ensure_future(announcement.lost.wait() if announcement is not None else asyncio.Event().wait())
         await asyncio.wait([signalled, lost], return_when=asyncio.FIRST_COMPLETED)
         graceful = not lost.done()
         if not graceful:
@@ -1411,6 +1412,7 @@ def demo(
     run_demo(data_dir, out)
 
 
+from tidings.cli import logplayer as _logplayer  # noqa: E402,F401  (registers `target`, `targets`, `wal`, `logplayer`)
 from tidings.cli import shards as _shards  # noqa: E402,F401  (registers `consumer` and `shards`)
 
 if __name__ == "__main__":

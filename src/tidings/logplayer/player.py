@@ -147,6 +147,7 @@ class LogPlayer:
         self._saved_position = NOTHING
 
     async def run(self) -> None:
+        await self.client.write_head(self.wal)  # (a WAL that does not exist: said before any target is fenced)
         state = PlayerState(self.wal)
         if self.state_path is not None:
             self.state_path.parent.mkdir(parents=True, exist_ok=True)
@@ -162,7 +163,7 @@ class LogPlayer:
                  len(self.targets.ids), self.epoch, state.position)  # fmt: skip
         for t in self.targets.targets:
             opening = pb.DeliverRequest(
-                open=pb.DeliverRequest.Open(target=t.id, player=self.name, epoch=self.epoch, nonce=nonce)
+                open=pb.DeliverRequest.Open(target=t.id, player=self.name, epoch=self.epoch, nonce=nonce, wal=self.wal)
             )
             self.links[t.id] = TargetLink(
                 t, self.dispatcher, self._on_open, opening, max_batch=self.max_batch, ack_timeout=self.ack_timeout

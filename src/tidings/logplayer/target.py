@@ -58,7 +58,7 @@ BATCHES = Counter("tidings_target_batches_total", "Deliver batches by outcome", 
 LAST_APPLIED = Gauge("tidings_target_last_applied", "The index of the last applied WAL entry", ["target"])
 
 _SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS target_meta (name TEXT PRIMARY KEY NOT NULL, value INTEGER NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS target_meta (name TEXT PRIMARY KEY NOT NULL, value NOT NULL)",
     "CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY NOT NULL, value BLOB NOT NULL)",
     "CREATE TABLE IF NOT EXISTS applied (seq INTEGER PRIMARY KEY, idx INTEGER NOT NULL, "
     "mutations INTEGER NOT NULL, committed_ns INTEGER NOT NULL, dispatched_ns INTEGER NOT NULL, "
@@ -101,22 +101,26 @@ class TargetStore:
         self.db.execute("PRAGMA synchronous=FULL")
         for statement in _SCHEMA:
             self.db.execute(statement)
-        self.last_applied = self._meta("last_applied", NOTHING)
-        self.fence = (self._meta("epoch", 0), self._meta("nonce", 0))
+        self.last_applied: int = self._meta("last_applied", NOTHING)
+        self.fence: tuple[int, int] = (self._meta("epoch", 0), self._meta("nonce", 0))
+        self.wal: str = self._meta("wal", "")
 
-    def _meta(self, name: str, default: int) -> int:
+    def _meta(self, name: str, default: Any) -> Any:
         row = self.db.execute("SELECT value FROM target_meta WHERE name = ?", (name,)).fetchone()
-        return default if row is None else int(row[0])
+        return default if row is None else row[0]
 
-    def _set(self, name: str, value: int) -> None:
+    def _set(self, name: str, value: int | str) -> None:
         self.db.execute("INSERT OR REPLACE INTO target_meta (name, value) VALUES (?, ?)", (name, value))
 
-    def accept(self, epoch: int, nonce: int) -> None:
-        """Remember (epoch, nonce) as the newest LogPlayer's (durably: a restarted target still fences)."""
+    def accept(self, epoch: int, nonce: int, wal: str) -> None:
+        """Remember (epoch, nonce) as the newest LogPlayer's, and the WAL (durably: a restarted target
+        still fences, and still refuses another WAL)."""
+        nonce &= 0x7FFF_FFFF_FFFF_FFFF  # (SQLite integers are signed)
         with self.db:
             self._set("epoch", epoch)
-            self._set("nonce", nonce & 0x7FFF_FFFF_FFFF_FFFF)  # (SQLite integers are signed)
-        self.fence = (epoch, nonce & 0x7FFF_FFFF_FFFF_FFFF)
+            self._set("nonce", nonce)
+            self._set("wal", wal)
+        self.fence, self.wal = (epoch, nonce), wal
 
     def apply(self, prev_index: int, entries: Any, received_ns: int) -> int:
         """Apply a batch and store its last index, in one transaction; the new last applied index.
@@ -184,6 +188,10 @@ class TargetService(pb_grpc.TargetServicer):
                 pb.TARGET_NOT_FOUND, f"this process serves target {self.target!r}, not {opened.target!r}"
             )
             return
+        if self.store.wal and opened.wal != self.store.wal:
+            yield self._refuse(pb.TARGET_NOT_FOUND, f"target {self.target!r} applies WAL {self.store.wal!r}, not "
+                               f"{opened.wal!r}")  # fmt: skip
+            return
         token = object()
         async with self._applying:
             mine, newest = (opened.epoch, opened.nonce & 0x7FFF_FFFF_FFFF_FFFF), self.store.fence
@@ -191,8 +199,8 @@ class TargetService(pb_grpc.TargetServicer):
                 yield self._refuse(pb.TARGET_FENCED, f"LogPlayer {opened.player!r} (epoch {opened.epoch}) is older "
                                    f"than the one of epoch {newest[0]} that holds the target")  # fmt: skip
                 return
-            if mine > newest:
-                await asyncio.to_thread(self.store.accept, opened.epoch, opened.nonce)
+            if mine > newest or not self.store.wal:
+                await asyncio.to_thread(self.store.accept, opened.epoch, opened.nonce, opened.wal)
             self._holder = token
             last = self.store.last_applied
         log.info("target %s: LogPlayer %s (epoch %d) opened a stream at index %d", self.target, opened.player,

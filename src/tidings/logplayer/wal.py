@@ -36,7 +36,7 @@ import msgspec
 from tidings.client import AppendService, AsyncClient
 from tidings.message.framing import Framing
 from tidings.message.publisher import journal_framing, rendezvous_pick
-from tidings.message.uuid import OUTSIDE_TXN, ProducerID, build_uuid, new_clock, new_producer_id, uuid_to_str
+from tidings.message.uuid import OUTSIDE_TXN, ProducerID, build_uuid, new_clock, new_producer_id, parse, uuid_to_str
 from tidings.protocol import validate
 from tidings.protocol.status import UsageError, ValidationError
 
@@ -74,15 +74,15 @@ class Targets:
     def __init__(self, targets: Iterable[Target]) -> None:
         self.targets = list(targets)
         if not self.targets:
-            raise ValidationError("targets: declare at least one target (id and endpoint)")
+            raise ValidationError("targets", "declare at least one target (id and endpoint)")
         self.by_id: dict[str, Target] = {}
         for i, t in enumerate(self.targets):
             validate.shard_id(t.id, f"targets[{i}].id")
             host, colon, port = t.endpoint.rpartition(":")
             if not colon or not host or not port.isdigit():
-                raise ValidationError(f"targets[{i}].endpoint {t.endpoint!r} is not HOST:PORT")
+                raise ValidationError("", f"targets[{i}].endpoint {t.endpoint!r} is not HOST:PORT")
             if t.id in self.by_id:
-                raise ValidationError(f"targets[{i}].id {t.id!r} is declared twice")
+                raise ValidationError("", f"targets[{i}].id {t.id!r} is declared twice")
             self.by_id[t.id] = t
         self.ids = [t.id for t in self.targets]
         self._cache: dict[str, int] = {}
@@ -98,7 +98,7 @@ class Targets:
         except OSError as exc:
             raise UsageError(f"cannot read the targets file {path}: {exc.strerror}") from None
         except (yaml.YAMLError, msgspec.ValidationError, ValidationError) as exc:
-            raise ValidationError(f"{path}: {str(exc).splitlines()[0]}") from None
+            raise ValidationError("", f"{path}: {str(exc).splitlines()[0]}") from None
 
     def target_of(self, key: str) -> str:
         return rendezvous_pick(self.ids, zlib.crc32(key.encode()), self._cache)
@@ -131,16 +131,27 @@ class WalWriter:
         self._own_service = service is None
         self._framing: Framing | None = None
 
-    def prepare(self, mutations: Iterable[WalMutation | Mapping[str, Any]]) -> WalEntry:
+    def prepare(self, mutations: Iterable[WalMutation | Mapping[str, Any]], uuid: str = "") -> WalEntry:
         """A transaction of `mutations` (WalMutations or their dicts), parts grouped by target, with
-        a new UUID. Keep it to append it again after a failure whose outcome is unknown."""
+        a new UUID (or `uuid`, the one an earlier attempt gave it). Keep it, or its UUID, to append
+        it again after a failure whose outcome is unknown."""
         parts: dict[str, list[WalMutation]] = {}
         for i, m in enumerate(mutations):
             if not isinstance(m, WalMutation):
                 m = _mutation(m, i)
             parts.setdefault(self.targets.target_of(m.key), []).append(m)
         if not parts:
-            raise ValidationError("a transaction needs at least one mutation")
+            raise ValidationError("", "a transaction needs at least one mutation")
+        if uuid:
+            try:
+                _, _, flags = parse(uuid)
+            except ValueError as exc:
+                raise ValidationError("", f"uuid {uuid!r}: {exc}: give the uuid an earlier attempt printed") from None
+            if flags != OUTSIDE_TXN:
+                raise ValidationError(
+                    "", f"uuid {uuid!r} is not of a committed message: give the one an attempt printed"
+                )
+            return WalEntry(parts=parts, uuid=uuid)
         self.clock.update()
         return WalEntry(parts=parts, uuid=uuid_to_str(build_uuid(self.producer, self.clock.tick(), OUTSIDE_TXN)))
 
@@ -149,10 +160,10 @@ class WalWriter:
         returns its index once the WAL committed it."""
         entry = txn if isinstance(txn, WalEntry) else self.prepare(txn)
         if not entry.uuid:
-            raise ValidationError("a WalEntry appended needs the uuid prepare() gave it")
+            raise ValidationError("", "a WalEntry appended needs the uuid prepare() gave it")
         unknown = [t for t in entry.parts if t not in self.targets.by_id]
         if unknown:
-            raise ValidationError(f"the transaction names targets {unknown} that targets.yaml does not declare")
+            raise ValidationError("", f"the transaction names targets {unknown} that targets.yaml does not declare")
         if self._framing is None:
             self._framing = await journal_framing(self.client, self.wal)
         if not entry.committed_ns:
@@ -166,9 +177,11 @@ class WalWriter:
 
 
 def _mutation(m: Mapping[str, Any], i: int) -> WalMutation:
+    if not isinstance(m, Mapping):
+        raise ValidationError(f"mutation {i}", "give {'key': str, 'value': JSON} or {'key': str, 'delete': true}")
     try:
         return msgspec.convert({**m, "value": msgspec.Raw(msgspec.json.encode(m.get("value")))}, WalMutation)
     except (msgspec.ValidationError, TypeError) as exc:
         raise ValidationError(
-            f"mutation {i}: {exc}: give {{'key': str, 'value': JSON}} or {{'key': str, 'delete': true}}"
+            f"mutation {i}", f"{exc}: give {{'key': str, 'value': JSON}} or {{'key': str, 'delete': true}}"
         ) from None

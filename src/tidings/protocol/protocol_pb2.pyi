@@ -712,16 +712,18 @@ class TargetEntry(_message.Message):
 class DeliverRequest(_message.Message):
     __slots__ = ("open", "prev_index", "entries")
     class Open(_message.Message):
-        __slots__ = ("target", "player", "epoch", "nonce")
+        __slots__ = ("target", "player", "epoch", "nonce", "wal")
         TARGET_FIELD_NUMBER: _ClassVar[int]
         PLAYER_FIELD_NUMBER: _ClassVar[int]
         EPOCH_FIELD_NUMBER: _ClassVar[int]
         NONCE_FIELD_NUMBER: _ClassVar[int]
+        WAL_FIELD_NUMBER: _ClassVar[int]
         target: str
         player: str
         epoch: int
         nonce: int
-        def __init__(self, target: _Optional[str] = ..., player: _Optional[str] = ..., epoch: _Optional[int] = ..., nonce: _Optional[int] = ...) -> None: ...
+        wal: str
+        def __init__(self, target: _Optional[str] = ..., player: _Optional[str] = ..., epoch: _Optional[int] = ..., nonce: _Optional[int] = ..., wal: _Optional[str] = ...) -> None: ...
     OPEN_FIELD_NUMBER: _ClassVar[int]
     PREV_INDEX_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]

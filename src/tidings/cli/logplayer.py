@@ -1,0 +1,311 @@
+"""`tidings target serve`, `tidings logplayer run`, `tidings wal append` and `tidings targets
+status`: a WAL journal delivered to storage shards, exactly once and in order (tidings.logplayer).
+
+Every command that needs the targets reads the same targets.yaml (`--targets`, env
+TIDINGS_TARGETS): the target ids, their endpoints, and so the key -> target mapping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from tidings.cli.app import (
+    _PLAIN,
+    DEFAULT_BROKER,
+    BrokerOpt,
+    JournalArg,
+    _at_least,
+    _client,
+    _endpoint,
+    _log_level,
+    _run,
+    app,
+    err,
+    out,
+    serve_until_signalled,
+    usage,
+)
+from tidings.protocol.status import UsageError, ValidationError
+
+target = typer.Typer(help="Run a LogPlayer target (a storage shard).", no_args_is_help=True, **_PLAIN)  # type: ignore[arg-type]
+targets_cmd = typer.Typer(help="The targets of targets.yaml.", no_args_is_help=True, **_PLAIN)  # type: ignore[arg-type]
+logplayer = typer.Typer(help="Deliver a WAL journal to its targets.", no_args_is_help=True, **_PLAIN)  # type: ignore[arg-type]
+wal = typer.Typer(help="Append transactions to a WAL journal.", no_args_is_help=True, **_PLAIN)  # type: ignore[arg-type]
+app.add_typer(target, name="target")
+app.add_typer(targets_cmd, name="targets")
+app.add_typer(logplayer, name="logplayer")
+app.add_typer(wal, name="wal")
+
+TargetsOpt = Annotated[
+    Path,
+    typer.Option("--targets", envvar="TIDINGS_TARGETS", help="targets.yaml: each target's id and endpoint."),
+]
+
+
+def _load_targets(path: Path):
+    from tidings.logplayer.wal import Targets
+
+    try:
+        return Targets.load(path)
+    except (UsageError, ValidationError) as exc:
+        usage(str(exc))
+
+
+@target.command("serve")
+def target_serve(
+    id: Annotated[str, typer.Option("--id", envvar="TIDINGS_ID", help="The target's id, as in targets.yaml.")],
+    db: Annotated[Path, typer.Option(envvar="TIDINGS_DB", help="The target's SQLite file (created if missing).")],
+    listen: Annotated[
+        str,
+        typer.Option(
+            envvar="TIDINGS_LISTEN",
+            help="HOST:PORT of the Target service (port 0: any free one).",
+            callback=_endpoint("--listen", any_port=True),
+        ),
+    ] = "127.0.0.1:7000",
+    apply: Annotated[
+        str, typer.Option(envvar="TIDINGS_APPLY", help="module:function applying an entry (default: key-values).")
+    ] = "",
+    log_applied: Annotated[
+        bool, typer.Option(help="Keep an apply log (table `applied`: index and timestamps of each entry).")
+    ] = False,
+    metrics: Annotated[
+        str,
+        typer.Option(
+            envvar="TIDINGS_METRICS",
+            help="HOST:PORT serving Prometheus /metrics; auto: --listen's port + 1000; '' off.",
+            callback=_endpoint("--metrics", True, also=("auto",)),
+        ),
+    ] = "",
+    log_level: Annotated[str, typer.Option(envvar="TIDINGS_LOG_LEVEL", callback=_log_level)] = "info",
+) -> None:
+    """Serve a target: apply what a LogPlayer delivers, each batch with its last index in one SQLite
+    transaction. Prints `READY HOST:PORT` once it serves; SIGTERM stops it."""
+    from tidings.logplayer.target import TargetServer, load_apply
+    from tidings.protocol import validate
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        validate.shard_id(id, "--id")
+        fn = load_apply(apply) if apply else None
+    except (UsageError, ValidationError) as exc:
+        usage(str(exc))
+    server = TargetServer(id, db, listen, apply=fn, log_applied=log_applied, metrics_listen=metrics or None)
+    serve_until_signalled(server.start, f"target {id}", 10.0)
+
+
+@logplayer.command("run")
+def logplayer_run(
+    wal_journal: Annotated[str, typer.Option("--wal", envvar="TIDINGS_WAL", help="The WAL journal.")],
+    targets: TargetsOpt = Path("targets.yaml"),
+    broker: BrokerOpt = DEFAULT_BROKER,
+    state: Annotated[
+        Path | None,
+        typer.Option(envvar="TIDINGS_STATE", help="The state file (default: data/logplayer/<wal>.state)."),
+    ] = None,
+    max_batch: Annotated[int, typer.Option(callback=_at_least("--max-batch", 1), help="Entries per batch.")] = 256,
+    dummy_every: Annotated[
+        int, typer.Option(help="Send idle targets a dummy entry every this many entries (0: never).")
+    ] = 1000,
+    checkpoint_every: Annotated[
+        int,
+        typer.Option(
+            callback=_at_least("--checkpoint-every", 1),
+            help="Entries between the main stream's read checkpoints (where a restart or a recovery resumes).",
+        ),
+    ] = 1000,
+    ack_timeout: Annotated[
+        float, typer.Option(help="Seconds without an acknowledgement before a target counts as down.")
+    ] = 5.0,
+    progress: Annotated[float, typer.Option(help="Seconds between progress lines on stderr (0: none).")] = 5.0,
+    metrics: Annotated[
+        str,
+        typer.Option(
+            envvar="TIDINGS_METRICS",
+            help="HOST:PORT serving Prometheus /metrics; '' off.",
+            callback=_endpoint("--metrics", True),
+        ),
+    ] = "",
+    log_level: Annotated[str, typer.Option(envvar="TIDINGS_LOG_LEVEL", callback=_log_level)] = "info",
+) -> None:
+    """Deliver the WAL journal to every target of targets.yaml, in order, exactly once, until SIGTERM.
+    Prints `READY` once the main stream started, then progress lines (current index, targets up,
+    the most lagging target). Exit code 1 if a newer LogPlayer fences this one."""
+    import signal
+
+    from tidings._serving import serve_metrics, stop_metrics
+    from tidings.logplayer.player import LogPlayer
+    from tidings.protocol import validate
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        validate.journal_name(wal_journal, "--wal")
+    except ValidationError as exc:
+        usage(str(exc))
+    declared = _load_targets(targets)
+    state_path = state or Path("data/logplayer") / (wal_journal.replace("/", "_") + ".state")
+
+    async def go() -> None:
+        server = None
+        if metrics:
+            host, port = metrics.rsplit(":", 1)
+            server, at = serve_metrics(metrics, host, int(port), "logplayer")
+            err.print(f"metrics on http://{at}/metrics", highlight=False)
+        async with _client(broker, 30.0) as client:
+            player = LogPlayer(client, wal_journal, declared, state_path=state_path, max_batch=max_batch,
+                               dummy_every=dummy_every, ack_timeout=ack_timeout,
+                               checkpoint_every=checkpoint_every)  # fmt: skip
+            running = asyncio.ensure_future(player.run())
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+            stopping = asyncio.ensure_future(stop.wait())
+            ready = asyncio.ensure_future(player.ready.wait())
+            await asyncio.wait([running, ready, stopping], return_when=asyncio.FIRST_COMPLETED)
+            if ready.done():
+                print("READY", flush=True)
+            reporter = asyncio.ensure_future(_progress(player, progress))
+            try:
+                await asyncio.wait([running, stopping], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                reporter.cancel()
+                ready.cancel()
+                if not running.done():
+                    running.cancel()
+                await asyncio.gather(running, return_exceptions=True)
+                stop_metrics(server)
+            if not stopping.done():
+                running.result()  # (what ended it: fenced, a target the WAL names and the file does not)
+
+    _run(go())
+
+
+async def _progress(player, every: float) -> None:
+    if every <= 0:
+        return
+    said, quiet = "", 0.0
+    while True:
+        await asyncio.sleep(every)  # (a periodic report)
+        quiet += every
+        st = player.status()
+        ts = st["targets"]
+        up = sum(1 for t in ts.values() if t["up"])
+        worst = max(ts, key=lambda t: ts[t]["lag"])
+        w = ts[worst]
+        why = f"  {w['error']}" if w["error"] else ""
+        behind = f"most behind: {worst} ({w['lag']} WAL bytes, queue {w['state']}){why}"
+        line = f"index {st['current_index']}  targets up {up}/{len(ts)}  {behind}"
+        if line != said or quiet >= 60:  # (a line when something changed, and one a minute)
+            err.print(line, highlight=False)
+            said, quiet = line, 0.0
+
+
+@wal.command("append")
+def wal_append(
+    journal: JournalArg,
+    targets: TargetsOpt = Path("targets.yaml"),
+    broker: BrokerOpt = DEFAULT_BROKER,
+) -> None:
+    """Append transactions read from stdin, one JSON per line: a list of mutations
+    ({"key": K, "value": JSON} or {"key": K, "delete": true}), or {"mutations": [...], "uuid": U}
+    to retry a transaction with the UUID an earlier attempt printed (applied once either way).
+    Prints {"index": I, "uuid": U} per transaction as the WAL commits it."""
+    import msgspec
+
+    declared = _load_targets(targets)
+
+    async def go() -> None:
+        from tidings.logplayer.wal import WalWriter
+
+        async with _client(broker, 30.0) as client:
+            writer = WalWriter(client, journal, declared)
+            appended = 0
+            try:
+                for n, line in enumerate(sys.stdin, 1):
+                    if not line.strip():
+                        continue
+                    before = f" (the {appended} before it were appended)" if appended else ""
+                    try:
+                        doc = msgspec.json.decode(line)
+                        mutations, uuid = (
+                            (doc, "") if isinstance(doc, list) else (doc["mutations"], doc.get("uuid", ""))
+                        )
+                        if not isinstance(mutations, list) or not isinstance(uuid, str):
+                            raise TypeError("mutations must be a list, uuid a string")
+                        entry = writer.prepare(mutations, uuid)
+                    except ValidationError as exc:
+                        raise ValidationError(f"stdin line {n}", f"{exc}{before}") from None
+                    except (msgspec.DecodeError, KeyError, TypeError) as exc:
+                        raise ValidationError(
+                            f"stdin line {n}",
+                            f'{exc}: give a JSON list of mutations, or {{"mutations": [...], "uuid": "..."}}{before}',
+                        ) from None
+                    index = await writer.append(entry)
+                    appended += 1
+                    print(json.dumps({"index": index, "uuid": entry.uuid}), flush=True)
+            finally:
+                await writer.aclose()
+
+    _run(go())
+
+
+@targets_cmd.command("status")
+def targets_status(
+    targets: TargetsOpt = Path("targets.yaml"),
+    wal_journal: Annotated[
+        str, typer.Option("--wal", envvar="TIDINGS_WAL", help="Also show each target's lag behind this WAL's head.")
+    ] = "",
+    broker: BrokerOpt = DEFAULT_BROKER,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per target.")] = False,
+) -> None:
+    """Each target's last applied index and the newest LogPlayer epoch it accepted (GetLastAck)."""
+    from tidings.logplayer.player import last_acks
+    from tidings.protocol import protocol_pb2 as pb
+
+    declared = _load_targets(targets)
+
+    async def go():
+        answers = await last_acks(declared)
+        head = None
+        if wal_journal:
+            async with _client(broker) as client:
+                head = await client.write_head(wal_journal)
+        return answers, head
+
+    answers, head = _run(go())
+    rows = []
+    for t in declared.targets:
+        a = answers[t.id]
+        if isinstance(a, pb.LastAckResponse) and a.status == pb.OK:
+            row = {"id": t.id, "endpoint": t.endpoint, "up": True, "last_applied": a.last_applied, "epoch": a.epoch}
+        else:
+            why = a if isinstance(a, str) else f"{pb.Status.Name(a.status)}: {a.detail}"
+            row = {"id": t.id, "endpoint": t.endpoint, "up": False, "error": why}
+        if head is not None and row["up"]:
+            row["behind_head"] = max(head - row["last_applied"], 0)
+        rows.append(row)
+    if as_json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        table = Table(
+            "target", "endpoint", "up", "last applied", "epoch", *(["behind head"] if head is not None else [])
+        )
+        for row in rows:
+            extra = [str(row.get("behind_head", ""))] if head is not None else []
+            if row["up"]:
+                table.add_row(row["id"], row["endpoint"], "yes", str(row["last_applied"]), str(row["epoch"]), *extra)
+            else:
+                table.add_row(row["id"], row["endpoint"], "no: " + row["error"], "", "", *extra)
+        out.print(table)
+    if not all(r["up"] for r in rows):
+        raise typer.Exit(1)

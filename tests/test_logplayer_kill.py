@@ -1,0 +1,179 @@
+"""LogPlayer and targets as processes, killed (-9) at random points under load, stopped (SIGSTOP),
+and doubled by mistake (issue 11's tests). Real etcd and brokers (in this process; the WAL journal
+R=3), `tidings target serve` and `tidings logplayer run` children stopped by PID whatever happens,
+and a transaction manager (WalWriter) that also re-appends some transactions as a retry would.
+Each target's apply log must equal its entries of the WAL read committed: once each, in order.
+
+The campaign's size: TIDINGS_LOGPLAYER_KILLS rounds (default 6 in `make test`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+from pathlib import Path
+
+import yaml
+
+from tests.support.logplayer import Procs, applied_log, wait_delivered
+from tests.support.waiting import wait_until
+from tidings.client import AsyncClient
+from tidings.cluster.etcd import free_port
+from tidings.logplayer.player import last_acks
+from tidings.logplayer.wal import Target, Targets, WalWriter
+from tidings.protocol import protocol_pb2 as pb
+
+KILLS = int(os.environ.get("TIDINGS_LOGPLAYER_KILLS", "6"))
+WAL = "wal/kill"
+
+
+class Load:
+    """A transaction manager appending transactions of 3 mutations, re-appending one in 20 (a retry)."""
+
+    def __init__(self, client: AsyncClient, targets: Targets, seed: int) -> None:
+        self.writer = WalWriter(client, WAL, targets)
+        self.rng = random.Random(seed)
+        self.appended = 0
+        self.retries = 0
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            entry = self.writer.prepare(
+                [{"key": f"k{self.rng.randrange(10_000)}", "value": {"n": self.appended}} for _ in range(3)]
+            )
+            await self.writer.append(entry)
+            if self.rng.random() < 0.05:
+                await self.writer.append(entry)  # (the same UUID again: applied once)
+                self.retries += 1
+            self.appended += 1
+
+    async def more(self, n: int, timeout: float = 60.0) -> None:
+        """Wait until `n` more transactions were appended."""
+        goal = self.appended + n
+        await wait_until(lambda: self.appended >= goal, timeout)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.writer.aclose()
+
+
+def declare(tmp_path: Path, n: int) -> tuple[Targets, Path]:
+    targets = Targets([Target(f"t{i:02d}", f"127.0.0.1:{free_port()}") for i in range(n)])
+    path = tmp_path / "targets.yaml"
+    path.write_text(yaml.safe_dump({"targets": [{"id": t.id, "endpoint": t.endpoint} for t in targets.targets]}))
+    return targets, path
+
+
+def player_args(cluster, targets_file: Path, state: Path) -> list[str]:
+    return ["logplayer", "run", "--wal", WAL, "--targets", str(targets_file), "--broker", cluster.brokers[0].endpoint,
+            "--state", str(state), "--ack-timeout", "2", "--progress", "0", "--dummy-every", "50",
+            "--checkpoint-every", "20"]  # fmt: skip
+
+
+def check_applied(procs: Procs, expected: dict[str, list[int]]) -> None:
+    for target, indices in expected.items():
+        applied = applied_log(procs.data_dir / f"{target}.sqlite")
+        assert applied == indices, f"target {target}: applied {len(applied)} entries, expected {len(indices)}"
+
+
+async def test_targets_and_the_player_killed_at_random_points_apply_every_entry_once_in_order(
+    cluster, tmp_path
+) -> None:
+    await cluster.create_journal(WAL, replication=3)
+    targets, targets_file = declare(tmp_path, 20)
+    procs = Procs(tmp_path)
+    rng = random.Random(int(os.environ.get("TIDINGS_CAMPAIGN_SEED", "0")) or None)
+    client = AsyncClient(cluster.brokers[0].endpoint)
+    load = Load(client, targets, rng.randrange(1 << 30))
+    try:
+        await asyncio.gather(*(procs.start_target(t.id, t.endpoint) for t in targets.targets))
+        await procs.start("player", player_args(cluster, targets_file, tmp_path / "player.state"))
+        load.start()
+        await load.more(30)
+        for _ in range(KILLS):
+            await load.more(rng.randrange(5, 60))
+            if rng.random() < 0.35:
+                await procs.signal("player")
+                await load.more(rng.randrange(1, 30))
+                await procs.start("player", player_args(cluster, targets_file, tmp_path / "player.state"))
+            else:
+                victims = rng.sample(targets.ids, rng.randrange(1, 4))
+                for v in victims:
+                    await procs.signal(v)
+                await load.more(rng.randrange(1, 30))
+                await asyncio.gather(*(procs.start_target(v, targets.by_id[v].endpoint) for v in victims))
+        await load.stop()
+        assert load.retries > 0 or KILLS < 3
+        expected = await wait_delivered(client, WAL, targets, timeout=120)
+        check_applied(procs, expected)
+        assert sum(map(len, expected.values())) >= 3 * load.appended * 0.9  # (3 mutations, mostly on 3 targets)
+    finally:
+        procs.stop_all()
+        await load.stop()
+        await client.aclose()
+
+
+async def test_a_stopped_target_delays_no_other_and_catches_up_after_sigcont(cluster, tmp_path) -> None:
+    await cluster.create_journal(WAL, replication=3)
+    targets, targets_file = declare(tmp_path, 4)
+    procs = Procs(tmp_path)
+    client = AsyncClient(cluster.brokers[0].endpoint)
+    load = Load(client, targets, 7)
+    try:
+        await asyncio.gather(*(procs.start_target(t.id, t.endpoint) for t in targets.targets))
+        await procs.start("player", player_args(cluster, targets_file, tmp_path / "player.state"))
+        load.start()
+        await load.more(20)
+        await procs.signal("t01", signal.SIGSTOP)
+        await load.more(200)
+        await load.stop()
+        # The others apply everything while t01 stays stopped.
+        others = Targets([t for t in targets.targets if t.id != "t01"])
+        expected = await wait_delivered(client, WAL, others, timeout=60)
+        answers = await last_acks(targets, timeout=0.5)
+        assert not isinstance(answers["t01"], pb.LastAckResponse)  # (still stopped: no answer)
+        # The player gives the stopped target up (no acknowledgement within --ack-timeout)...
+        gave_up = "no acknowledgement for 2s; reconnecting"
+        await wait_until(lambda: gave_up in procs.log("player").read_text(), 30, interval=0.1)
+        await procs.signal("t01", signal.SIGCONT)
+        expected = await wait_delivered(client, WAL, targets, timeout=60)
+        check_applied(procs, expected)
+        assert "target t01: recovering entries" in procs.log("player").read_text()  # (...and recovers it)
+    finally:
+        procs.stop_all()
+        await load.stop()
+        await client.aclose()
+
+
+async def test_a_second_player_fences_the_first_and_nothing_is_doubled(cluster, tmp_path) -> None:
+    await cluster.create_journal(WAL, replication=3)
+    targets, targets_file = declare(tmp_path, 3)
+    procs = Procs(tmp_path)
+    client = AsyncClient(cluster.brokers[0].endpoint)
+    load = Load(client, targets, 11)
+    try:
+        await asyncio.gather(*(procs.start_target(t.id, t.endpoint) for t in targets.targets))
+        await procs.start("first", player_args(cluster, targets_file, tmp_path / "first.state"))
+        load.start()
+        await load.more(30)
+        await procs.start("second", player_args(cluster, targets_file, tmp_path / "second.state"))
+        await load.more(60)
+        first = procs.procs["first"]
+        assert await asyncio.wait_for(asyncio.to_thread(first.wait, 60), 70) == 1
+        assert "TARGET_FENCED" in procs.log("first").read_text()
+        await load.stop()
+        expected = await wait_delivered(client, WAL, targets, timeout=60)
+        check_applied(procs, expected)
+    finally:
+        procs.stop_all()
+        await load.stop()
+        await client.aclose()
