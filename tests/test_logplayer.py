@@ -18,7 +18,7 @@ from tests.support.logplayer import applied_log, expected_parts, wait_delivered
 from tests.support.waiting import wait_until
 from tidings.client import AsyncClient
 from tidings.cluster.etcd import free_port
-from tidings.logplayer.player import LogPlayer, last_acks
+from tidings.logplayer.player import LogPlayer, PlayerState, last_acks
 from tidings.logplayer.target import TargetServer
 from tidings.logplayer.wal import Target, Targets, WalWriter
 from tidings.protocol import protocol_pb2 as pb
@@ -247,3 +247,64 @@ async def test_a_target_answering_a_wrong_index_is_disconnected_not_trusted(rig:
     await rig.start_target("t1")
     await rig.wait_delivered()
     await writer.aclose()
+
+
+def wipe(rig: Rig, target: str) -> None:
+    for f in rig.db(target).parent.glob(f"{target}.sqlite*"):
+        f.unlink()
+
+
+async def test_a_target_wiped_while_the_player_was_down_gets_everything(rig: Rig) -> None:
+    """Review 33: a target whose file went back in time, opening before the restarted main stream
+    dispatched anything, was taken for up to date and lost the entries before the state position."""
+    for t in rig.targets.ids:
+        await rig.start_target(t)
+    player = rig.start_player(checkpoint_every=5)
+    writer = WalWriter(rig.client, WAL, rig.targets)
+    for i in range(30):
+        await writer.append(txn(i))
+    await rig.wait_delivered()
+    state = rig.tmp / "player.state"
+    await wait_until(lambda: state.exists() and PlayerState.from_file(state).position > 0, 30)  # (saved each second)
+    await rig.stop_player(player)
+    await rig.stop_target("t1")
+    wipe(rig, "t1")
+    await rig.start_target("t1")
+    player = rig.start_player(checkpoint_every=5)
+    await player.ready.wait()
+    assert player.start_position > 0
+    await writer.append(txn(99))
+    await rig.wait_delivered()
+    await writer.aclose()
+
+
+class OddStatus(pb_grpc.TargetServicer):
+    """A target of another version answering a status this LogPlayer does not know."""
+
+    def __init__(self) -> None:
+        self.opens = 0
+
+    async def Deliver(self, requests, context):
+        async for _req in requests:
+            self.opens += 1
+            yield pb.DeliverResponse(status=99, last_applied=-1)
+
+    async def GetLastAck(self, request, context):
+        return pb.LastAckResponse(last_applied=-1)
+
+
+async def test_an_unknown_status_fails_the_connection_not_the_player(rig: Rig) -> None:
+    for t in ("t0", "t2"):
+        await rig.start_target(t)
+    odd = OddStatus()
+    server = grpc.aio.server()
+    pb_grpc.add_TargetServicer_to_server(odd, server)
+    server.add_insecure_port(rig.targets.by_id["t1"].endpoint)
+    await server.start()
+    try:
+        player = rig.start_player()
+        await wait_until(lambda: odd.opens >= 3, 30)
+        assert not rig.players[0][1].done()
+        assert "status 99" in player.links["t1"].last_error
+    finally:
+        await server.stop(0)

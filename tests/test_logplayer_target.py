@@ -3,6 +3,7 @@ follow, one process per file, an apply function that fails, and a restart that k
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import apsw
@@ -143,3 +144,59 @@ async def test_an_apply_function_that_fails_applies_nothing_of_its_batch(tmp_pat
         assert server.store.db.execute("SELECT count(*) FROM kv").fetchone()[0] == 0
     finally:
         await server.stop()
+
+
+class Gate:
+    """An apply function that holds each apply until the test opens the gate."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.started, self.gate = threading.Event(), threading.Event()
+
+    def __call__(self, db: apsw.Connection, entry: pb.TargetEntry) -> None:
+        self.started.set()
+        assert self.gate.wait(30)
+        db.execute("INSERT OR REPLACE INTO kv (key, value) VALUES (?, x'01')", (f"k{entry.index}",))
+
+
+async def test_a_reopened_stream_waits_for_the_apply_of_a_cancelled_one(tmp_path: Path) -> None:
+    """Review 33: a stream cancelled mid-apply released the lock while its thread applied on; the
+    next Open was answered the old index, and the resent batch was applied twice."""
+    endpoint, gate = f"127.0.0.1:{free_port()}", Gate()
+    server = await TargetServer("t0", tmp_path / "t0.sqlite", endpoint, apply=gate, log_applied=True).start()
+    try:
+        async with grpc.aio.insecure_channel(endpoint) as ch1, grpc.aio.insecure_channel(endpoint) as ch2:
+            old = pb_grpc.TargetStub(ch1).Deliver()
+            await old.write(opening(1))
+            await old.read()
+            await old.write(batch(-1, 1))
+            assert await asyncio.to_thread(gate.started.wait, 30)
+            old.cancel()  # (the LogPlayer gave the connection up: an ack timeout, say)
+            new = pb_grpc.TargetStub(ch2).Deliver()
+            await new.write(opening(1))
+            answer = asyncio.ensure_future(new.read())
+            await asyncio.wait([answer], timeout=1.0)  # (time for a wrong early answer to show)
+            gate.gate.set()
+            assert (await answer).last_applied == 1  # answered once the apply ended
+            await new.write(batch(-1, 1))  # a resend from a stale index is refused
+            assert (await new.read()).status == pb.WRONG_TARGET_INDEX
+        assert [r[0] for r in server.store.applied_log()] == [1]
+    finally:
+        gate.gate.set()
+        await server.stop()
+
+
+async def test_a_stream_superseded_by_the_same_player_is_aborted_not_fenced(target) -> None:
+    """Review 33: two streams of one LogPlayer (a reconnect whose earlier Open arrived late): the
+    superseded one must not read TARGET_FENCED, which stops a LogPlayer."""
+    _server, stub = target
+    first, second = stub.Deliver(), stub.Deliver()
+    await second.write(opening(3, nonce=9))
+    assert (await second.read()).status == pb.OK
+    await first.write(opening(3, nonce=9))  # (the same player's earlier attempt, arriving late)
+    assert (await first.read()).status == pb.OK
+    await second.write(batch(-1, 1))
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await second.read()
+    assert exc.value.code() == grpc.StatusCode.ABORTED

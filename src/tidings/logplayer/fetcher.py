@@ -9,7 +9,7 @@ main stream took (`Checkpoints`): the newest at or before the entry it needs, or
 `MainFetcher` reads from the LogPlayer's start checkpoint on, for ever, and dispatches every entry
 (`normal`); it takes a checkpoint every `checkpoint_every` entries. `recover` reads one target's
 missed range (last_ack, until] in the term its return began, then calls `fetching_completed`;
-it stops early once the term is stale (the target failed again) and waits while the target's
+it stops early once the target failed again (its term is over) and waits while the target's
 catch-up queue is full (a recovery never holds more than `high_water` entries in memory).
 
 A WAL entry naming a target targets.yaml does not declare stops the LogPlayer (`UnknownTargetError`):
@@ -31,7 +31,7 @@ from prometheus_client import Counter
 
 from tidings.client import AsyncClient
 from tidings.logplayer.dispatcher import NOTHING, Dispatcher
-from tidings.logplayer.target_queue import TargetQueue
+from tidings.logplayer.target_queue import QueueState, TargetQueue
 from tidings.logplayer.wal import WalEntry, WalMutation
 from tidings.message.framing import Garbage
 from tidings.message.iterators import ReadCommitted
@@ -115,7 +115,6 @@ class MainFetcher:
         self.checkpoints = checkpoints
         self.checkpoint_every = checkpoint_every
         self.current_end = 0  # where the entry at current_index ends
-        self.dispatched = 0
 
     async def run(self) -> None:
         reader = _reader(self.client, self.wal, self.checkpoints.checkpoints[-1], empty_batches=True)
@@ -130,11 +129,16 @@ class MainFetcher:
                         f"WAL {self.wal}: the entry at offset {env.begin} names targets {unknown} that targets.yaml "
                         "does not declare: add them (id and endpoint) and restart the LogPlayer"
                     )
-                parts = {t: mutations_of(m) for t, m in entry.parts.items()}
+                current = self.dispatcher.current_index
+                if env.begin <= current:  # (a transaction of another producer, committed late, say)
+                    log.error("WAL %s: the entry at offset %d comes after entry %d: skipped (a LogPlayer WAL is "
+                              "written by WalWriters only)", self.wal, env.begin, current)  # fmt: skip
+                    GARBAGE.labels(self.wal).inc()
+                    continue
+                parts = {t: mutations_of(m) for t, m in entry.parts.items() if m}
                 dispatch(env.begin, parts, committed_ns=entry.committed_ns, dispatched_ns=time.time_ns())
                 self.current_end = env.end
             since += len(batch)
-            self.dispatched += len(batch)
             counter.inc(len(batch))
             if since >= self.checkpoint_every:
                 since = 0
@@ -168,9 +172,9 @@ async def recover(
             part = env.message.parts.get(target) if env.begin > last_ack else None
             if part:
                 dispatcher.dispatch_recovery(target, env.begin, mutations_of(part), term, env.message.committed_ns)
-        if queue.term != term:
+        if queue.term != term or queue.state is QueueState.SUSPENDED:  # (failed again: this term is over)
             return False
-        while len(queue.catchup) >= high_water and queue.term == term:
+        while len(queue.catchup) >= high_water and queue.term == term and queue.state is not QueueState.SUSPENDED:
             room.clear()
             await room.wait()
     if queue.term != term:

@@ -38,7 +38,7 @@ from prometheus_client import Counter, Gauge
 from tidings.client import AsyncClient
 from tidings.logplayer.dispatcher import NOTHING, Dispatcher
 from tidings.logplayer.fetcher import Checkpoints, MainFetcher, recover
-from tidings.logplayer.stream import _CHANNEL_OPTIONS, TargetLink
+from tidings.logplayer.stream import CHANNEL_OPTIONS, TargetLink
 from tidings.logplayer.wal import Targets
 from tidings.message.sequencer import Checkpoint
 from tidings.protocol import protocol_pb2 as pb
@@ -62,10 +62,14 @@ class PlayerState(msgspec.Struct):
     position: int = NOTHING  # the last index the checkpoint covers
     checkpoint: Checkpoint | None = None
 
+    @classmethod
+    def from_file(cls, path: Path) -> PlayerState:
+        return msgspec.json.decode(path.read_bytes(), type=cls)
+
 
 def _load_state(path: Path, wal: str) -> PlayerState:
     try:
-        state = msgspec.json.decode(path.read_bytes(), type=PlayerState)
+        state = PlayerState.from_file(path)
     except FileNotFoundError:
         return PlayerState(wal)
     except (OSError, msgspec.DecodeError) as exc:
@@ -95,7 +99,7 @@ async def last_acks(targets: Targets, timeout: float = 2.0) -> dict[str, pb.Last
 
     async def ask(target_id: str, endpoint: str) -> pb.LastAckResponse | str:
         try:
-            async with grpc.aio.insecure_channel(endpoint, options=_CHANNEL_OPTIONS) as channel:
+            async with grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS) as channel:
                 return await pb_grpc.TargetStub(channel).GetLastAck(
                     pb.LastAckRequest(target=target_id), timeout=timeout
                 )
@@ -140,7 +144,8 @@ class LogPlayer:
         self.links: dict[str, TargetLink] = {}
         self.fetcher: MainFetcher | None = None
         self.checkpoints = Checkpoints()
-        self.start_position = NOTHING
+        self.start_position = NOTHING  # the last index the state file's checkpoint covers
+        self.start_end = 0  # where the main stream starts reading
         self.heard: set[str] = set()  # targets that opened a stream this run
         self.ready = asyncio.Event()  # the main stream started
         self._recoveries: dict[str, asyncio.Task[Any]] = {}
@@ -153,11 +158,12 @@ class LogPlayer:
             self.state_path.parent.mkdir(parents=True, exist_ok=True)
             state = await asyncio.to_thread(_load_state, self.state_path, self.wal)
         self.start_position = self._saved_position = state.position
+        if state.checkpoint is not None and self.wal in state.checkpoint.journals:  # (where that entry ends, at most)
+            self.start_end = state.checkpoint.journals[self.wal].read_through
         self.checkpoints = Checkpoints(state.position, state.checkpoint)
         answers = await last_acks(self.targets)
         epochs = [a.epoch for a in answers.values() if isinstance(a, pb.LastAckResponse)]
-        self.epoch = max([*epochs, 0]) + 1
-        self.epoch = max(self.epoch, time.time_ns() // 1_000_000)
+        self.epoch = min(max([*epochs, time.time_ns() // 1_000_000 - 1]) + 1, 2**63 - 1)
         nonce = random.getrandbits(63)
         log.info("LogPlayer %s: WAL %s, %d targets, epoch %d, resuming after index %d", self.name, self.wal,
                  len(self.targets.ids), self.epoch, state.position)  # fmt: skip
@@ -202,23 +208,27 @@ class LogPlayer:
         link.wake.set()
 
     def _on_open(self, link: TargetLink, last_applied: int) -> None:
-        """A target (re)opened its stream at `last_applied` (Algorithm 5, "upon target restart")."""
+        """A target (re)opened its stream at `last_applied` (Algorithm 5, "upon target restart"). It
+        missed what the main stream dispatched after that, and, if the main stream has not passed
+        the start position yet, what lies before it (a target whose file went back in time)."""
         d, target = self.dispatcher, link.id
         self.heard.add(target)
+        old = self._recoveries.pop(target, None)
+        if old is not None:
+            old.cancel()
         d.acknowledged(target, last_applied)
         term = d.queues[target].begin_recovery()
-        until = d.current_index
+        if d.current_index > self.start_position:
+            assert self.fetcher is not None
+            until, end = d.current_index, self.fetcher.current_end
+        else:
+            until, end = self.start_position, self.start_end
         UP.labels(self.wal, target).set(1)
         if last_applied >= until:
             d.queues[target].nothing_missed()
             link.wake.set()
             return
         RECOVERIES.labels(self.wal, target).inc()
-        assert self.fetcher is not None or until == NOTHING
-        end = self.fetcher.current_end if self.fetcher is not None else 0
-        old = self._recoveries.get(target)
-        if old is not None:
-            old.cancel()
         task = self._recoveries[target] = asyncio.create_task(
             recover(self.client, self.wal, d, self.checkpoints, target, term, last_applied, (until, end), link.room),
             name=f"recover:{target}:{term}",
@@ -226,7 +236,7 @@ class LogPlayer:
         task.add_done_callback(lambda t: self._recovered(link, t))
 
     def _recovered(self, link: TargetLink, task: asyncio.Task[bool]) -> None:
-        if task.cancelled() or task.exception() is None:
+        if task.cancelled() or task.exception() is None or self._recoveries.get(link.id) is not task:
             return
         log.error("target %s: its recovery stream failed: %s", link.id, task.exception())
         link.fail_soon(f"its recovery stream failed: {task.exception()}")  # (a new connection recovers anew)

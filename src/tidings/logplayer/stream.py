@@ -14,7 +14,7 @@ flight cannot be applied after that answer), then hand the returning target to t
 (`on_open`: recovery stream or straight back to normal), and watch. A failed connection, a
 refused batch, an acknowledgement naming no batch sent (a target answering a wrong index is not
 trusted), a stream that ends, or no acknowledgement within `ack_timeout` while batches wait (a
-stopped target: SIGSTOP keeps its TCP connection up) fails the link: both tasks are cancelled
+stopped target: SIGSTOP keeps its TCP connection up) fails the link: its tasks are cancelled
 before the queue is suspended, so no task of a dead connection touches the queue again, and the
 link reconnects with backoff. TARGET_FENCED stops the LogPlayer (a newer one holds the target).
 """
@@ -35,11 +35,11 @@ from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
 from tidings.protocol.status import TargetFencedError, TidingsError, for_status
 
-__all__ = ["LinkFailed", "TargetLink"]
+__all__ = ["CHANNEL_OPTIONS", "LinkFailed", "TargetLink"]
 
 log = logging.getLogger(__name__)
 
-_CHANNEL_OPTIONS = [
+CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 2000),
     ("grpc.keepalive_timeout_ms", 2000),
     ("grpc.keepalive_permit_without_calls", 1),
@@ -81,7 +81,6 @@ class TargetLink:
         self.up = False
         self.sent = -1  # the last index written on this connection (the next batch's prev_index)
         self.last_progress = 0.0  # monotonic: the last acknowledgement, or the first write after none waited
-        self.failures = 0
         self.last_error = ""
         self._doomed = ""  # why the LogPlayer gave this connection up (fail_soon)
 
@@ -122,12 +121,11 @@ class TargetLink:
     def _fail(self) -> None:
         if self.queue.state is not QueueState.SUSPENDED:
             self.queue.suspend()
-        self.failures += int(self.up)
         self.up = False
         self.room.set()  # (a recovery waiting for room sees its term go stale)
 
     async def _connection(self) -> None:
-        async with grpc.aio.insecure_channel(self.target.endpoint, options=_CHANNEL_OPTIONS) as channel:
+        async with grpc.aio.insecure_channel(self.target.endpoint, options=CHANNEL_OPTIONS) as channel:
             call = pb_grpc.TargetStub(channel).Deliver()
             try:
                 await asyncio.wait_for(self._open(call), self.ack_timeout)
@@ -154,7 +152,7 @@ class TargetLink:
         if resp is grpc.aio.EOF:
             raise LinkFailed("the target closed the stream before answering Open")
         if resp.status != pb.OK:
-            raise for_status(resp.status)("", f"target {self.id}: {resp.detail}")
+            raise self._refusal(resp)
         self.sent = resp.last_applied
         self._doomed = ""
         self.up = True
@@ -196,7 +194,7 @@ class TargetLink:
             if resp is grpc.aio.EOF:
                 raise LinkFailed("the target ended the stream")
             if resp.status != pb.OK:
-                raise for_status(resp.status)("", f"target {self.id}: {resp.detail}")
+                raise self._refusal(resp)
             if not queue.erase(resp.last_applied):
                 if self._doomed:
                     raise LinkFailed(self._doomed)
@@ -204,10 +202,18 @@ class TargetLink:
             acknowledged(self.id, resp.last_applied)
             self.last_progress = time.monotonic()
 
+    def _refusal(self, resp: pb.DeliverResponse) -> Exception:
+        try:
+            return for_status(resp.status)("", f"target {self.id}: {resp.detail}")
+        except KeyError:  # (a status of another version: the connection fails, the link retries)
+            return LinkFailed(f"answered status {resp.status}, which this LogPlayer does not know: {resp.detail}")
+
     async def _watch(self) -> None:
         """No acknowledgement for `ack_timeout` while batches wait for one: the target is stopped or stuck."""
         while True:
             await asyncio.sleep(self.ack_timeout / 4)  # (a periodic health check)
+            if self._doomed:  # (fail_soon while the writer waits on a write the target does not take)
+                raise LinkFailed(self._doomed)
             if self.queue.popped and time.monotonic() - self.last_progress > self.ack_timeout:
                 raise LinkFailed(f"no acknowledgement for {self.ack_timeout:g}s")
 

@@ -14,7 +14,8 @@ connection (inside the transaction) and each `pb.TargetEntry`; `apply_key_values
 * `Deliver` (bidi): the first request opens the stream for a LogPlayer (target id, epoch, nonce).
   An (epoch, nonce) older than the newest the target accepted is refused (TARGET_FENCED), so two
   LogPlayers started by mistake cannot both deliver; an equal or newer one takes the target over
-  (an older stream's next batch is refused), after any apply in progress, and is answered with
+  (an older stream's next batch is refused; one of the same LogPlayer's is aborted, so that it
+  reconnects), once the apply in progress ended (even one whose stream was cancelled), and is answered with
   the last applied index: the LogPlayer's `last_ack` for the stream. Each later request is a
   batch; it must follow what the target applied (`prev_index`) with increasing indices, else
   WRONG_TARGET_INDEX (the LogPlayer reconnects and recovers the target: a target is never asked
@@ -42,6 +43,7 @@ import grpc
 from prometheus_client import Counter, Gauge
 
 from tidings._serving import check_listen, serve_metrics, stop_metrics
+from tidings.logplayer.dispatcher import NOTHING
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
 from tidings.protocol.status import UsageError
@@ -50,7 +52,6 @@ __all__ = ["ApplyFn", "TargetServer", "TargetService", "TargetStore", "WrongInde
 
 log = logging.getLogger(__name__)
 
-NOTHING = -1
 ApplyFn = Callable[[apsw.Connection, pb.TargetEntry], None]
 
 ENTRIES = Counter("tidings_target_entries_applied_total", "WAL entries applied (dummy ones included)", ["target"])
@@ -166,7 +167,7 @@ class TargetService(pb_grpc.TargetServicer):
         self.target = target
         self.store = store
         self._applying = asyncio.Lock()  # one apply at a time; an Open waits for the one in progress
-        self._holder: object | None = None  # the stream that may apply now
+        self._holder: tuple[object, tuple[int, int]] | None = None  # the stream that may apply, its (epoch, nonce)
         LAST_APPLIED.labels(target).set(store.last_applied)
 
     def _refuse(self, status: int, detail: str) -> pb.DeliverResponse:
@@ -193,35 +194,44 @@ class TargetService(pb_grpc.TargetServicer):
                                f"{opened.wal!r}")  # fmt: skip
             return
         token = object()
+        mine = (opened.epoch, opened.nonce & 0x7FFF_FFFF_FFFF_FFFF)
         async with self._applying:
-            mine, newest = (opened.epoch, opened.nonce & 0x7FFF_FFFF_FFFF_FFFF), self.store.fence
-            if mine < newest:
-                yield self._refuse(pb.TARGET_FENCED, f"LogPlayer {opened.player!r} (epoch {opened.epoch}) is older "
-                                   f"than the one of epoch {newest[0]} that holds the target")  # fmt: skip
-                return
-            if mine > newest or not self.store.wal:
-                await asyncio.to_thread(self.store.accept, opened.epoch, opened.nonce, opened.wal)
-            self._holder = token
+            newest = self.store.fence
+            if mine >= newest:
+                if mine > newest or not self.store.wal:
+                    await _in_thread(self.store.accept, opened.epoch, opened.nonce, opened.wal)
+                self._holder = (token, mine)
             last = self.store.last_applied
+        if mine < newest:
+            yield self._refuse(pb.TARGET_FENCED, f"LogPlayer {opened.player!r} (epoch {opened.epoch}) is older than "
+                               f"the one of epoch {newest[0]} that holds the target")  # fmt: skip
+            return
         log.info("target %s: LogPlayer %s (epoch %d) opened a stream at index %d", self.target, opened.player,
                  opened.epoch, last)  # fmt: skip
         yield pb.DeliverResponse(status=pb.OK, last_applied=last)
         async for req in requests:
             received = time.time_ns()
+            refusal: tuple[int, str] | None = None
             async with self._applying:
-                if self._holder is not token:
-                    yield self._refuse(
-                        pb.TARGET_FENCED, f"a newer stream holds the target (this one: {opened.player!r})"
-                    )
-                    return
-                try:
-                    last = await asyncio.to_thread(self.store.apply, req.prev_index, req.entries, received)
-                except WrongIndex as exc:
-                    yield self._refuse(pb.WRONG_TARGET_INDEX, str(exc))
-                    return
-                except Exception as exc:  # the user's apply function failed: nothing of the batch applied
-                    log.exception("target %s: applying the batch after index %d failed", self.target, req.prev_index)
-                    await context.abort(grpc.StatusCode.INTERNAL, f"target {self.target}: apply failed: {exc}")
+                holder, key = self._holder or (None, mine)
+                if holder is not token:
+                    if key == mine:  # a newer stream of the same LogPlayer (it reconnected): not a fence
+                        await context.abort(
+                            grpc.StatusCode.ABORTED, "a newer stream of this LogPlayer holds the target"
+                        )
+                    refusal = (pb.TARGET_FENCED, f"a newer LogPlayer (epoch {key[0]}) holds the target")
+                else:
+                    try:
+                        last = await _in_thread(self.store.apply, req.prev_index, req.entries, received)
+                    except WrongIndex as exc:
+                        refusal = (pb.WRONG_TARGET_INDEX, str(exc))
+                    except Exception as exc:  # the user's apply function failed: nothing of the batch applied
+                        log.exception("target %s: applying the batch after index %d failed", self.target,
+                                      req.prev_index)  # fmt: skip
+                        await context.abort(grpc.StatusCode.INTERNAL, f"target {self.target}: apply failed: {exc}")
+            if refusal is not None:
+                yield self._refuse(*refusal)
+                return
             ENTRIES.labels(self.target).inc(len(req.entries))
             BATCHES.labels(self.target, "OK").inc()
             LAST_APPLIED.labels(self.target).set(last)
@@ -233,6 +243,25 @@ class TargetService(pb_grpc.TargetServicer):
                 status=pb.TARGET_NOT_FOUND, detail=f"this process serves target {self.target!r}, not {request.target!r}"
             )
         return pb.LastAckResponse(status=pb.OK, last_applied=self.store.last_applied, epoch=self.store.fence[0])
+
+
+async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` in a worker thread. A cancelled caller still waits for it to end before the
+    cancellation goes on: an apply cannot be stopped half-way, and the lock its caller holds must
+    cover all of it (else a reconnecting LogPlayer would be answered an index about to change)."""
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(fut)
+            break
+        except asyncio.CancelledError:
+            if fut.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
 
 
 def load_apply(ref: str) -> ApplyFn:
