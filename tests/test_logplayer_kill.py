@@ -79,6 +79,33 @@ def player_args(cluster, targets_file: Path, state: Path) -> list[str]:
             "--checkpoint-every", "20"]  # fmt: skip
 
 
+class Run:
+    """A test's targets (started as processes), its Procs, client and Load; all stopped at the end."""
+
+    def __init__(self, cluster, tmp_path: Path, n: int, seed: int) -> None:
+        self.cluster = cluster
+        self.targets, self.targets_file = declare(tmp_path, n)
+        self.procs = Procs(tmp_path)
+        self.client = AsyncClient(cluster.brokers[0].endpoint)
+        self.load = Load(self.client, self.targets, seed)
+
+    def player_args(self, state: str) -> list[str]:
+        return player_args(self.cluster, self.targets_file, self.procs.data_dir / state)
+
+
+@contextlib.asynccontextmanager
+async def running(cluster, tmp_path: Path, n: int, seed: int):
+    await cluster.create_journal(WAL, replication=3)
+    run = Run(cluster, tmp_path, n, seed)
+    try:
+        await asyncio.gather(*(run.procs.start_target(t.id, t.endpoint) for t in run.targets.targets))
+        yield run
+    finally:
+        run.procs.stop_all()
+        await run.load.stop()
+        await run.client.aclose()
+
+
 def check_applied(procs: Procs, expected: dict[str, list[int]]) -> None:
     for target, indices in expected.items():
         applied = applied_log(procs.data_dir / f"{target}.sqlite")
@@ -88,15 +115,10 @@ def check_applied(procs: Procs, expected: dict[str, list[int]]) -> None:
 async def test_targets_and_the_player_killed_at_random_points_apply_every_entry_once_in_order(
     cluster, tmp_path
 ) -> None:
-    await cluster.create_journal(WAL, replication=3)
-    targets, targets_file = declare(tmp_path, 20)
-    procs = Procs(tmp_path)
     rng = random.Random(int(os.environ.get("TIDINGS_CAMPAIGN_SEED", "0")) or None)
-    client = AsyncClient(cluster.brokers[0].endpoint)
-    load = Load(client, targets, rng.randrange(1 << 30))
-    try:
-        await asyncio.gather(*(procs.start_target(t.id, t.endpoint) for t in targets.targets))
-        await procs.start("player", player_args(cluster, targets_file, tmp_path / "player.state"))
+    async with running(cluster, tmp_path, 20, rng.randrange(1 << 30)) as run:
+        procs, load, targets = run.procs, run.load, run.targets
+        await procs.start("player", run.player_args("player.state"))
         load.start()
         await load.more(30)
         for _ in range(KILLS):
@@ -104,7 +126,7 @@ async def test_targets_and_the_player_killed_at_random_points_apply_every_entry_
             if rng.random() < 0.35:
                 await procs.signal("player")
                 await load.more(rng.randrange(1, 30))
-                await procs.start("player", player_args(cluster, targets_file, tmp_path / "player.state"))
+                await procs.start("player", run.player_args("player.state"))
             else:
                 victims = rng.sample(targets.ids, rng.randrange(1, 4))
                 for v in victims:
@@ -113,24 +135,15 @@ async def test_targets_and_the_player_killed_at_random_points_apply_every_entry_
                 await asyncio.gather(*(procs.start_target(v, targets.by_id[v].endpoint) for v in victims))
         await load.stop()
         assert load.retries > 0 or KILLS < 3
-        expected = await wait_delivered(client, WAL, targets, timeout=120)
+        expected = await wait_delivered(run.client, WAL, targets, timeout=120)
         check_applied(procs, expected)
         assert sum(map(len, expected.values())) >= 3 * load.appended * 0.9  # (3 mutations, mostly on 3 targets)
-    finally:
-        procs.stop_all()
-        await load.stop()
-        await client.aclose()
 
 
 async def test_a_stopped_target_delays_no_other_and_catches_up_after_sigcont(cluster, tmp_path) -> None:
-    await cluster.create_journal(WAL, replication=3)
-    targets, targets_file = declare(tmp_path, 4)
-    procs = Procs(tmp_path)
-    client = AsyncClient(cluster.brokers[0].endpoint)
-    load = Load(client, targets, 7)
-    try:
-        await asyncio.gather(*(procs.start_target(t.id, t.endpoint) for t in targets.targets))
-        await procs.start("player", player_args(cluster, targets_file, tmp_path / "player.state"))
+    async with running(cluster, tmp_path, 4, 7) as run:
+        procs, load, targets = run.procs, run.load, run.targets
+        await procs.start("player", run.player_args("player.state"))
         load.start()
         await load.more(20)
         await procs.signal("t01", signal.SIGSTOP)
@@ -138,42 +151,29 @@ async def test_a_stopped_target_delays_no_other_and_catches_up_after_sigcont(clu
         await load.stop()
         # The others apply everything while t01 stays stopped.
         others = Targets([t for t in targets.targets if t.id != "t01"])
-        expected = await wait_delivered(client, WAL, others, timeout=60)
+        await wait_delivered(run.client, WAL, others, timeout=60)
         answers = await last_acks(targets, timeout=0.5)
         assert not isinstance(answers["t01"], pb.LastAckResponse)  # (still stopped: no answer)
         # The player gives the stopped target up (no acknowledgement within --ack-timeout)...
         gave_up = "no acknowledgement for 2s; reconnecting"
         await wait_until(lambda: gave_up in procs.log("player").read_text(), 30, interval=0.1)
         await procs.signal("t01", signal.SIGCONT)
-        expected = await wait_delivered(client, WAL, targets, timeout=60)
+        expected = await wait_delivered(run.client, WAL, targets, timeout=60)
         check_applied(procs, expected)
         assert "target t01: recovering entries" in procs.log("player").read_text()  # (...and recovers it)
-    finally:
-        procs.stop_all()
-        await load.stop()
-        await client.aclose()
 
 
 async def test_a_second_player_fences_the_first_and_nothing_is_doubled(cluster, tmp_path) -> None:
-    await cluster.create_journal(WAL, replication=3)
-    targets, targets_file = declare(tmp_path, 3)
-    procs = Procs(tmp_path)
-    client = AsyncClient(cluster.brokers[0].endpoint)
-    load = Load(client, targets, 11)
-    try:
-        await asyncio.gather(*(procs.start_target(t.id, t.endpoint) for t in targets.targets))
-        await procs.start("first", player_args(cluster, targets_file, tmp_path / "first.state"))
+    async with running(cluster, tmp_path, 3, 11) as run:
+        procs, load = run.procs, run.load
+        await procs.start("first", run.player_args("first.state"))
         load.start()
         await load.more(30)
-        await procs.start("second", player_args(cluster, targets_file, tmp_path / "second.state"))
+        await procs.start("second", run.player_args("second.state"))
         await load.more(60)
         first = procs.procs["first"]
         assert await asyncio.wait_for(asyncio.to_thread(first.wait, 60), 70) == 1
         assert "TARGET_FENCED" in procs.log("first").read_text()
         await load.stop()
-        expected = await wait_delivered(client, WAL, targets, timeout=60)
+        expected = await wait_delivered(run.client, WAL, run.targets, timeout=60)
         check_applied(procs, expected)
-    finally:
-        procs.stop_all()
-        await load.stop()
-        await client.aclose()

@@ -119,6 +119,7 @@ class MainFetcher:
     async def run(self) -> None:
         reader = _reader(self.client, self.wal, self.checkpoints.checkpoints[-1], empty_batches=True)
         dispatch, queues, since = self.dispatcher.dispatch, self.dispatcher.queues, 0
+        start = self.checkpoints.positions[-1]  # (what the checkpoint covers: a later entry only follows it)
         counter = DISPATCHED.labels(self.wal)
         async for batch in reader.batches():
             for env in batch:
@@ -129,7 +130,7 @@ class MainFetcher:
                         f"WAL {self.wal}: the entry at offset {env.begin} names targets {unknown} that targets.yaml "
                         "does not declare: add them (id and endpoint) and restart the LogPlayer"
                     )
-                current = self.dispatcher.current_index
+                current = max(self.dispatcher.current_index, start)
                 if env.begin <= current:  # (a transaction of another producer, committed late, say)
                     log.error("WAL %s: the entry at offset %d comes after entry %d: skipped (a LogPlayer WAL is "
                               "written by WalWriters only)", self.wal, env.begin, current)  # fmt: skip
@@ -165,18 +166,24 @@ async def recover(
     _, checkpoint = checkpoints.at_or_before(last_ack)
     reader = _reader(client, wal, checkpoint, quiet=True, end_offsets={wal: end})
     log.info("target %s: recovering entries (%d, %d] (term %d)", target, last_ack, last, term)
+    previous = last_ack  # (an entry that does not follow the previous one was skipped by the main stream too)
     async for batch in reader.batches():
         for env in batch:
             if env.begin > last:
-                break
-            part = env.message.parts.get(target) if env.begin > last_ack else None
+                return _completed(dispatcher, queue, target, term)
+            part = env.message.parts.get(target) if env.begin > previous else None
             if part:
                 dispatcher.dispatch_recovery(target, env.begin, mutations_of(part), term, env.message.committed_ns)
+                previous = env.begin
         if queue.term != term or queue.state is QueueState.SUSPENDED:  # (failed again: this term is over)
             return False
         while len(queue.catchup) >= high_water and queue.term == term and queue.state is not QueueState.SUSPENDED:
             room.clear()
             await room.wait()
+    return _completed(dispatcher, queue, target, term)
+
+
+def _completed(dispatcher: Dispatcher, queue: TargetQueue, target: str, term: int) -> bool:
     if queue.term != term:
         return False
     if queue.fetching_completed(term):

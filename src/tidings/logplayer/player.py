@@ -145,7 +145,7 @@ class LogPlayer:
         self.fetcher: MainFetcher | None = None
         self.checkpoints = Checkpoints()
         self.start_position = NOTHING  # the last index the state file's checkpoint covers
-        self.start_end = 0  # where the main stream starts reading
+        self.start_end = 0  # where the checkpoint's reader stood: the entry at start_position ends at or before it
         self.heard: set[str] = set()  # targets that opened a stream this run
         self.ready = asyncio.Event()  # the main stream started
         self._recoveries: dict[str, asyncio.Task[Any]] = {}
@@ -157,9 +157,11 @@ class LogPlayer:
         if self.state_path is not None:
             self.state_path.parent.mkdir(parents=True, exist_ok=True)
             state = await asyncio.to_thread(_load_state, self.state_path, self.wal)
-        self.start_position = self._saved_position = state.position
-        if state.checkpoint is not None and self.wal in state.checkpoint.journals:  # (where that entry ends, at most)
+        if state.checkpoint is None or self.wal not in state.checkpoint.journals:  # (a foreign file: start over)
+            state = PlayerState(self.wal)
+        else:
             self.start_end = state.checkpoint.journals[self.wal].read_through
+        self.start_position = self._saved_position = state.position
         self.checkpoints = Checkpoints(state.position, state.checkpoint)
         answers = await last_acks(self.targets)
         epochs = [a.epoch for a in answers.values() if isinstance(a, pb.LastAckResponse)]

@@ -259,6 +259,10 @@ async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
             if fut.done():
                 raise
             cancelled = True
+        except Exception:
+            if cancelled:  # (the caller is gone: its cancellation, not the apply's error, goes on)
+                raise asyncio.CancelledError from None
+            raise
     if cancelled:
         raise asyncio.CancelledError
     return result
