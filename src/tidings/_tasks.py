@@ -1,13 +1,18 @@
-"""Tasks: where each asyncio task waits (on SIGUSR1), and whose cancellation a CancelledError is."""
+"""Tasks: where each asyncio task waits (on SIGUSR1), whose cancellation a CancelledError is, and
+work that must run to its end whatever happens to its caller."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import signal
 import types
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 log = logging.getLogger("tidings.tasks")
 
@@ -70,3 +75,18 @@ def log_task_stacks() -> None:
 def dump_tasks_on_sigusr1() -> None:
     """Log every task's await chain when the process gets SIGUSR1 (call from inside the loop)."""
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, log_task_stacks)
+
+
+async def to_the_end(work: Awaitable[T]) -> T:
+    """Await `work` to its end even if the caller is cancelled meanwhile (CancelledError comes after,
+    whatever the work's outcome): a commit or an apply in a worker thread cannot stop half-way, and
+    the caller must know it ended before it goes on (to roll back, close, restore, or let the next
+    stream in)."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([task])
+        raise

@@ -120,6 +120,14 @@ BrokerOpt = Annotated[
     ),
 ]
 DEFAULT_BROKER = "127.0.0.1:8080"
+MetricsOpt = Annotated[
+    str,
+    typer.Option(
+        envvar="TIDINGS_METRICS",
+        help="HOST:PORT serving Prometheus /metrics; auto: --listen's port + 1000; '' off.",
+        callback=_endpoint("--metrics", True, also=("auto",)),
+    ),
+]
 
 
 def _version(value: bool) -> None:

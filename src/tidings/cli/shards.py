@@ -16,6 +16,7 @@ from tidings.cli.app import (
     _PLAIN,
     DEFAULT_BROKER,
     BrokerOpt,
+    MetricsOpt,
     _at_least,
     _client,
     _endpoint,
@@ -98,14 +99,7 @@ def consumer(
     shard_limit: Annotated[
         int, typer.Option(envvar="TIDINGS_SHARD_LIMIT", help="Most shard replicas this process takes.")
     ] = 1024,
-    metrics: Annotated[
-        str,
-        typer.Option(
-            envvar="TIDINGS_METRICS",
-            help="HOST:PORT serving Prometheus /metrics; auto: --listen's port + 1000; '' off.",
-            callback=_endpoint("--metrics", True, also=("auto",)),
-        ),
-    ] = "auto",
+    metrics: MetricsOpt = "auto",
     lease_ttl: Annotated[int, typer.Option(envvar="TIDINGS_LEASE_TTL", callback=_at_least("--lease-ttl", 1))] = 5,
     exit_timeout: Annotated[
         float, typer.Option(envvar="TIDINGS_EXIT_TIMEOUT", help="On SIGTERM, seconds to wait for shards to move away.")

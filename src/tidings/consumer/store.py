@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import apsw
 
+from tidings._tasks import to_the_end
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import TidingsError
 
@@ -107,19 +108,6 @@ class FenceError(TidingsError):
             f"shard {shard!r}: its checkpoint fence moved past {fence}: a newer primary restored it, "
             "so this transaction is rolled back and this primary must stop"
         )
-
-
-async def _to_the_end(commit: Awaitable[None]) -> None:
-    """Await a commit to its end even if the caller is cancelled meanwhile (CancelledError comes after):
-    its outcome is then known when the caller goes on (to roll back, close, or restore)."""
-    task = asyncio.ensure_future(commit)
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        while not task.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait([task])
-        raise
 
 
 def _restore_first(shard: str) -> TidingsError:
@@ -238,7 +226,7 @@ class SQLiteStore:
         # The worker runs to its end whatever happens to us: rolling back (or closing) under it would let
         # its UPDATE commit the checkpoint alone.
         try:
-            await _to_the_end(asyncio.to_thread(self._commit, shard, checkpoint.SerializeToString()))
+            await to_the_end(asyncio.to_thread(self._commit, shard, checkpoint.SerializeToString()))
         except BaseException:
             if self._open:  # (the worker failed: nothing of the transaction landed)
                 self._rollback()
@@ -377,7 +365,7 @@ class PostgresStore:
         except BaseException:
             await self._rollback()
             raise
-        await _to_the_end(self._commit(conn, shard, checkpoint.SerializeToString()))
+        await to_the_end(self._commit(conn, shard, checkpoint.SerializeToString()))
 
     async def _commit(self, conn: psycopg.AsyncConnection, shard: str, raw: bytes) -> None:
         try:

@@ -43,6 +43,7 @@ import grpc
 from prometheus_client import Counter, Gauge
 
 from tidings._serving import check_listen, serve_metrics, stop_metrics
+from tidings._tasks import to_the_end
 from tidings.logplayer.dispatcher import NOTHING
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
@@ -199,7 +200,7 @@ class TargetService(pb_grpc.TargetServicer):
             newest = self.store.fence
             if mine >= newest:
                 if mine > newest or not self.store.wal:
-                    await _in_thread(self.store.accept, opened.epoch, opened.nonce, opened.wal)
+                    await to_the_end(asyncio.to_thread(self.store.accept, opened.epoch, opened.nonce, opened.wal))
                 self._holder = (token, mine)
             last = self.store.last_applied
         if mine < newest:
@@ -222,7 +223,9 @@ class TargetService(pb_grpc.TargetServicer):
                     refusal = (pb.TARGET_FENCED, f"a newer LogPlayer (epoch {key[0]}) holds the target")
                 else:
                     try:
-                        last = await _in_thread(self.store.apply, req.prev_index, req.entries, received)
+                        last = await to_the_end(
+                            asyncio.to_thread(self.store.apply, req.prev_index, req.entries, received)
+                        )
                     except WrongIndex as exc:
                         refusal = (pb.WRONG_TARGET_INDEX, str(exc))
                     except Exception as exc:  # the user's apply function failed: nothing of the batch applied
@@ -243,29 +246,6 @@ class TargetService(pb_grpc.TargetServicer):
                 status=pb.TARGET_NOT_FOUND, detail=f"this process serves target {self.target!r}, not {request.target!r}"
             )
         return pb.LastAckResponse(status=pb.OK, last_applied=self.store.last_applied, epoch=self.store.fence[0])
-
-
-async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(*args)` in a worker thread. A cancelled caller still waits for it to end before the
-    cancellation goes on: an apply cannot be stopped half-way, and the lock its caller holds must
-    cover all of it (else a reconnecting LogPlayer would be answered an index about to change)."""
-    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-    cancelled = False
-    while True:
-        try:
-            result = await asyncio.shield(fut)
-            break
-        except asyncio.CancelledError:
-            if fut.done():
-                raise
-            cancelled = True
-        except Exception:
-            if cancelled:  # (the caller is gone: its cancellation, not the apply's error, goes on)
-                raise asyncio.CancelledError from None
-            raise
-    if cancelled:
-        raise asyncio.CancelledError
-    return result
 
 
 def load_apply(ref: str) -> ApplyFn:
