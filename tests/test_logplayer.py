@@ -18,12 +18,13 @@ from tests.support.logplayer import applied_log, expected_parts, wait_delivered
 from tests.support.waiting import wait_until
 from tidings.client import AsyncClient
 from tidings.cluster.etcd import free_port
+from tidings.logplayer.fetcher import UnknownTargetError
 from tidings.logplayer.player import LogPlayer, PlayerState, last_acks
 from tidings.logplayer.target import TargetServer
-from tidings.logplayer.wal import Target, Targets, WalWriter
+from tidings.logplayer.wal import Target, Targets, WalEntry, WalMutation, WalWriter
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
-from tidings.protocol.status import TargetFencedError
+from tidings.protocol.status import TargetFencedError, UsageError
 
 WAL = "wal/test"
 
@@ -224,22 +225,31 @@ async def test_undecodable_wal_entries_are_reported_and_skipped(rig: Rig, caplog
     await writer.aclose()
 
 
-class WrongAcks(pb_grpc.TargetServicer):
-    """A target that answers Open, then acknowledges an index it was never sent."""
+class FakeTarget(pb_grpc.TargetServicer):
+    """A target that misbehaves as `answer` says; it counts the streams opened to it."""
 
     def __init__(self) -> None:
         self.opens = 0
 
+    def answer(self, req: pb.DeliverRequest) -> pb.DeliverResponse:
+        raise NotImplementedError
+
     async def Deliver(self, requests, context):
         async for req in requests:
-            if req.HasField("open"):
-                self.opens += 1
-                yield pb.DeliverResponse(last_applied=-1)
-            else:
-                yield pb.DeliverResponse(last_applied=req.entries[-1].index + 1)
+            self.opens += req.HasField("open")
+            yield self.answer(req)
 
     async def GetLastAck(self, request, context):
         return pb.LastAckResponse(last_applied=-1)
+
+
+class WrongAcks(FakeTarget):
+    """Answers Open, then acknowledges an index it was never sent."""
+
+    def answer(self, req: pb.DeliverRequest) -> pb.DeliverResponse:
+        if req.HasField("open"):
+            return pb.DeliverResponse(last_applied=-1)
+        return pb.DeliverResponse(last_applied=req.entries[-1].index + 1)
 
 
 async def test_a_target_answering_a_wrong_index_is_disconnected_not_trusted(rig: Rig) -> None:
@@ -289,19 +299,11 @@ async def test_a_target_wiped_while_the_player_was_down_gets_everything(rig: Rig
     await writer.aclose()
 
 
-class OddStatus(pb_grpc.TargetServicer):
+class OddStatus(FakeTarget):
     """A target of another version answering a status this LogPlayer does not know."""
 
-    def __init__(self) -> None:
-        self.opens = 0
-
-    async def Deliver(self, requests, context):
-        async for _req in requests:
-            self.opens += 1
-            yield pb.DeliverResponse(status=99, last_applied=-1)
-
-    async def GetLastAck(self, request, context):
-        return pb.LastAckResponse(last_applied=-1)
+    def answer(self, req: pb.DeliverRequest) -> pb.DeliverResponse:
+        return pb.DeliverResponse(status=99, last_applied=-1)
 
 
 async def test_an_unknown_status_fails_the_connection_not_the_player(rig: Rig) -> None:
@@ -313,3 +315,47 @@ async def test_an_unknown_status_fails_the_connection_not_the_player(rig: Rig) -
     await wait_until(lambda: odd.opens >= 3, 30)
     assert not rig.players[0][1].done()
     assert "status 99" in player.links["t1"].last_error
+
+
+async def test_an_entry_naming_an_undeclared_target_stops_the_player_before_queueing_it(rig: Rig) -> None:
+    for t in rig.targets.ids:
+        await rig.start_target(t)
+    rig.start_player()
+    writer = WalWriter(rig.client, WAL, rig.targets)
+    await writer.append(txn(0))
+    expected = await rig.wait_delivered()
+    stray = WalEntry(parts={"t0": [WalMutation("a")], "t9": [WalMutation("b")]}, uuid=writer.prepare(txn(1)).uuid)
+    at = (await (await writer.service.append(WAL, msgspec.json.encode(stray) + b"\n"))).begin
+    with pytest.raises(UnknownTargetError, match=f"entry {at} names unknown target 't9'.*add it"):
+        await asyncio.wait_for(rig.players[0][1], 30)
+    rig.players.clear()
+    assert rig.applied("t0") == expected["t0"]  # (nothing of the entry reached t0 either)
+    await writer.aclose()
+
+
+async def test_concurrent_appends_of_one_writer_are_all_applied(rig: Rig) -> None:
+    """Review 35: a fresh writer's concurrent appends took their clocks before waiting (for the WAL's
+    framing), so one could land after a newer one and be read as its duplicate: lost."""
+    for t in rig.targets.ids:
+        await rig.start_target(t)
+    rig.start_player()
+    writer = WalWriter(rig.client, WAL, rig.targets)
+    indices = await asyncio.gather(*(writer.append(txn(i)) for i in range(20)))
+    expected = await rig.wait_delivered()
+    assert sorted({i for indices_ in expected.values() for i in indices_}) == sorted(indices)
+    await writer.aclose()
+
+
+async def test_prepared_transactions_are_appended_in_their_order_and_retried_freely(rig: Rig) -> None:
+    writer = WalWriter(rig.client, WAL, rig.targets)
+    first, second = writer.prepare(txn(1)), writer.prepare(txn(2))
+    await writer.append(second)
+    with pytest.raises(UsageError, match="in the order prepare"):
+        await writer.append(first)  # (it would be read as a duplicate of `second`)
+    await writer.append(second)  # a retry of one appended: allowed (and read once)
+    for t in rig.targets.ids:
+        await rig.start_target(t)
+    rig.start_player()
+    expected = await rig.wait_delivered()
+    assert len({i for indices in expected.values() for i in indices}) == 1
+    await writer.aclose()

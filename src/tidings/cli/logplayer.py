@@ -22,6 +22,7 @@ from tidings.cli.app import (
     DEFAULT_BROKER,
     BrokerOpt,
     JournalArg,
+    MetricsOpt,
     _at_least,
     _client,
     _endpoint,
@@ -33,7 +34,7 @@ from tidings.cli.app import (
     serve_until_signalled,
     usage,
 )
-from tidings.protocol.status import UsageError, ValidationError
+from tidings.protocol.status import TidingsError, UsageError, ValidationError
 
 target = typer.Typer(help="Run a LogPlayer target (a storage shard).", no_args_is_help=True, **_PLAIN)  # type: ignore[arg-type]
 targets_cmd = typer.Typer(help="The targets of targets.yaml.", no_args_is_help=True, **_PLAIN)  # type: ignore[arg-type]
@@ -77,14 +78,7 @@ def target_serve(
     log_applied: Annotated[
         bool, typer.Option(help="Keep an apply log (table `applied`: index and timestamps of each entry).")
     ] = False,
-    metrics: Annotated[
-        str,
-        typer.Option(
-            envvar="TIDINGS_METRICS",
-            help="HOST:PORT serving Prometheus /metrics; auto: --listen's port + 1000; '' off.",
-            callback=_endpoint("--metrics", True, also=("auto",)),
-        ),
-    ] = "",
+    metrics: MetricsOpt = "",
     log_level: Annotated[str, typer.Option(envvar="TIDINGS_LOG_LEVEL", callback=_log_level)] = "info",
 ) -> None:
     """Serve a target: apply what a LogPlayer delivers, each batch with its last index in one SQLite
@@ -249,7 +243,13 @@ def wal_append(
                             f"stdin line {n}",
                             f'{exc}: give a JSON list of mutations, or {{"mutations": [...], "uuid": "..."}}{before}',
                         ) from None
-                    index = await writer.append(entry)
+                    try:
+                        index = await writer.append(entry)
+                    except TidingsError as exc:  # (whether it landed is unknown: its UUID makes a retry safe)
+                        raise TidingsError(
+                            f"stdin line {n}: {exc}; whether it was appended is unknown: append it again as "
+                            f'{{"mutations": ..., "uuid": "{entry.uuid}"}} (applied once either way){before}'
+                        ) from None
                     appended += 1
                     print(json.dumps({"index": index, "uuid": entry.uuid}), flush=True)
             finally:

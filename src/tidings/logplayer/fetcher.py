@@ -12,6 +12,11 @@ missed range (last_ack, until] in the term its return began, then calls `fetchin
 it stops early once the target failed again (its term is over) and waits while the target's
 catch-up queue is full (a recovery never holds more than `high_water` entries in memory).
 
+Both skip, by the same rule, an entry whose index does not exceed the one before (only a writer
+other than WalWriters makes one: a transaction committed late), and both stop at WAL bytes that
+retention removed before they were delivered (`WalGapError`: their entries are lost to the
+targets that miss them, which the LogPlayer says rather than skips).
+
 A WAL entry naming a target targets.yaml does not declare stops the LogPlayer (`UnknownTargetError`):
 delivering the rest would lose that part, and skipping it silently would too; the user adds the
 target and restarts, and nothing is lost. Undecodable WAL bytes are reported with their offsets
@@ -37,7 +42,7 @@ from tidings.message.framing import Garbage
 from tidings.message.iterators import ReadCommitted
 from tidings.message.sequencer import Checkpoint
 from tidings.protocol import protocol_pb2 as pb
-from tidings.protocol.status import UsageError
+from tidings.protocol.status import TidingsError, UsageError
 
 __all__ = ["Checkpoints", "MainFetcher", "UnknownTargetError", "mutations_of", "recover"]
 
@@ -90,11 +95,24 @@ def _garbage_reporter(wal: str) -> Callable[[str, Garbage], None]:
     return report
 
 
+class WalGapError(TidingsError):
+    """WAL bytes a stream needs are gone (retention): their entries cannot be delivered any more."""
+
+
+def _gap(journal: str, begin: int, end: int) -> None:
+    raise WalGapError(
+        f"WAL {journal}: bytes [{begin}, {end}) are gone (retention?) before the LogPlayer delivered them: their "
+        "entries cannot reach the targets that miss them; keep the WAL's fragments longer"
+    )
+
+
 def _reader(
     client: AsyncClient, wal: str, checkpoint: Checkpoint | None, quiet: bool = False, **kw: Any
 ) -> ReadCommitted:
     on_garbage = (lambda _j, _g: None) if quiet else _garbage_reporter(wal)  # (a recovery re-reads: reported once)
-    return ReadCommitted(client, wal, checkpoint=checkpoint, message_type=WalEntry, on_garbage=on_garbage, **kw)
+    return ReadCommitted(
+        client, wal, checkpoint=checkpoint, message_type=WalEntry, on_garbage=on_garbage, on_jump=_gap, **kw
+    )
 
 
 class MainFetcher:
@@ -118,27 +136,27 @@ class MainFetcher:
 
     async def run(self) -> None:
         reader = _reader(self.client, self.wal, self.checkpoints.checkpoints[-1], empty_batches=True)
-        dispatch, queues, since = self.dispatcher.dispatch, self.dispatcher.queues, 0
-        start = self.checkpoints.positions[-1]  # (what the checkpoint covers: a later entry only follows it)
+        dispatch, since = self.dispatcher.dispatch, 0
+        # The last index dispatched, or covered by the start checkpoint: a later entry only follows it.
+        current = max(self.dispatcher.current_index, self.checkpoints.positions[-1])
         counter = DISPATCHED.labels(self.wal)
         async for batch in reader.batches():
             for env in batch:
                 entry: WalEntry = env.message
-                unknown = [t for t in entry.parts if t not in queues]
-                if unknown:
-                    raise UnknownTargetError(
-                        f"WAL {self.wal}: the entry at offset {env.begin} names targets {unknown} that targets.yaml "
-                        "does not declare: add them (id and endpoint) and restart the LogPlayer"
-                    )
-                current = max(self.dispatcher.current_index, start)
                 if env.begin <= current:  # (a transaction of another producer, committed late, say)
                     log.error("WAL %s: the entry at offset %d comes after entry %d: skipped (a LogPlayer WAL is "
                               "written by WalWriters only)", self.wal, env.begin, current)  # fmt: skip
                     GARBAGE.labels(self.wal).inc()
                     continue
                 parts = {t: mutations_of(m) for t, m in entry.parts.items() if m}
-                dispatch(env.begin, parts, committed_ns=entry.committed_ns, dispatched_ns=time.time_ns())
-                self.current_end = env.end
+                try:
+                    dispatch(env.begin, parts, committed_ns=entry.committed_ns, dispatched_ns=time.time_ns())
+                except KeyError as exc:  # (the dispatcher refuses it whole: nothing was queued)
+                    raise UnknownTargetError(
+                        f"WAL {self.wal}: {exc.args[0]}, which targets.yaml does not declare: add it (id and "
+                        "endpoint) and restart the LogPlayer"
+                    ) from None
+                current, self.current_end = env.begin, env.end
             since += len(batch)
             counter.inc(len(batch))
             if since >= self.checkpoint_every:
@@ -163,18 +181,19 @@ async def recover(
     (until[1]: where that entry ends). True when it fetched them all (False: the term went stale)."""
     queue: TargetQueue = dispatcher.queues[target]
     last, end = until
-    _, checkpoint = checkpoints.at_or_before(last_ack)
+    seen, checkpoint = checkpoints.at_or_before(last_ack)
     reader = _reader(client, wal, checkpoint, quiet=True, end_offsets={wal: end})
     log.info("target %s: recovering entries (%d, %d] (term %d)", target, last_ack, last, term)
-    previous = last_ack  # (an entry that does not follow the previous one was skipped by the main stream too)
     async for batch in reader.batches():
         for env in batch:
             if env.begin > last:
                 return _completed(dispatcher, queue, target, term)
-            part = env.message.parts.get(target) if env.begin > previous else None
+            if env.begin <= seen:  # (an entry that does not follow the one before: the main stream skipped it)
+                continue
+            seen = env.begin
+            part = env.message.parts.get(target) if env.begin > last_ack else None
             if part:
                 dispatcher.dispatch_recovery(target, env.begin, mutations_of(part), term, env.message.committed_ns)
-                previous = env.begin
         if queue.term != term or queue.state is QueueState.SUSPENDED:  # (failed again: this term is over)
             return False
         while len(queue.catchup) >= high_water and queue.term == term and queue.state is not QueueState.SUSPENDED:

@@ -188,7 +188,7 @@ class LogPlayer:
             tasks.append(asyncio.create_task(self.fetcher.run(), name="main-fetcher"))
             tasks.append(asyncio.create_task(self._keep_state(), name="state"))
             self.ready.set()
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()
             raise AssertionError("a LogPlayer task ended")  # (they run for ever)
@@ -238,10 +238,11 @@ class LogPlayer:
         task.add_done_callback(lambda t: self._recovered(link, t))
 
     def _recovered(self, link: TargetLink, task: asyncio.Task[bool]) -> None:
-        if task.cancelled() or task.exception() is None or self._recoveries.get(link.id) is not task:
-            return
-        log.error("target %s: its recovery stream failed: %s", link.id, task.exception())
-        link.fail_soon(f"its recovery stream failed: {task.exception()}")  # (a new connection recovers anew)
+        if self._recoveries.get(link.id) is not task or (not task.cancelled() and task.exception() is None):
+            return  # (replaced by a newer return's, or done)
+        why = "was cancelled" if task.cancelled() else f"failed: {task.exception()}"
+        log.error("target %s: its recovery stream %s", link.id, why)
+        link.fail_soon(f"its recovery stream {why}")  # (a new connection recovers anew)
 
     def floor(self) -> int:
         """The lowest last acknowledgement, counting targets not heard from this run at the start."""

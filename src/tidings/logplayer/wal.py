@@ -25,6 +25,7 @@ targets.yaml::
 
 from __future__ import annotations
 
+import asyncio
 import time
 import zlib
 from collections.abc import Iterable, Mapping
@@ -130,6 +131,9 @@ class WalWriter:
         self.service = service if service is not None else AppendService(client)
         self._own_service = service is None
         self._framing: Framing | None = None
+        self._order = asyncio.Lock()  # appends queue one at a time, each with a clock above the last
+        self._queued = -1  # the newest clock of this producer queued
+        self._unqueued: set[int] = set()  # clocks prepare() gave that no append queued yet
 
     def prepare(self, mutations: Iterable[WalMutation | Mapping[str, Any]], uuid: str = "") -> WalEntry:
         """A transaction of `mutations` (WalMutations or their dicts), parts grouped by target, with
@@ -153,23 +157,42 @@ class WalWriter:
                 )
             return WalEntry(parts=parts, uuid=uuid)
         self.clock.update()
-        return WalEntry(parts=parts, uuid=uuid_to_str(build_uuid(self.producer, self.clock.tick(), OUTSIDE_TXN)))
+        clock = self.clock.tick()
+        self._unqueued.add(clock)
+        return WalEntry(parts=parts, uuid=uuid_to_str(build_uuid(self.producer, clock, OUTSIDE_TXN)))
 
     async def append(self, txn: WalEntry | Iterable[WalMutation | Mapping[str, Any]]) -> int:
-        """Append a transaction (a prepared `WalEntry`, appended again as it is, or mutations);
-        returns its index once the WAL committed it."""
-        entry = txn if isinstance(txn, WalEntry) else self.prepare(txn)
-        if not entry.uuid:
+        """Append a transaction (mutations, or a prepared `WalEntry`: appended again as it is after a
+        failure); returns its index once the WAL committed it.
+
+        The read-committed reader takes a clock at or below its producer's newest for a duplicate, so
+        appends queue in clock order: mutations get their UUID once it is their turn, and a prepared
+        entry appended after a newer one of this writer is refused (a retry of one already queued is
+        not: that is what a retry is)."""
+        entry = txn if isinstance(txn, WalEntry) else None
+        if entry is not None and not entry.uuid:
             raise ValidationError("", "a WalEntry appended needs the uuid prepare() gave it")
-        unknown = [t for t in entry.parts if t not in self.targets.by_id]
-        if unknown:
-            raise ValidationError("", f"the transaction names targets {unknown} that targets.yaml does not declare")
-        if self._framing is None:
-            self._framing = await journal_framing(self.client, self.wal)
-        if not entry.committed_ns:
-            entry.committed_ns = time.time_ns()
-        result = await (await self.service.append(self.wal, self._framing.marshal(entry)))
-        return result.begin
+        async with self._order:
+            if self._framing is None:
+                self._framing = await journal_framing(self.client, self.wal)
+            if entry is None:
+                entry = self.prepare(txn)  # type: ignore[arg-type]
+            unknown = [t for t in entry.parts if t not in self.targets.by_id]
+            if unknown:
+                raise ValidationError("", f"the transaction names targets {unknown} that targets.yaml does not declare")
+            producer, clock, _ = parse(entry.uuid)
+            if producer == self.producer and clock in self._unqueued:
+                if clock < self._queued:
+                    raise UsageError(
+                        "append a WalWriter's prepared transactions in the order prepare() made them: this one "
+                        "would be taken for a duplicate of a newer one"
+                    )
+                self._unqueued.discard(clock)
+                self._queued = clock
+            if not entry.committed_ns:
+                entry.committed_ns = time.time_ns()
+            committed = await self.service.append(self.wal, self._framing.marshal(entry))
+        return (await committed).begin
 
     async def aclose(self) -> None:
         if self._own_service:
