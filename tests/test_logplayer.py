@@ -16,12 +16,13 @@ import pytest
 
 from tests.support.logplayer import applied_log, expected_parts, wait_delivered
 from tests.support.waiting import wait_until
-from tidings.client import AsyncClient
+from tidings.client import AppendService, AsyncClient
 from tidings.cluster.etcd import free_port
 from tidings.logplayer.fetcher import UnknownTargetError
 from tidings.logplayer.player import LogPlayer, PlayerState, last_acks
 from tidings.logplayer.target import TargetServer
 from tidings.logplayer.wal import Target, Targets, WalEntry, WalMutation, WalWriter
+from tidings.message import Publisher
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
 from tidings.protocol.status import TargetFencedError, UsageError
@@ -358,4 +359,41 @@ async def test_prepared_transactions_are_appended_in_their_order_and_retried_fre
     rig.start_player()
     expected = await rig.wait_delivered()
     assert len({i for indices in expected.values() for i in indices}) == 1
+    await writer.aclose()
+
+
+async def test_a_transaction_committed_late_is_skipped_by_the_main_and_the_recovery_streams(rig: Rig, caplog) -> None:
+    """A transactional producer's entry committed (ACK) after newer entries reads with an index below
+    the current one: not a WalWriter's way, so both streams report and skip it by the same rule, and
+    delivery goes on (review 34: the recovery stream sent it, the target refused it for ever)."""
+    for t in rig.targets.ids:
+        await rig.start_target(t)
+    rig.start_player(checkpoint_every=2)
+    writer = WalWriter(rig.client, WAL, rig.targets)
+    await writer.append(txn(0))
+    await rig.wait_delivered()
+    await rig.stop_target("t1")  # (its recovery will read the late entry above its last ack)
+    publisher = Publisher(AppendService(rig.client))
+    late = WalEntry(parts=writer.prepare(txn(100, n=12)).parts)
+    assert set(late.parts) == set(rig.targets.ids)  # (a part for every target, t1's included)
+    [span] = await (await publisher.publish_uncommitted(WAL, late))
+    for i in range(1, 6):
+        await writer.append(txn(i))
+    await (await publisher.write_ack_intents(publisher.build_ack_intents()))
+    for i in range(6, 12):
+        await writer.append(txn(i))
+    await rig.start_target("t1")
+    expected = await rig.expected()
+    assert all(span.begin in expected[t] for t in rig.targets.ids)  # (read committed, the entry is there)
+    want = {t: [i for i in expected[t] if i != span.begin] for t in rig.targets.ids}
+
+    async def delivered() -> bool:
+        answers = await last_acks(rig.targets)
+        return all(isinstance(a, pb.LastAckResponse) and a.last_applied >= want[t][-1] for t, a in answers.items())
+
+    await wait_until(delivered, 30, interval=0.05)
+    for t in rig.targets.ids:
+        assert rig.applied(t) == want[t], f"target {t}"
+    assert f"the entry at offset {span.begin} comes after entry" in caplog.text
+    await publisher.service.aclose()
     await writer.aclose()

@@ -55,7 +55,7 @@ class WalMutation(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True
 class WalEntry(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     """One transaction as the WAL holds it: its mutations grouped by target id."""
 
-    parts: dict[str, list[WalMutation]]
+    parts: dict[str, list[WalMutation]] = {}  # (none in a transactional producer's ACK message)
     uuid: str = ""
     committed_ns: int = 0  # when the transaction manager sent it (the paper's commit time)
 
