@@ -62,9 +62,10 @@ START_TIMEOUT = 20.0  # seconds for a child process to print its endpoint
 
 
 @contextlib.contextmanager
-def child_processes(argvs: list[list[str]], what: str) -> Iterator[list[tuple[str, int]]]:
-    """Start one child per argv (each prints its endpoint on a line, and stops when its stdin
-    closes); yield [(endpoint, pid)]; stop them all by PID, whatever happens."""
+def child_processes(argvs: list[list[str]], what: str, sigterm: bool = False) -> Iterator[list[tuple[str, int]]]:
+    """Start one child per argv (each prints its endpoint, or READY, on a line, and stops when its
+    stdin closes, or on SIGTERM if `sigterm`); yield [(that line, pid)]; stop them all by PID,
+    whatever happens."""
     procs: list[subprocess.Popen] = []
     try:
         for argv in argvs:
@@ -87,9 +88,11 @@ def child_processes(argvs: list[list[str]], what: str) -> Iterator[list[tuple[st
             started.append((line, p.pid))
         yield started
     finally:
-        for p in procs:  # closing stdin asks each to stop; then by PID, harder
+        for p in procs:  # closing stdin (or SIGTERM) asks each to stop; then by PID, harder
             with contextlib.suppress(OSError):
                 p.stdin.close()  # type: ignore[union-attr]
+            if sigterm and p.poll() is None:
+                p.terminate()
         for p in procs:
             try:
                 p.wait(5)
