@@ -25,7 +25,7 @@ from tidings.logplayer.wal import Target, Targets, WalEntry, WalMutation, WalWri
 from tidings.message import Publisher
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
-from tidings.protocol.status import TargetFencedError, UsageError
+from tidings.protocol.status import TargetFencedError, UsageError, ValidationError
 
 WAL = "wal/test"
 
@@ -219,10 +219,13 @@ async def test_undecodable_wal_entries_are_reported_and_skipped(rig: Rig, caplog
     rig.start_player()
     writer = WalWriter(rig.client, WAL, rig.targets)
     await writer.append(txn(0))
-    bad = await (await writer.service.append(WAL, b'{"parts": 42}\nnot json\n'))
+    bad = await (await writer.service.append(WAL, b'{"parts": 42}\nnot json\n{"parts": {"t0": []}}\n'))
     await writer.append(txn(1))
     await rig.wait_delivered()
     assert f"[{bad.begin}, " in caplog.text and "undecodable" in caplog.text
+    assert "has no mutations: skipped" in caplog.text
+    with pytest.raises(ValidationError, match="at least one mutation"):
+        await writer.append(WalEntry(parts={"t0": []}, uuid=writer.prepare(txn(2)).uuid))
     await writer.aclose()
 
 

@@ -28,8 +28,8 @@ async def expected_parts(client: AsyncClient, wal: str, targets: Targets) -> dic
     """Per target, the indices of the WAL entries (read committed) with a part for it, in order."""
     out: dict[str, list[int]] = {t: [] for t in targets.ids}
     async for env in ReadCommitted(client, wal, message_type=WalEntry, block=False, on_garbage=lambda _j, _g: None):
-        for t in env.message.parts:
-            if t in out:
+        for t, mutations in env.message.parts.items():
+            if t in out and mutations:  # (an empty part is no part)
                 out[t].append(env.begin)
     return out
 

@@ -91,9 +91,13 @@ class Dispatcher:
             self.current_index = index
             self._dummies()
 
-    def dispatch_recovery(self, target: str, index: int, mutations: tuple, term: int, committed_ns: int = 0) -> None:
+    def dispatch_recovery(
+        self, target: str, index: int, mutations: tuple, term: int, committed_ns: int = 0, dispatched_ns: int = 0
+    ) -> None:
         """Queue `target`'s part of the entry at `index` for its recovery stream of `term`."""
-        self.dispatch(index, {target: mutations}, normal=False, term=term, committed_ns=committed_ns)
+        self.dispatch(
+            index, {target: mutations}, normal=False, term=term, committed_ns=committed_ns, dispatched_ns=dispatched_ns
+        )
 
     def acknowledged(self, target: str, index: int) -> None:
         """`target` applied every entry up to `index` (its acknowledgement, or what it reported

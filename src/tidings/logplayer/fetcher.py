@@ -149,6 +149,9 @@ class MainFetcher:
                     GARBAGE.labels(self.wal).inc()
                     continue
                 parts = {t: mutations_of(m) for t, m in entry.parts.items() if m}
+                if not parts:  # (no mutation: not a WalWriter's transaction)
+                    log.error("WAL %s: the entry at offset %d has no mutations: skipped", self.wal, env.begin)
+                    GARBAGE.labels(self.wal).inc()
                 try:
                     dispatch(env.begin, parts, committed_ns=entry.committed_ns, dispatched_ns=time.time_ns())
                 except KeyError as exc:  # (the dispatcher refuses it whole: nothing was queued)
@@ -193,7 +196,9 @@ async def recover(
             seen = env.begin
             part = env.message.parts.get(target) if env.begin > last_ack else None
             if part:
-                dispatcher.dispatch_recovery(target, env.begin, mutations_of(part), term, env.message.committed_ns)
+                dispatcher.dispatch_recovery(
+                    target, env.begin, mutations_of(part), term, env.message.committed_ns, time.time_ns()
+                )
         if queue.term != term or queue.state is QueueState.SUSPENDED:  # (failed again: this term is over)
             return False
         while len(queue.catchup) >= high_water and queue.term == term and queue.state is not QueueState.SUSPENDED:

@@ -172,6 +172,8 @@ class WalWriter:
         entry = txn if isinstance(txn, WalEntry) else None
         if entry is not None and not entry.uuid:
             raise ValidationError("", "a WalEntry appended needs the uuid prepare() gave it")
+        if entry is not None and not any(entry.parts.values()):
+            raise ValidationError("", "a transaction needs at least one mutation")
         async with self._order:
             if self._framing is None:
                 self._framing = await journal_framing(self.client, self.wal)
