@@ -57,8 +57,8 @@ bench: install
 	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[bench]'
 	$(PY) bench/append.py
 	$(PY) bench/messages.py
-	$(PY) bench/logplayer.py | tee bench/results/logplayer-last.jsonl
-	$(PY) bench/logplayer.py --sweep rate --txns 300 | tee -a bench/results/logplayer-last.jsonl
+	bash -o pipefail -c '$(PY) bench/logplayer.py | tee bench/results/logplayer-last.jsonl'
+	bash -o pipefail -c '$(PY) bench/logplayer.py --sweep rate --txns 300 | tee -a bench/results/logplayer-last.jsonl'
 	$(PY) bench/logplayer.py --plot bench/results/logplayer-last.jsonl
 
 # The LogPlayer model at larger bounds than `make test` checks (tens of minutes).

@@ -1,25 +1,32 @@
 #!/usr/bin/env python3
-"""LogPlayer benchmark: the paper's Figures 9, 10 and 13 (logplayer-paper.txt, section 6) on this machine.
+"""LogPlayer benchmark: the paper's Figures 9, 10, 11 and 13 (logplayer-paper.txt, section 6) on this machine.
 
-A LocalCluster (etcd + 3 broker processes on loopback); per configuration a new WAL journal (R=3),
-T target processes and the deliverer, then a transaction manager (this process, `WalWriter`)
-appending --txns transactions of K mutations of 1 KB with random keys, open loop at --rate per
-second (the first --warmup left out of the figures). Two designs:
+A LocalCluster (etcd + 3 broker processes on loopback); per configuration new journals (R=3), T
+target processes and the deliverer, then a transaction manager (this process) writing --txns
+transactions of K mutations of 1 KB with random keys at --rate per second (the first --warmup
+left out of the figures). Three designs, alternating per configuration:
 
-- `logplayer`: `tidings target serve --log-applied` x T and `tidings logplayer run`.
-- `relay` (the paper's Figure 8, from tidings' own parts; `bench/_relay.py`): a consumer shard
-  re-publishing each entry's parts to T per-target journals (R=3) in its transactions, and T
-  storage shards (consumer shards, SQLite stores) applying their journal, exactly once.
+- `logplayer`: a WAL journal (`WalWriter`, open loop), `tidings target serve --log-applied` x T and
+  `tidings logplayer run`.
+- `relay` (the paper's Figure 8, measured in its Figure 11; `bench/_relay.py`): the WAL journal, a
+  consumer shard re-publishing each entry's parts to T per-target journals in its transactions,
+  and T storage shards (consumer shards, SQLite stores) applying their journal, exactly once.
+- `direct` (the design of the paper's Figures 12-13, "Kafka EOS"): no WAL; the transaction manager
+  writes each transaction's parts to the per-target journals in a transaction of its own
+  (uncommitted messages, then ACKs), one at a time; the same storage shards apply them.
 
 Timestamps as the paper's section 6.1: commit = just before the transaction manager sends the
 append, dispatch = as the LogPlayer (or the relay) takes the entry, apply = as the target receives
 it. Per (entry, target) part: LogPlayer delay = apply - dispatch, apply delay = apply - commit.
-Every target's apply log is also checked against what was appended (each of its parts once, in
-order). Prints JSON lines (`logplayer_delay`, `apply_delay`, `cpu`) per configuration:
+`txn_*` figures: per transaction, applied once its last part is. Once the processes stop, every
+target's apply log is checked against what was written (each of its parts once, in order, with
+its number of mutations). Prints JSON lines (`logplayer_delay`, `apply_delay`, `cpu`) per
+configuration:
 
-  bench/logplayer.py                              # both sweeps, both designs (~15 min)
+  bench/logplayer.py                              # targets and size sweeps, three designs (~20 min)
+  bench/logplayer.py --sweep rate --txns 300      # 10-100 transactions per second at 10 targets
   bench/logplayer.py --sweep targets --design logplayer --txns 500
-  bench/logplayer.py --plot results/logplayer-2026-11-24.jsonl   # the PNGs, from saved lines
+  bench/logplayer.py --plot results/logplayer-2026-11-24b/*.jsonl   # the PNGs, from saved lines
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import random
+import signal
 import statistics
 import tempfile
 import time
@@ -36,11 +44,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import apsw
+import msgspec
 from _common import child_processes, cpu_seconds, create_journal, emit, run
+from _relay import Part
 
-from tidings.client import AsyncClient
+from tidings.client import AppendService, AsyncClient
 from tidings.cluster import LocalCluster
-from tidings.logplayer.wal import Target, Targets, WalWriter
+from tidings.logplayer.wal import Target, Targets, WalMutation, WalWriter
+from tidings.message import Publisher
 
 HERE = Path(__file__).resolve().parent
 VALUE = "v" * 1000  # a mutation's value: with its key and framing, 1 KB
@@ -57,13 +68,15 @@ def percentiles(values: list[float]) -> dict[str, float]:
     }
 
 
-def applied(db: Path) -> list[tuple[int, int, int, int]]:
-    """A target's apply log: (index, committed_ns, dispatched_ns, received_ns) in apply order."""
+def applied(db: Path) -> list[tuple[int, int, int, int, int]]:
+    """A target's apply log: (index, mutations, committed_ns, dispatched_ns, received_ns) in apply order."""
     if not db.exists():
         return []
     conn = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
     try:
-        return list(conn.execute("SELECT idx, committed_ns, dispatched_ns, received_ns FROM applied ORDER BY seq"))
+        return list(conn.execute(
+            "SELECT idx, mutations, committed_ns, dispatched_ns, received_ns FROM applied ORDER BY seq"
+        ))  # fmt: skip
     except apsw.SQLError:  # (no table yet)
         return []
     finally:
@@ -87,45 +100,97 @@ def logplayer_design(broker: str, wal: str, ids: list[str], work: Path) -> Itera
 
 
 @contextlib.contextmanager
-def relay_design(
-    broker: str, wal: str, ids: list[str], work: Path, journals: dict[str, str]
+def shard_design(
+    broker: str, wal: str, ids: list[str], work: Path, journals: dict[str, str], relay: bool
 ) -> Iterator[tuple[Targets, list[int], int]]:
-    """T storage-shard processes on per-target journals and a relay shard process on the WAL."""
+    """T storage-shard processes on per-target journals, and (`relay`) a relay shard process on the WAL;
+    yields the targets, the storage shards' PIDs and the relay's (0: none)."""
     script = str(HERE / "_relay.py")
     prefix = journals[ids[0]].rsplit("/", 1)[0]
     shards = [[script, "apply", "--broker", broker, "--source", journals[t], "--db", str(work / f"{t}.sqlite")]
               for t in ids]  # fmt: skip
+    targets = Targets(Target(id=t, endpoint="127.0.0.1:1") for t in ids)  # (ids only: the key mapping)
     with child_processes(shards, "storage shard") as started:
-        relay = [script, "relay", "--broker", broker, "--source", wal, "--db", str(work / "relay.sqlite"),
-                 "--prefix", prefix]  # fmt: skip
-        with child_processes([relay], "relay shard") as [(_, pid)]:
-            targets = Targets(Target(id=t, endpoint="127.0.0.1:1") for t in ids)  # (ids only: the key mapping)
+        if not relay:
+            yield targets, [p for _, p in started], 0
+            return
+        argv = [script, "relay", "--broker", broker, "--source", wal, "--db", str(work / "relay.sqlite"),
+                "--prefix", prefix]  # fmt: skip
+        with child_processes([argv], "relay shard") as [(_, pid)]:
             yield targets, [p for _, p in started], pid
+
+
+def transaction(targets: Targets, kb: int, rng: random.Random) -> tuple[list[dict], dict[str, int]]:
+    """kb mutations of 1 KB with random keys, and how many go to each target."""
+    txn = [{"key": f"k{rng.randrange(10**9):09d}", "value": VALUE} for _ in range(kb)]
+    counts: dict[str, int] = {}
+    for m in txn:
+        t = targets.target_of(m["key"])
+        counts[t] = counts.get(t, 0) + 1
+    return txn, counts
 
 
 async def drive(
     c: AsyncClient, wal: str, targets: Targets, args: argparse.Namespace, kb: int, rate: float, rng: random.Random
-) -> tuple[dict[str, list[int]], int]:
-    """Append warmup + txns transactions at `rate`; per target, the indices of its parts in order, and
-    the first measured index."""
+) -> tuple[dict[str, list[tuple[int, int]]], int]:
+    """Append warmup + txns transactions to the WAL at `rate` (open loop); per target, the (index,
+    mutations) of its parts in order, and the first measured index."""
     writer = WalWriter(c, wal, targets)
-    parts: dict[str, list[int]] = {t: [] for t in targets.ids}
+    parts: dict[str, list[tuple[int, int]]] = {t: [] for t in targets.ids}
     loop = asyncio.get_running_loop()
     pending = []
     t0 = loop.time()
-    for i in range(args.warmup + args.txns):
-        wait = t0 + i / rate - loop.time()
-        if wait > 0:
-            await asyncio.sleep(wait)  # (open loop: the next transaction's send time)
-        txn = [{"key": f"k{rng.randrange(10**9):09d}", "value": VALUE} for _ in range(kb)]
-        pending.append((asyncio.ensure_future(writer.append(txn)), {targets.target_of(m["key"]) for m in txn}))
-    for future, to in pending:
-        index = await future
-        for t in to:
-            parts[t].append(index)
-    mark = await pending[args.warmup][0]
-    await writer.aclose()
+    try:
+        for i in range(args.warmup + args.txns):
+            wait = t0 + i / rate - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)  # (open loop: the next transaction's send time)
+            txn, counts = transaction(targets, kb, rng)
+            pending.append((asyncio.ensure_future(writer.append(txn)), counts))
+        async with asyncio.timeout(120):
+            for future, counts in pending:
+                index = await future
+                for t, n in counts.items():
+                    parts[t].append((index, n))
+            mark = await pending[args.warmup][0]
+    finally:
+        await writer.aclose()
     return parts, mark
+
+
+async def drive_direct(
+    c: AsyncClient, journals: dict[str, str], targets: Targets, args: argparse.Namespace, kb: int, rate: float,
+    rng: random.Random,
+) -> tuple[dict[str, list[tuple[int, int]]], int]:  # fmt: skip
+    """The paper's Figure 13 design: the transaction manager writes each transaction's parts straight
+    to the per-target journals in one transaction of its own (uncommitted messages, then their ACKs:
+    Kafka's transactional producer), one transaction at a time, at `rate` when it keeps up. The
+    index of a part is the transaction's number."""
+    publisher = Publisher(AppendService(c))
+    parts: dict[str, list[tuple[int, int]]] = {t: [] for t in targets.ids}
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    try:
+        for i in range(args.warmup + args.txns):
+            wait = t0 + i / rate - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            txn, counts = transaction(targets, kb, rng)
+            by_target: dict[str, list[WalMutation]] = {}
+            for m in txn:
+                by_target.setdefault(targets.target_of(m["key"]), []).append(
+                    WalMutation(m["key"], msgspec.Raw(msgspec.json.encode(m["value"])))
+                )
+            now = time.time_ns()
+            for t, mutations in by_target.items():
+                await publisher.publish_uncommitted(journals[t], Part(i, mutations, now, now))
+            async with asyncio.timeout(60):
+                await (await publisher.write_ack_intents(publisher.build_ack_intents()))  # (the commit)
+            for t, n in counts.items():
+                parts[t].append((i, n))
+    finally:
+        await publisher.service.aclose()
+    return parts, args.warmup
 
 
 async def one(
@@ -133,7 +198,7 @@ async def one(
 ) -> list[dict]:
     """One configuration: n targets, transactions of kb mutations at `rate`; its JSON lines."""
     broker = lc.brokers[0].endpoint
-    name = f"bench/lp-{design}-{n}t-{kb}kb-{rate:g}ps-{int(time.time())}"
+    name = f"bench/lp-{design}-{n}t-{kb}kb-{rate:g}ps-{time.time_ns()}"
     work = work / name.rsplit("/", 1)[1]
     work.mkdir(parents=True)
     ids = [f"t{i:02d}" for i in range(n)]
@@ -141,17 +206,21 @@ async def one(
     async with AsyncClient(broker) as c:
         await create_journal(c, lc, f"{name}/wal", args.replication)
         journals = {t: f"{name}/to/{t}" for t in ids}
-        if design == "relay":
+        if design != "logplayer":
             for j in journals.values():
                 await create_journal(c, lc, j, args.replication)
-        setup = logplayer_design if design == "logplayer" else relay_design
-        extra = (journals,) if design == "relay" else ()
-        with setup(broker, f"{name}/wal", ids, work, *extra) as (targets, target_pids, player_pid):
-            pids = [player_pid, *target_pids]
+        if design == "logplayer":
+            setup = logplayer_design(broker, f"{name}/wal", ids, work)
+        else:
+            setup = shard_design(broker, f"{name}/wal", ids, work, journals, relay=design == "relay")
+        with setup as (targets, target_pids, player_pid):
+            pids = [p for p in (player_pid, *target_pids) if p]
             cpu0, t0 = [cpu_seconds(p) for p in pids], time.monotonic()
-            expected, mark = await drive(c, f"{name}/wal", targets, args, kb, rate, rng)
+            if design == "direct":
+                expected, mark = await drive_direct(c, journals, targets, args, kb, rate, rng)
+            else:
+                expected, mark = await drive(c, f"{name}/wal", targets, args, kb, rate, rng)
             deadline = time.monotonic() + max(60.0, 5 * args.txns / rate)
-            logs: dict[str, list] = {}
             while True:
                 logs = {t: await asyncio.to_thread(applied, work / f"{t}.sqlite") for t in ids}
                 if all(len(logs[t]) >= len(expected[t]) for t in ids) or time.monotonic() > deadline:
@@ -159,26 +228,33 @@ async def one(
                 await asyncio.sleep(0.1)  # (polling the targets' files for their apply logs)
             cpu = [cpu_seconds(p) - before for p, before in zip(pids, cpu0, strict=True)]
             took = time.monotonic() - t0
+    # Once every process stopped, the apply logs are final: each part once, in order, whole.
+    logs = {t: applied(work / f"{t}.sqlite") for t in ids}
     for t in ids:
-        got = [r[0] for r in logs[t]]
+        got = [(r[0], r[1]) for r in logs[t]]
         if got != expected[t]:
             raise SystemExit(f"{design}: target {t} applied {len(got)} parts, expected each of {len(expected[t])} "
                              f"once in order: not exactly once ({n} targets, {kb} KB, {rate:g}/s)")  # fmt: skip
     rows = [r for t in ids for r in logs[t] if r[0] >= mark]
+    if any(r[3] == 0 for r in rows):
+        raise SystemExit(f"{design}: parts without a dispatch time")
     common = {"sweep": sweep, "design": design, "targets": n, "txn_kb": kb, "rate": rate, "txns": args.txns,
+              "warmup": args.warmup, "replication": args.replication, "seed": args.seed,
               "parts": len(rows)}  # fmt: skip
-    by_entry: dict[int, list[int]] = {}
+    by_entry: dict[int, list[tuple[int, int]]] = {}
     for r in rows:
-        by_entry.setdefault(r[0], []).append(r[3] - r[2])
+        by_entry.setdefault(r[0], []).append((r[4] - r[3], r[4] - r[2]))
     fan = {  # an entry's first and last part to arrive: what fanning out to its targets costs
-        "first_part_median_ms": round(statistics.median(min(d) for d in by_entry.values()) / 1e6, 3),
-        "last_part_median_ms": round(statistics.median(max(d) for d in by_entry.values()) / 1e6, 3),
+        "first_part_median_ms": round(statistics.median(min(d)[0] for d in by_entry.values()) / 1e6, 3),
+        "last_part_median_ms": round(statistics.median(max(d)[0] for d in by_entry.values()) / 1e6, 3),
     }
-    use = {"seconds": round(took, 1), "player_cpu_pct": round(100 * cpu[0] / took, 1),
-           "targets_cpu_pct": round(100 * sum(cpu[1:]) / took, 1)}  # fmt: skip
+    whole = percentiles([max(a for _, a in d) for d in by_entry.values()])  # (applied with its last part)
+    use = {"seconds": round(took, 1), "player_cpu_pct": round(100 * cpu[0] / took, 1) if player_pid else 0.0,
+           "targets_cpu_pct": round(100 * sum(cpu[1 if player_pid else 0:]) / took, 1)}  # fmt: skip
+    per_txn = {f"txn_{k}": v for k, v in whole.items()}
     return [
-        emit({"test": "logplayer_delay", **common, **percentiles([r[3] - r[2] for r in rows]), **fan}),
-        emit({"test": "apply_delay", **common, **percentiles([r[3] - r[1] for r in rows])}),
+        emit({"test": "logplayer_delay", **common, **percentiles([r[4] - r[3] for r in rows]), **fan}),
+        emit({"test": "apply_delay", **common, **percentiles([r[4] - r[2] for r in rows]), **per_txn}),
         emit({"test": "cpu", **common, **use}),
     ]
 
@@ -192,14 +268,14 @@ async def bench(lc: LocalCluster, args: argparse.Namespace, work: Path) -> list[
     if args.sweep == "rate":
         configs += [(10, 10, r) for r in args.rates]
     out = []
-    for design in args.design:
-        for n, kb, rate in configs:
+    for n, kb, rate in configs:  # (the designs alternate: each configuration's runs see the same cluster)
+        for design in args.design:
             out += await one(lc, args, design, n, kb, rate, work, "rate" if args.sweep == "rate" else "targets/size")
     return out
 
 
 def plot(paths: list[str], outdir: Path) -> None:
-    """Figures 9, 10 and 13 as PNGs from saved JSON lines."""
+    """Figures 9 and 10 (LogPlayer), and the designs compared (11, 13), as PNGs from saved JSON lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -229,7 +305,9 @@ def plot(paths: list[str], outdir: Path) -> None:
         f.savefig(outdir / f"logplayer-{fig}.png", dpi=90)
     f, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, (by, fixed, label) in zip(axes, [*sweeps, rates], strict=True):
-        for design, name, color in (("logplayer", "LogPlayer", "C0"), ("relay", "relay shard", "C3")):
+        designs = (("logplayer", "LogPlayer", "C0"), ("relay", "relay shard (Fig. 8)", "C3"),
+                   ("direct", "direct transactions (Fig. 13)", "C2"))  # fmt: skip
+        for design, name, color in designs:
             rs = series("apply_delay", design, by, fixed)
             for stat, style in (("mean_ms", "-"), ("p99_ms", "--")):
                 ax.plot([r[by] for r in rs], [r[stat] for r in rs], style, marker="o", color=color,
@@ -238,12 +316,12 @@ def plot(paths: list[str], outdir: Path) -> None:
         ax.legend()
         ax.grid(alpha=0.3)
     f.tight_layout()
-    f.savefig(outdir / "logplayer-fig13.png", dpi=90)
+    f.savefig(outdir / "logplayer-designs.png", dpi=90)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--design", default="logplayer,relay", type=lambda s: s.split(","))
+    ap.add_argument("--design", default="logplayer,relay,direct", type=lambda s: s.split(","))
     ap.add_argument("--sweep", choices=["targets", "size", "both", "rate"], default="both",
                     help="targets: 2-20 at 10 KB; size: 1-10 KB at 20 targets; rate: --rates, 10 targets")  # fmt: skip
     ap.add_argument("--targets", default="2,5,10,15,20", type=lambda s: [int(x) for x in s.split(",")])
@@ -260,8 +338,9 @@ def main() -> None:
     if args.plot is not None:
         plot(args.plot, HERE)
         return
-    if not set(args.design) <= {"logplayer", "relay"}:
-        ap.error("--design: logplayer, relay or both (comma-separated)")
+    if not set(args.design) <= {"logplayer", "relay", "direct"}:
+        ap.error("--design: some of logplayer, relay, direct (comma-separated)")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # (stopped like Ctrl-C: the children too)
     with tempfile.TemporaryDirectory(prefix="tidings-bench-logplayer-") as tmp:
         lc = LocalCluster(brokers=3, zones=3, data_dir=tmp)
         try:
