@@ -309,11 +309,12 @@ def plot(paths: list[str], outdir: Path) -> None:
                    ("direct", "direct transactions (Fig. 13)", "C2"))  # fmt: skip
         for design, name, color in designs:
             rs = series("apply_delay", design, by, fixed)
-            for stat, style in (("mean_ms", "-"), ("p99_ms", "--")):
-                ax.plot([r[by] for r in rs], [r[stat] for r in rs], style, marker="o", color=color,
-                        label=f"{name} {stat.replace('_ms', '')}")  # fmt: skip
-        ax.set(xlabel=label, ylabel="apply delay, ms", yscale="log", title=f"apply delay by {label.split(' (')[0]}")
-        ax.legend()
+            for stat, style in (("txn_mean_ms", "-"), ("txn_p99_ms", "--")):
+                ax.plot([r[by] for r in rs], [r.get(stat, 0) for r in rs], style, marker="o", color=color,
+                        label=f"{name} {stat[4:-3]}")  # fmt: skip
+        title = f"apply delay per transaction by {label.split(' (')[0]}"
+        ax.set(xlabel=label, ylabel="ms", yscale="log", title=title)
+        ax.legend(fontsize="x-small")
         ax.grid(alpha=0.3)
     f.tight_layout()
     f.savefig(outdir / "logplayer-designs.png", dpi=90)
