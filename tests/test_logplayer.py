@@ -41,6 +41,7 @@ class Rig:
         self.players: list[tuple[LogPlayer, asyncio.Task]] = []
         self.fakes: list[grpc.aio.Server] = []
         self.client = AsyncClient(cluster.brokers[0].endpoint)
+        self.writer = WalWriter(self.client, WAL, self.targets)
 
     def db(self, target: str) -> Path:
         return self.tmp / "targets" / f"{target}.sqlite"
@@ -50,6 +51,15 @@ class Rig:
         server = TargetServer(target, self.db(target), t.endpoint, log_applied=True)
         self.servers[target] = await server.start()
         return server
+
+    async def start_targets(self, *targets: str) -> None:
+        """Start `targets` (all when none named)."""
+        for t in targets or self.targets.ids:
+            await self.start_target(t)
+
+    async def append(self, numbers: range) -> list[int]:
+        """Append the transactions `txn(i)` one after another; their indices."""
+        return [await self.writer.append(txn(i)) for i in numbers]
 
     async def fake_target(self, target: str, servicer: pb_grpc.TargetServicer) -> None:
         """Serve `target`'s endpoint with a servicer of the test's (a target that misbehaves)."""
@@ -89,6 +99,7 @@ class Rig:
         for target in list(self.servers):
             await self.stop_target(target)
         await self.stop_fakes()
+        await self.writer.aclose()
         await self.client.aclose()
 
     async def expected(self) -> dict[str, list[int]]:
@@ -119,11 +130,9 @@ def txn(i: int, n: int = 4) -> list[dict]:
 
 
 async def test_every_target_applies_its_entries_once_in_order(rig: Rig) -> None:
-    for t in rig.targets.ids:
-        await rig.start_target(t)
+    await rig.start_targets()
     rig.start_player()
-    writer = WalWriter(rig.client, WAL, rig.targets)
-    indices = [await writer.append(txn(i)) for i in range(50)]
+    indices = await rig.append(range(50))
     assert indices == sorted(indices) and len(set(indices)) == 50
     expected = await rig.wait_delivered()
     assert sum(map(len, expected.values())) >= 50
@@ -131,14 +140,12 @@ async def test_every_target_applies_its_entries_once_in_order(rig: Rig) -> None:
     db = apsw.Connection(str(rig.db(rig.targets.target_of("k3-1"))))
     assert msgspec.json.decode(db.execute("SELECT value FROM kv WHERE key = 'k3-1'").fetchone()[0]) == {"i": 3, "j": 1}
     db.close()
-    await writer.aclose()
 
 
 async def test_a_retried_transaction_is_applied_once(rig: Rig) -> None:
-    for t in rig.targets.ids:
-        await rig.start_target(t)
+    await rig.start_targets()
     rig.start_player()
-    writer = WalWriter(rig.client, WAL, rig.targets)
+    writer = rig.writer
     entry = writer.prepare(txn(0))
     first = await writer.append(entry)
     again = await writer.append(entry)  # (a retry after an unknown outcome: the same UUID)
@@ -146,21 +153,16 @@ async def test_a_retried_transaction_is_applied_once(rig: Rig) -> None:
     await writer.append(txn(1))
     expected = await rig.wait_delivered()
     assert all(again not in indices for indices in expected.values())
-    await writer.aclose()
 
 
 async def test_a_target_down_catches_up_through_a_recovery_stream(rig: Rig) -> None:
-    for t in rig.targets.ids:
-        await rig.start_target(t)
+    await rig.start_targets()
     player = rig.start_player()
-    writer = WalWriter(rig.client, WAL, rig.targets)
-    for i in range(20):
-        await writer.append(txn(i))
+    await rig.append(range(20))
     await rig.wait_delivered()
     await rig.stop_target("t1")
     await wait_until(lambda: not player.links["t1"].up)
-    for i in range(20, 60):
-        await writer.append(txn(i))
+    await rig.append(range(20, 60))
     # The others go on without t1.
     others = Targets([rig.targets.by_id["t0"], rig.targets.by_id["t2"]])
     expected = await rig.expected()
@@ -174,50 +176,38 @@ async def test_a_target_down_catches_up_through_a_recovery_stream(rig: Rig) -> N
     await rig.wait_delivered()
     # (the recovery stream ends once its reader reached the range's end, which may follow the last ack)
     await wait_until(lambda: player.links["t1"].up and player.dispatcher.queues["t1"].state.value == "N")
-    await writer.aclose()
 
 
 async def test_a_restarted_player_resumes_without_loss_or_duplicates(rig: Rig) -> None:
-    for t in rig.targets.ids:
-        await rig.start_target(t)
+    await rig.start_targets()
     player = rig.start_player(checkpoint_every=5)
-    writer = WalWriter(rig.client, WAL, rig.targets)
-    for i in range(30):
-        await writer.append(txn(i))
+    await rig.append(range(30))
     await rig.wait_delivered()
     await rig.stop_player(player)
-    for i in range(30, 60):
-        await writer.append(txn(i))
+    await rig.append(range(30, 60))
     rig.start_player(checkpoint_every=5)
     await rig.wait_delivered()
-    await writer.aclose()
 
 
 async def test_a_second_player_fences_the_first(rig: Rig) -> None:
-    for t in rig.targets.ids:
-        await rig.start_target(t)
+    await rig.start_targets()
     first = rig.start_player(state_path=rig.tmp / "a.state")
-    writer = WalWriter(rig.client, WAL, rig.targets)
-    for i in range(10):
-        await writer.append(txn(i))
+    await rig.append(range(10))
     await rig.wait_delivered()
     rig.start_player(state_path=rig.tmp / "b.state")
     first_task = rig.players[0][1]
-    for i in range(10, 40):
-        await writer.append(txn(i))
+    await rig.append(range(10, 40))
     with pytest.raises(TargetFencedError):
         await asyncio.wait_for(first_task, 30)
     rig.players = rig.players[1:]
     await rig.wait_delivered()
     assert first.epoch < rig.players[0][0].epoch
-    await writer.aclose()
 
 
 async def test_undecodable_wal_entries_are_reported_and_skipped(rig: Rig, caplog) -> None:
-    for t in rig.targets.ids:
-        await rig.start_target(t)
+    await rig.start_targets()
     rig.start_player()
-    writer = WalWriter(rig.client, WAL, rig.targets)
+    writer = rig.writer
     await writer.append(txn(0))
     bad = await (await writer.service.append(WAL, b'{"parts": 42}\nnot json\n{"parts": {"t0": []}}\n'))
     await writer.append(txn(1))
@@ -226,7 +216,6 @@ async def test_undecodable_wal_entries_are_reported_and_skipped(rig: Rig, caplog
     assert "has no mutations: skipped" in caplog.text
     with pytest.raises(ValidationError, match="at least one mutation"):
         await writer.append(WalEntry(parts={"t0": []}, uuid=writer.prepare(txn(2)).uuid))
-    await writer.aclose()
 
 
 class FakeTarget(pb_grpc.TargetServicer):
@@ -257,21 +246,17 @@ class WrongAcks(FakeTarget):
 
 
 async def test_a_target_answering_a_wrong_index_is_disconnected_not_trusted(rig: Rig) -> None:
-    for t in ("t0", "t2"):
-        await rig.start_target(t)
+    await rig.start_targets("t0", "t2")
     liar = WrongAcks()
     await rig.fake_target("t1", liar)
     player = rig.start_player()
-    writer = WalWriter(rig.client, WAL, rig.targets)
-    for i in range(10):
-        await writer.append(txn(i))
+    await rig.append(range(10))
     await wait_until(lambda: liar.opens >= 3, 30)  # disconnected, reconnected, again
     assert "ends no batch sent" in player.links["t1"].last_error
     assert player.dispatcher.last_acks["t1"] == -1  # never took the liar's word
     await rig.stop_fakes()
     await rig.start_target("t1")
     await rig.wait_delivered()
-    await writer.aclose()
 
 
 def wipe(rig: Rig, target: str) -> None:
@@ -282,12 +267,10 @@ def wipe(rig: Rig, target: str) -> None:
 async def test_a_target_wiped_while_the_player_was_down_gets_everything(rig: Rig) -> None:
     """Review 33: a target whose file went back in time, opening before the restarted main stream
     dispatched anything, was taken for up to date and lost the entries before the state position."""
-    for t in rig.targets.ids:
-        await rig.start_target(t)
+    await rig.start_targets()
     player = rig.start_player(checkpoint_every=5)
-    writer = WalWriter(rig.client, WAL, rig.targets)
-    for i in range(30):
-        await writer.append(txn(i))
+    writer = rig.writer
+    await rig.append(range(30))
     await rig.wait_delivered()
     state = rig.tmp / "player.state"
     await wait_until(lambda: state.exists() and PlayerState.from_file(state).position > 0, 30)  # (saved each second)
@@ -300,7 +283,6 @@ async def test_a_target_wiped_while_the_player_was_down_gets_everything(rig: Rig
     assert player.start_position > 0
     await writer.append(txn(99))
     await rig.wait_delivered()
-    await writer.aclose()
 
 
 class OddStatus(FakeTarget):
@@ -311,8 +293,7 @@ class OddStatus(FakeTarget):
 
 
 async def test_an_unknown_status_fails_the_connection_not_the_player(rig: Rig) -> None:
-    for t in ("t0", "t2"):
-        await rig.start_target(t)
+    await rig.start_targets("t0", "t2")
     odd = OddStatus()
     await rig.fake_target("t1", odd)
     player = rig.start_player()
@@ -322,10 +303,9 @@ async def test_an_unknown_status_fails_the_connection_not_the_player(rig: Rig) -
 
 
 async def test_an_entry_naming_an_undeclared_target_stops_the_player_before_queueing_it(rig: Rig) -> None:
-    for t in rig.targets.ids:
-        await rig.start_target(t)
+    await rig.start_targets()
     rig.start_player()
-    writer = WalWriter(rig.client, WAL, rig.targets)
+    writer = rig.writer
     await writer.append(txn(0))
     expected = await rig.wait_delivered()
     stray = WalEntry(parts={"t0": [WalMutation("a")], "t9": [WalMutation("b")]}, uuid=writer.prepare(txn(1)).uuid)
@@ -334,45 +314,39 @@ async def test_an_entry_naming_an_undeclared_target_stops_the_player_before_queu
         await asyncio.wait_for(rig.players[0][1], 30)
     rig.players.clear()
     assert rig.applied("t0") == expected["t0"]  # (nothing of the entry reached t0 either)
-    await writer.aclose()
 
 
 async def test_concurrent_appends_of_one_writer_are_all_applied(rig: Rig) -> None:
     """Review 35: a fresh writer's concurrent appends took their clocks before waiting (for the WAL's
     framing), so one could land after a newer one and be read as its duplicate: lost."""
-    for t in rig.targets.ids:
-        await rig.start_target(t)
+    await rig.start_targets()
     rig.start_player()
-    writer = WalWriter(rig.client, WAL, rig.targets)
+    writer = rig.writer
     indices = await asyncio.gather(*(writer.append(txn(i)) for i in range(20)))
     expected = await rig.wait_delivered()
     assert sorted({i for indices_ in expected.values() for i in indices_}) == sorted(indices)
-    await writer.aclose()
 
 
 async def test_prepared_transactions_are_appended_in_their_order_and_retried_freely(rig: Rig) -> None:
-    writer = WalWriter(rig.client, WAL, rig.targets)
+    writer = rig.writer
     first, second = writer.prepare(txn(1)), writer.prepare(txn(2))
     await writer.append(second)
     with pytest.raises(UsageError, match="in the order prepare"):
         await writer.append(first)  # (it would be read as a duplicate of `second`)
     await writer.append(second)  # a retry of one appended: allowed (and read once)
-    for t in rig.targets.ids:
-        await rig.start_target(t)
+    await rig.start_targets()
     rig.start_player()
     expected = await rig.wait_delivered()
     assert len({i for indices in expected.values() for i in indices}) == 1
-    await writer.aclose()
 
 
 async def test_a_transaction_committed_late_is_skipped_by_the_main_and_the_recovery_streams(rig: Rig, caplog) -> None:
     """A transactional producer's entry committed (ACK) after newer entries reads with an index below
     the current one: not a WalWriter's way, so both streams report and skip it by the same rule, and
     delivery goes on (review 34: the recovery stream sent it, the target refused it for ever)."""
-    for t in rig.targets.ids:
-        await rig.start_target(t)
+    await rig.start_targets()
     rig.start_player(checkpoint_every=2)
-    writer = WalWriter(rig.client, WAL, rig.targets)
+    writer = rig.writer
     await writer.append(txn(0))
     await rig.wait_delivered()
     await rig.stop_target("t1")  # (its recovery will read the late entry above its last ack)
@@ -380,11 +354,9 @@ async def test_a_transaction_committed_late_is_skipped_by_the_main_and_the_recov
     late = WalEntry(parts=writer.prepare(txn(100, n=12)).parts)
     assert set(late.parts) == set(rig.targets.ids)  # (a part for every target, t1's included)
     [span] = await (await publisher.publish_uncommitted(WAL, late))
-    for i in range(1, 6):
-        await writer.append(txn(i))
+    await rig.append(range(1, 6))
     await (await publisher.write_ack_intents(publisher.build_ack_intents()))
-    for i in range(6, 12):
-        await writer.append(txn(i))
+    await rig.append(range(6, 12))
     await rig.start_target("t1")
     expected = await rig.expected()
     assert all(span.begin in expected[t] for t in rig.targets.ids)  # (read committed, the entry is there)
@@ -399,4 +371,3 @@ async def test_a_transaction_committed_late_is_skipped_by_the_main_and_the_recov
         assert rig.applied(t) == want[t], f"target {t}"
     assert f"the entry at offset {span.begin} comes after entry" in caplog.text
     await publisher.service.aclose()
-    await writer.aclose()
