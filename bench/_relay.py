@@ -31,15 +31,9 @@ import uvloop
 from tidings.client import AsyncClient
 from tidings.consumer import SQLiteStore
 from tidings.consumer.shard import Shard, serve_primary
+from tidings.logplayer.target import APPLIED_TABLE, KV_TABLE, apply_key_values
 from tidings.logplayer.wal import WalEntry, WalMutation
 from tidings.protocol import protocol_pb2 as pb
-
-KV = "CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value BLOB NOT NULL)"
-APPLIED = (  # the LogPlayer target's apply log (tidings.logplayer.target), column for column
-    "CREATE TABLE IF NOT EXISTS applied (seq INTEGER PRIMARY KEY AUTOINCREMENT, idx INTEGER NOT NULL, "
-    "mutations INTEGER NOT NULL, committed_ns INTEGER NOT NULL, dispatched_ns INTEGER NOT NULL, "
-    "received_ns INTEGER NOT NULL)"
-)
 
 
 class Part(msgspec.Struct, omit_defaults=True):
@@ -82,7 +76,7 @@ class Apply:
         self.db = db
 
     def new_store(self, shard: Shard) -> SQLiteStore:
-        return SQLiteStore(self.db, schema=[KV, APPLIED])
+        return SQLiteStore(self.db, schema=[KV_TABLE, APPLIED_TABLE])  # (a LogPlayer target's tables)
 
     def new_message(self, spec: pb.JournalSpec) -> type:
         return Part
@@ -91,14 +85,7 @@ class Apply:
         received = time.time_ns()
         part: Part = envelope.message
         db = store.transaction()
-        for m in part.mutations:
-            if m.delete:
-                db.execute("DELETE FROM kv WHERE key = ?", (m.key,))
-            else:
-                db.execute(
-                    "INSERT INTO kv VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-                    (m.key, bytes(m.value)),
-                )
+        apply_key_values(db, part)  # (a target's default apply: raw JSON values bind as they are)
         db.execute(
             "INSERT INTO applied (idx, mutations, committed_ns, dispatched_ns, received_ns) VALUES (?, ?, ?, ?, ?)",
             (part.index, len(part.mutations), part.committed_ns, part.dispatched_ns, received),
