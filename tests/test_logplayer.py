@@ -20,7 +20,7 @@ from tidings.client import AppendService, AsyncClient
 from tidings.cluster.etcd import free_port
 from tidings.logplayer.fetcher import UnknownTargetError
 from tidings.logplayer.player import LogPlayer, PlayerState, last_acks
-from tidings.logplayer.target import TargetServer
+from tidings.logplayer.target import TargetServer, apply_key_values
 from tidings.logplayer.wal import Target, Targets, WalEntry, WalMutation, WalWriter
 from tidings.message import Publisher
 from tidings.protocol import protocol_pb2 as pb
@@ -46,9 +46,9 @@ class Rig:
     def db(self, target: str) -> Path:
         return self.tmp / "targets" / f"{target}.sqlite"
 
-    async def start_target(self, target: str) -> TargetServer:
+    async def start_target(self, target: str, apply=None) -> TargetServer:
         t = self.targets.by_id[target]
-        server = TargetServer(target, self.db(target), t.endpoint, log_applied=True)
+        server = TargetServer(target, self.db(target), t.endpoint, apply=apply, log_applied=True)
         self.servers[target] = await server.start()
         return server
 
@@ -371,3 +371,30 @@ async def test_a_transaction_committed_late_is_skipped_by_the_main_and_the_recov
         assert rig.applied(t) == want[t], f"target {t}"
     assert f"the entry at offset {span.begin} comes after entry" in caplog.text
     await publisher.service.aclose()
+
+
+async def test_a_target_failing_its_apply_is_retried_and_holds_no_other_back(rig: Rig) -> None:
+    """Review 37: a target ending the stream (a failing apply) while the writer had batches in flight
+    made grpc raise InvalidStateError in the write, which ended the whole LogPlayer."""
+    failures = 0
+
+    def poisoned(db, entry) -> None:
+        nonlocal failures
+        if entry.index == poison:
+            failures += 1
+            raise RuntimeError("cannot apply this entry")
+        apply_key_values(db, entry)
+
+    await rig.append(range(150))
+    expected = await rig.expected()
+    poison = expected["t1"][3]
+    await rig.start_targets("t0", "t2")
+    await rig.start_target("t1", apply=poisoned)
+    player = rig.start_player(max_batch=1)  # (one entry a batch: writes in flight when the stream ends)
+    await wait_until(lambda: failures >= 40 or rig.players[0][1].done(), 60)
+    assert not rig.players[0][1].done() and "INTERNAL" in player.links["t1"].last_error
+    assert rig.applied("t1") == expected["t1"][:3]  # (stays on the entry it cannot apply)
+    await wait_until(lambda: all(rig.applied(t) == expected[t] for t in ("t0", "t2")), 30)
+    await rig.stop_target("t1")
+    await rig.start_target("t1")  # (the user mends the apply function)
+    await rig.wait_delivered()

@@ -90,7 +90,7 @@ class TargetLink:
         while True:
             try:
                 await self._connection()
-            except (LinkFailed, grpc.aio.AioRpcError, OSError, TimeoutError) as exc:
+            except (LinkFailed, grpc.aio.AioRpcError, asyncio.InvalidStateError, OSError, TimeoutError) as exc:
                 self.last_error = _describe(exc)
             except TargetFencedError:
                 self._fail()
@@ -185,7 +185,10 @@ class TargetLink:
                 ],
             )
             self.sent = batch[-1].index
-            await call.write(req)
+            try:
+                await call.write(req)
+            except asyncio.InvalidStateError:  # (the target ended the stream: say why, as the reader would)
+                raise LinkFailed(f"{(await call.code()).name}: {await call.details()}") from None
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         queue, acknowledged = self.queue, self.dispatcher.acknowledged
