@@ -398,3 +398,15 @@ async def test_a_target_failing_its_apply_is_retried_and_holds_no_other_back(rig
     await rig.stop_target("t1")
     await rig.start_target("t1")  # (the user mends the apply function)
     await rig.wait_delivered()
+
+
+async def test_entries_of_megabytes_go_in_batches_a_target_accepts(rig: Rig) -> None:
+    """Review 37: batches were bounded by entries only and targets took gRPC's default 4 MiB
+    messages, so a backlog of large entries (or one entry over 4 MiB) was refused for ever."""
+    big = "x" * 1_000_000
+    for i in range(8):
+        await rig.writer.append([{"key": f"k{j}-{i}", "value": big} for j in range(3)])
+    await rig.writer.append([{"key": "huge", "value": "y" * 5_000_000}])
+    await rig.start_targets()
+    rig.start_player()
+    await rig.wait_delivered(timeout=60)

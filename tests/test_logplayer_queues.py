@@ -334,3 +334,16 @@ def test_a_bad_part_queues_nothing_and_a_retry_queues_once() -> None:
     assert list(d.queues["a"].normal) == []
     d.dispatch(10, {"a": ("x",), "b": ("y",)})
     assert [x.index for x in d.queues["a"].normal] == [10]
+
+
+def test_a_batch_is_bounded_by_bytes_but_takes_one_entry_whatever_its_size() -> None:
+    q = TargetQueue("t")
+    for i, size in enumerate([3, 3, 3, 50, 1], 1):
+        q.push(Entry(i, (f"m{i}",), size=size), normal=True)
+    assert [x.index for x in q.next_batch(10, 7)] == [1, 2]
+    q.pop_batch()
+    assert [x.index for x in q.next_batch(10, 7)] == [3]
+    q.pop_batch()
+    assert [x.index for x in q.next_batch(10, 7)] == [4]  # (larger than the bound alone: sent alone)
+    q.pop_batch()
+    assert [x.index for x in q.next_batch(10, 7)] == [5]

@@ -69,6 +69,7 @@ class Dispatcher:
         term: int = 0,
         committed_ns: int = 0,
         dispatched_ns: int = 0,
+        size: int = 0,
     ) -> None:
         """Queue each target's part of the entry at `index`: all of `parts` for the main stream,
         or (a recovery stream) the parts of the targets named, in `term`. A target not among
@@ -76,7 +77,7 @@ class Dispatcher:
         push, and targets are woken after the last (a retry would otherwise queue some twice)."""
         try:
             entries = [
-                (t, Entry(index, tuple(m), committed_ns, dispatched_ns))
+                (t, Entry(index, tuple(m), committed_ns, dispatched_ns, size))
                 for t, m in parts.items()
                 if self.last_acks[t] < index
             ]
@@ -92,12 +93,12 @@ class Dispatcher:
             self._dummies()
 
     def dispatch_recovery(
-        self, target: str, index: int, mutations: tuple, term: int, committed_ns: int = 0, dispatched_ns: int = 0
-    ) -> None:
+        self, target: str, index: int, mutations: tuple, term: int, committed_ns: int = 0, dispatched_ns: int = 0,
+        size: int = 0,
+    ) -> None:  # fmt: skip
         """Queue `target`'s part of the entry at `index` for its recovery stream of `term`."""
-        self.dispatch(
-            index, {target: mutations}, normal=False, term=term, committed_ns=committed_ns, dispatched_ns=dispatched_ns
-        )
+        self.dispatch(index, {target: mutations}, normal=False, term=term, committed_ns=committed_ns,
+                      dispatched_ns=dispatched_ns, size=size)  # fmt: skip
 
     def acknowledged(self, target: str, index: int) -> None:
         """`target` applied every entry up to `index` (its acknowledgement, or what it reported

@@ -153,7 +153,8 @@ class MainFetcher:
                     log.error("WAL %s: the entry at offset %d has no mutations: skipped", self.wal, env.begin)
                     GARBAGE.labels(self.wal).inc()
                 try:
-                    dispatch(env.begin, parts, committed_ns=entry.committed_ns, dispatched_ns=time.time_ns())
+                    dispatch(env.begin, parts, committed_ns=entry.committed_ns, dispatched_ns=time.time_ns(),
+                             size=env.end - env.begin)  # fmt: skip
                 except KeyError as exc:  # (the dispatcher refuses it whole: nothing was queued)
                     raise UnknownTargetError(
                         f"WAL {self.wal}: {exc.args[0]}, which targets.yaml does not declare: add it (id and "
@@ -196,9 +197,8 @@ async def recover(
             seen = env.begin
             part = env.message.parts.get(target) if env.begin > last_ack else None
             if part:
-                dispatcher.dispatch_recovery(
-                    target, env.begin, mutations_of(part), term, env.message.committed_ns, time.time_ns()
-                )
+                dispatcher.dispatch_recovery(target, env.begin, mutations_of(part), term, env.message.committed_ns,
+                                             time.time_ns(), env.end - env.begin)  # fmt: skip
         if queue.term != term or queue.state is QueueState.SUSPENDED:  # (failed again: this term is over)
             return False
         while len(queue.catchup) >= high_water and queue.term == term and queue.state is not QueueState.SUSPENDED:

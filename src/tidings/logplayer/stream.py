@@ -35,16 +35,20 @@ from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
 from tidings.protocol.status import TargetFencedError, TidingsError, for_status
 
-__all__ = ["CHANNEL_OPTIONS", "LinkFailed", "TargetLink"]
+__all__ = ["CHANNEL_OPTIONS", "MAX_BATCH_BYTES", "MESSAGE_OPTIONS", "LinkFailed", "TargetLink"]
 
 log = logging.getLogger(__name__)
 
+# A WAL entry is at most 64 MiB (the framing's limit): a batch of one, with its protobuf framing,
+# fits in a message; a batch of several is bounded by MAX_BATCH_BYTES. Targets accept as much.
+MAX_MESSAGE = 80 << 20
+MAX_BATCH_BYTES = 4 << 20
+MESSAGE_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)]
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 2000),
     ("grpc.keepalive_timeout_ms", 2000),
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
+    *MESSAGE_OPTIONS,
 ]
 
 
@@ -166,7 +170,7 @@ class TargetLink:
         while True:
             if self._doomed:
                 raise LinkFailed(self._doomed)
-            batch = queue.next_batch(self.max_batch)
+            batch = queue.next_batch(self.max_batch, MAX_BATCH_BYTES)
             if not batch:
                 wake.clear()
                 await wake.wait()

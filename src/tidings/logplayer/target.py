@@ -45,6 +45,7 @@ from prometheus_client import Counter, Gauge
 from tidings._serving import check_listen, serve_metrics, stop_metrics
 from tidings._tasks import to_the_end
 from tidings.logplayer.dispatcher import NOTHING
+from tidings.logplayer.stream import MESSAGE_OPTIONS
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
 from tidings.protocol.status import UsageError
@@ -297,7 +298,7 @@ class TargetServer:
         async with contextlib.AsyncExitStack() as undo:
             self.store = await asyncio.to_thread(TargetStore, self.db, self.apply, log_applied=self.log_applied)
             undo.callback(self.store.close)
-            self._server = grpc.aio.server()
+            self._server = grpc.aio.server(options=MESSAGE_OPTIONS)  # (a batch of one 64 MiB entry fits)
             pb_grpc.add_TargetServicer_to_server(TargetService(self.target, self.store), self._server)
             host = self.listen.rsplit(":", 1)[0]
             try:

@@ -51,6 +51,7 @@ class Entry:
     mutations: tuple[Any, ...] = ()
     committed_ns: int = 0  # when the transaction manager appended the entry (unix ns; for apply delay)
     dispatched_ns: int = 0  # when the LogPlayer dispatched it (unix ns; for LogPlayer delay)
+    size: int = 0  # the WAL entry's bytes, at least this part's: what bounds a batch's bytes
 
     @property
     def dummy(self) -> bool:
@@ -169,13 +170,15 @@ class TargetQueue:
 
     # ---- Algorithm 2 ----
 
-    def next_batch(self, max_size: int) -> list[Entry]:
-        """Pop up to `max_size` entries from the front into the current batch (empty when there
-        is nothing to send)."""
+    def next_batch(self, max_size: int, max_bytes: int = 1 << 62) -> list[Entry]:
+        """Pop up to `max_size` entries, of at most `max_bytes` together unless one alone is larger,
+        from the front into the current batch (empty when there is nothing to send)."""
         batch: list[Entry] = []
+        size = 0
         entry = self.front()
-        while entry is not None and len(batch) < max_size:
+        while entry is not None and len(batch) < max_size and (not batch or size + entry.size <= max_bytes):
             batch.append(entry)
+            size += entry.size
             self.pop()
             entry = self.front()
         self.current_batch = batch
