@@ -410,3 +410,26 @@ async def test_entries_of_megabytes_go_in_batches_a_target_accepts(rig: Rig) -> 
     await rig.start_targets()
     rig.start_player()
     await rig.wait_delivered(timeout=60)
+
+
+async def test_a_returning_target_gets_a_transactional_entry_at_the_current_index(rig: Rig) -> None:
+    """Review 37: the recovery of a returning target read up to the end of the entry at the current
+    index; a transactional producer's entry is delivered at its ACK, after that end, so a recovery
+    never yielded it and the target lost it silently."""
+    await rig.start_targets()
+    player = rig.start_player()
+    await rig.append(range(3))
+    await rig.wait_delivered()
+    await rig.stop_target("t1")
+    publisher = Publisher(AppendService(rig.client))
+    entry = WalEntry(parts=rig.writer.prepare(txn(100, n=12)).parts)
+    assert "t1" in entry.parts
+    [span] = await (await publisher.publish_uncommitted(WAL, entry))
+    await (await publisher.write_ack_intents(publisher.build_ack_intents()))  # (committed, not late)
+    await wait_until(lambda: player.dispatcher.current_index == span.begin, 30, interval=0.05)
+    await rig.start_target("t1")  # (its recovery: (last ack, span.begin])
+    await wait_until(lambda: player.dispatcher.queues["t1"].state.value == "N", 30, interval=0.05)
+    await rig.append(range(3, 6))
+    expected = await rig.wait_delivered()
+    assert span.begin in expected["t1"]
+    await publisher.service.aclose()

@@ -132,7 +132,9 @@ class MainFetcher:
         self.dispatcher = dispatcher
         self.checkpoints = checkpoints
         self.checkpoint_every = checkpoint_every
-        self.current_end = 0  # where the entry at current_index ends
+        # Where the main reader has read to: a recovery up to current_index reads that far (a
+        # transaction's entry is delivered at its ACK, past the entry's own end).
+        self.current_end = 0
 
     async def run(self) -> None:
         reader = _reader(self.client, self.wal, self.checkpoints.checkpoints[-1], empty_batches=True)
@@ -160,7 +162,8 @@ class MainFetcher:
                         f"WAL {self.wal}: {exc.args[0]}, which targets.yaml does not declare: add it (id and "
                         "endpoint) and restart the LogPlayer"
                     ) from None
-                current, self.current_end = env.begin, env.end
+                current = env.begin
+            self.current_end = reader.offsets[self.wal]  # (no await since the batch's dispatches)
             since += len(batch)
             counter.inc(len(batch))
             if since >= self.checkpoint_every:
