@@ -200,3 +200,19 @@ async def test_a_stream_superseded_by_the_same_player_is_aborted_not_fenced(targ
     with pytest.raises(grpc.aio.AioRpcError) as exc:
         await second.read()
     assert exc.value.code() == grpc.StatusCode.ABORTED
+
+
+async def test_first_opens_of_two_wals_at_once_bind_the_target_to_one(target) -> None:
+    """Review 37: the WAL check ran before the lock, so two players of different WALs opening a
+    fresh target together both passed it, and the later one rebound the target's WAL."""
+    server, stub = target
+
+    async def open_(epoch: int, wal: str) -> pb.DeliverResponse:
+        call = stub.Deliver()
+        await call.write(opening(epoch, wal=wal))
+        return await call.read()
+
+    answers = await asyncio.gather(open_(1, "wal/a"), open_(2, "wal/b"))
+    assert sorted(a.status for a in answers) == [pb.OK, pb.TARGET_NOT_FOUND]
+    bound = "wal/a" if answers[0].status == pb.OK else "wal/b"
+    assert server.store.wal == bound

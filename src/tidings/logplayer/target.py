@@ -195,19 +195,19 @@ class TargetService(pb_grpc.TargetServicer):
                 pb.TARGET_NOT_FOUND, f"this process serves target {self.target!r}, not {opened.target!r}"
             )
             return
-        if self.store.wal and opened.wal != self.store.wal:
-            yield self._refuse(pb.TARGET_NOT_FOUND, f"target {self.target!r} applies WAL {self.store.wal!r}, not "
-                               f"{opened.wal!r}")  # fmt: skip
-            return
         token = object()
         mine = (opened.epoch, opened.nonce & 0x7FFF_FFFF_FFFF_FFFF)
-        async with self._applying:
-            newest = self.store.fence
-            if mine >= newest:
+        async with self._applying:  # (the WAL check too: two first Opens of different WALs race otherwise)
+            wal, newest = self.store.wal, self.store.fence
+            other_wal = bool(wal) and opened.wal != wal
+            if not other_wal and mine >= newest:
                 if mine > newest or not self.store.wal:
                     await to_the_end(asyncio.to_thread(self.store.accept, opened.epoch, opened.nonce, opened.wal))
                 self._holder = (token, mine)
             last = self.store.last_applied
+        if other_wal:
+            yield self._refuse(pb.TARGET_NOT_FOUND, f"target {self.target!r} applies WAL {wal!r}, not {opened.wal!r}")
+            return
         if mine < newest:
             yield self._refuse(pb.TARGET_FENCED, f"LogPlayer {opened.player!r} (epoch {opened.epoch}) is older than "
                                f"the one of epoch {newest[0]} that holds the target")  # fmt: skip
