@@ -81,7 +81,7 @@ def _load_state(path: Path, wal: str) -> PlayerState:
 
 def _save_state(path: Path, state: PlayerState) -> None:
     """Atomically: a crash leaves the old file or the new one."""
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # (two players given one file by mistake: no mix)
     with open(tmp, "wb") as f:
         f.write(msgspec.json.encode(state))
         f.flush()
