@@ -602,3 +602,46 @@ def test_a_pending_transaction_restored_at_read_through_is_not_pruned_by_its_old
         delivered += deliver(seq, envs[a:b])
         checkpoint = Checkpoint.from_json(seq.checkpoint().to_json())
     assert delivered == ["p0", "q0", "q1", "p1"]
+
+
+def test_pending_generation_is_the_newest_read_that_began_or_extended_an_open_transaction() -> None:
+    """A reader that reads ahead numbers its reads (`generation`); a consumer transaction that began
+    after read G waits for an ACK only if an open transaction was begun or extended after G, not for
+    one the previous transaction already gave up on (Gazette's ClearPending, for a read-ahead)."""
+    js, seq = Journals(), Sequencer()
+    assert seq.pending_generation() == -1
+    seq.generation = 0
+    run(seq, js, [js.write("a", P1, CONTINUE_TXN)])  # P1 begins in read 0
+    seq.generation = 1
+    run(seq, js, [js.write("a", P2, OUTSIDE_TXN)])  # nothing of P1 in read 1
+    assert seq.pending_generation() == 0  # a transaction that began at read 1 does not wait for P1
+    seq.generation = 2
+    run(seq, js, [js.write("a", P1, CONTINUE_TXN), js.write("b", P2, CONTINUE_TXN)])
+    assert seq.pending_generation() == 2
+    seq.generation = 3
+    run(seq, js, [js.write("a", P1, ACK_TXN), js.write("b", P2, ACK_TXN)])
+    assert seq.pending_generation() == -1 and not seq.has_pending
+
+
+def test_a_restored_journal_not_read_or_not_yet_past_its_checkpoint_slows_no_other_journal() -> None:
+    """The batch path delivers OUTSIDE_TXN messages of known producers inline. A restored checkpoint
+    naming a journal the reader no longer reads (a source dropped from a shard's spec), or an idle one
+    whose read-through offset is not passed yet, keeps that journal on the slow path only: another
+    journal's messages are still delivered inline."""
+    js, seq = Journals(), Sequencer()
+    run(seq, js, [js.write("a", P1), js.write("b", P1), js.write("gone", P2)])
+    restored = Sequencer(checkpoint=Checkpoint.from_json(seq.checkpoint().to_json()))
+    slow: list[Envelope] = []
+    queue = restored._queue
+
+    def counted(env: Envelope, fields: Any) -> Any:
+        slow.append(env)
+        return queue(env, fields)
+
+    restored._queue = counted  # type: ignore[method-assign]
+    batch = [js.write("a", P1) for _ in range(5)]
+    out: list[Envelope] = []
+    assert restored.sequence(batch, 0, out) == len(batch)
+    assert out == batch
+    # "a" passes its read-through offset on its first message (the slow path), then goes inline.
+    assert slow == batch[:1]

@@ -227,13 +227,14 @@ class _Batch:
 
 
 class _JournalQueue:
-    __slots__ = ("batches", "failed", "head", "journal", "open", "ready", "task")
+    __slots__ = ("batches", "failed", "flight", "head", "journal", "open", "ready", "task")
 
     def __init__(self, journal: str) -> None:
         self.journal = journal
         self.head: int | None = None  # no batch of ours can begin before this offset
         self.open: _Batch | None = None
         self.ready: collections.deque[_Batch] = collections.deque()
+        self.flight: _Batch | None = None  # the batch being committed (or waiting for its dependencies)
         self.task: asyncio.Task[None] | None = None
         self.batches = 0  # batches made so far (numbers them in errors)
         self.failed: EarlierAppendFailedError | None = None  # set by a definite failure, until resume()
@@ -357,6 +358,51 @@ class AppendService:
             q.task = asyncio.create_task(self._append_loop(q), name=f"append-service:{journal}")
         return fut
 
+    def pending(self, except_journal: str = "") -> dict[str, asyncio.Future[None]]:
+        """Everything appended so far, as a barrier (Gazette's PendingExcept): per journal (but
+        `except_journal`) with appends not yet settled, a future done once the last of them is,
+        failing with its error (an earlier one's failure fails it too: appends keep their order);
+        per journal stopped by a definite failure (until `resume()`), a future failed with it.
+
+        A consumer shard's store commit waits on this: nothing its transaction appended, through
+        whichever API, can be overtaken by the commit, and a definite failure of any of it fails the
+        commit. Appends made after the call are not waited for."""
+        loop = asyncio.get_running_loop()
+        out: dict[str, asyncio.Future[None]] = {}
+        for journal, q in self._queues.items():
+            if journal == except_journal:
+                continue
+            if q.failed is not None:
+                fut: asyncio.Future[None] = loop.create_future()
+                fut.set_exception(q.failed)
+                fut.exception()  # (retrieved: a barrier that is not awaited logs nothing more)
+                out[journal] = fut
+                continue
+            last = q.open or (q.ready[-1] if q.ready else q.flight)
+            if last is not None:
+                out[journal] = self._settled(last)
+        return out
+
+    def _settled(self, batch: _Batch) -> asyncio.Future[None]:
+        """A future of the batch's outcome: None, or failed with its error."""
+        loop = asyncio.get_running_loop()
+        if batch.done is None:
+            batch.done = loop.create_future()
+        fut: asyncio.Future[None] = loop.create_future()
+
+        def settle(done: asyncio.Future[BaseException | None]) -> None:
+            if fut.done():
+                return
+            err = done.result()
+            if err is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(err)
+                fut.exception()  # (retrieved: a barrier that is not awaited logs nothing more)
+
+        batch.done.add_done_callback(settle)
+        return fut
+
     def failure(self, journal: str) -> BaseException | None:
         """The error that stopped `journal` (appends to it fail until `resume()`), or None."""
         q = self._queues.get(journal)
@@ -449,6 +495,7 @@ class AppendService:
                     batch, q.open = q.open, None
                 else:
                     return
+                q.flight = batch
                 try:
                     if batch.deps:
                         await self._wait_for_dependencies(batch)
@@ -458,7 +505,7 @@ class AppendService:
                 else:
                     self._settle(batch, result)
                 self._release(batch)
-                batch = None
+                batch = q.flight = None
         except BaseException as exc:  # dying: no future may be left waiting
             err = exc if isinstance(exc, Exception) else UsageError("the AppendService stopped")
             if batch is not None:
@@ -472,7 +519,7 @@ class AppendService:
                 q.open = None
             raise
         finally:
-            q.task = None
+            q.task = q.flight = None
 
     def _stop_journal(self, q: _JournalQueue, batch: _Batch, exc: BaseException) -> None:
         """Fail the batch, and every append to its journal queued behind it or made until resume()."""

@@ -47,7 +47,7 @@ from tidings.allocator.state import Assignment, State
 from tidings.client import AsyncClient
 from tidings.consumer import _metrics as metrics
 from tidings.consumer.client import STAT_MARGIN
-from tidings.consumer.shard import Application, Shard, TxnStats, serve_primary
+from tidings.consumer.shard import Application, OutputFailedError, Shard, TxnStats, serve_primary
 from tidings.consumer.store import FenceError
 from tidings.keyspace import KeySpace
 from tidings.keyspace.decode import decoder
@@ -147,34 +147,39 @@ class ShardReplica:
     def _demote(self) -> None:
         """Stop the primary (a successor fences it anyway), then stand by."""
         self._stop.set()
-        self._stopping, self._primary, self.shard = self._primary, None, None
+        old, self._primary, self.shard = self._primary, None, None
+        assert old is not None
 
         def stood_down(_task: asyncio.Task[None]) -> None:
             code = self.status.code
             if self._primary is None and not self.closed and code != pb.ReplicaStatus.FAILED:
                 self._set_status(pb.ReplicaStatus.STANDBY)
 
-        assert self._stopping is not None
+        self._stopping = asyncio.create_task(self._outlast(old), name=f"stopping:{self.id}")
         self._stopping.add_done_callback(stood_down)
 
     def _start_primary(self, after: asyncio.Task[None] | None = None) -> None:
+        """A new primary, serving once `after` (the previous one) has stopped. Its Shard is made now, so
+        Stat waits on it from this moment (not on the previous one's, which no longer moves)."""
         assert self.spec is not None
+        consumer = self.consumer
         self._stop = asyncio.Event()
-        self._primary = asyncio.create_task(self._serve(self.spec, self._stop, after), name=f"shard:{self.id}")
+        shard = self.shard = Shard(
+            self.spec, consumer.client, on_transaction=self._observe, data_dir=consumer.config.data_dir
+        )
+        self._primary = asyncio.create_task(self._serve(shard, self._stop, after), name=f"shard:{self.id}")
 
     def _restart(self) -> None:
         """Stop the primary (its open transaction commits) and start another once it has stopped."""
         self._stop.set()
         self._start_primary(after=self._primary)
 
-    async def _serve(self, spec: pb.ShardSpec, stop: asyncio.Event, after: asyncio.Task[None] | None) -> None:
+    async def _serve(self, shard: Shard, stop: asyncio.Event, after: asyncio.Task[None] | None) -> None:
         if after is not None:  # (never two primaries of a shard in one process: they would share its store)
-            await asyncio.wait([after])
+            await self._outlast(after)
             if stop.is_set():
                 return
-        consumer = self.consumer
-        data_dir = consumer.config.data_dir
-        shard = self.shard = Shard(spec, consumer.client, on_transaction=self._observe, data_dir=data_dir)
+        consumer, spec = self.consumer, shard.spec
         restored = asyncio.ensure_future(shard.restored.wait())
         restored.add_done_callback(lambda f: f.cancelled() or self._set_status(pb.ReplicaStatus.PRIMARY))
         try:
@@ -185,13 +190,31 @@ class ShardReplica:
             raise
         except FenceError as exc:
             self._fail(f"fenced: {exc}", stop)
+        except OutputFailedError as exc:
+            self._fail(str(exc), stop)
         except JournalNotFoundError as exc:
-            self._fail(f"a source journal is gone: {exc}", stop)
+            role = "source" if exc.journal in {s.journal for s in spec.sources} else "output"
+            self._fail(f"its {role} journal {exc.journal!r} does not exist (deleted?): {exc}", stop)
         except Exception as exc:
             log.exception("shard %s: failed", self.id)
             self._fail(f"{type(exc).__name__}: {exc}", stop)
         finally:
             restored.cancel()
+
+    async def _outlast(self, old: asyncio.Task[None]) -> None:
+        """Wait for the previous primary to stop (it commits its open transaction), at most
+        STOP_TIMEOUT seconds; then cancel it (its store rolls the transaction back)."""
+        try:
+            _done, pending = await asyncio.wait([old], timeout=STOP_TIMEOUT)
+        except asyncio.CancelledError:  # (its successor is cancelled, or the replica closes: it goes too)
+            old.cancel()
+            await asyncio.wait([old])
+            raise
+        if pending:
+            log.warning("shard %s: its previous primary did not stop within %.0fs; cancelling it", self.id,
+                        STOP_TIMEOUT)  # fmt: skip
+            old.cancel()
+            await asyncio.wait([old])
 
     def _fail(self, reason: str, stop: asyncio.Event) -> None:
         if stop.is_set():  # (stopping anyway: the assignment went, a successor fenced us)

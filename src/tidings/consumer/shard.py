@@ -44,7 +44,7 @@ import functools
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import quote
@@ -55,7 +55,7 @@ from tidings.message import AckIntent, Checkpoint, Envelope, JournalCheckpoint, 
 from tidings.message.iterators import read_committed
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
-from tidings.protocol.status import JournalNotFoundError, UsageError
+from tidings.protocol.status import JournalNotFoundError, TidingsError, UsageError
 
 __all__ = ["Application", "Shard", "TxnStats", "checkpoint_from_proto", "checkpoint_to_proto", "serve_primary"]
 
@@ -173,7 +173,7 @@ async def serve_primary(
         restored, intents = checkpoint_from_proto(await store.restore_checkpoint(spec.id))
         publisher = shard.publisher = Publisher(service)
         if intents:  # the last primary may have died before writing them: they commit its last transaction
-            await (await publisher.write_ack_intents(intents))
+            await _write_recovered(spec.id, service, publisher, intents)
         names = [s.journal for s in spec.sources]
         for s in spec.sources:  # reading starts at max(checkpoint, min_offset), as in Gazette
             jc = restored.journals.get(s.journal)
@@ -196,12 +196,29 @@ async def serve_primary(
             message_type=await _message_type(client, app, names),
             on_garbage=None if on_garbage is None else functools.partial(on_garbage, shard),
             empty_batches=True,
+            reread_pending=False,  # (Gazette's: a transaction pending at the checkpoint is re-read at its ACK)
         )
         await _Transactions(shard, app, store, publisher, reader, stop).run()
     finally:
         store.destroy()
         with contextlib.suppress(Exception):
             await service.aclose()
+
+
+async def _write_recovered(
+    shard_id: str, service: AppendService, publisher: Publisher, intents: list[AckIntent]
+) -> None:
+    """Write a restored checkpoint's ACK intents, each journal's on its own: one naming a journal that
+    no longer exists (deleted since that transaction committed) is discarded with a warning, as
+    Gazette does, and the others are written; any other failure fails the shard."""
+    written = [await publisher.write_ack_intents([intent]) for intent in intents]
+    for intent, outcome in zip(intents, await asyncio.gather(*written, return_exceptions=True), strict=True):
+        if isinstance(outcome, JournalNotFoundError):
+            log.warning("shard %s: discarding the recovered ACK intent of output journal %s: the journal does not "
+                        "exist (deleted since the last primary committed)", shard_id, intent.journal)  # fmt: skip
+            service.resume(intent.journal)
+        elif isinstance(outcome, BaseException):
+            raise outcome
 
 
 async def _message_type(client: AsyncClient, app: Any, journals: list[str]) -> Any:
@@ -228,13 +245,24 @@ class _Read:
 
     envelopes: list[Envelope]
     checkpoint: Checkpoint
-    pending: bool  # a source transaction awaits its ACK (Sequencer.has_pending)
+    generation: int  # this chunk's number (the Sequencer's generation while it was sequenced)
+    pending: int  # the newest generation with a source transaction awaiting its ACK (-1: none)
 
 
 READ_AHEAD = 8  # chunks read ahead of the transaction consuming them
 # consume_message rarely waits (appends are queued), so a chunk of messages could hold the event loop
 # for seconds: every YIELD_EVERY messages, if TURN seconds passed, the loop gets a turn.
 YIELD_EVERY, TURN = 64, 0.02
+
+
+class OutputFailedError(TidingsError):
+    """An append of the shard's transaction to an output journal failed for good: the transaction
+    does not commit (or, for its ACKs, its downstream messages are not acknowledged)."""
+
+    def __init__(self, shard: str, journal: str, cause: BaseException) -> None:
+        super().__init__(f"shard {shard!r}: writing to its output journal {journal!r} failed, so its transaction "
+                         f"does not commit: {cause}")  # fmt: skip
+        self.journal, self.cause = journal, cause
 
 
 class _Transactions:
@@ -252,26 +280,28 @@ class _Transactions:
         self.upcoming: asyncio.Task | None = None  # a get from `reads`: never cancelled mid-transaction
         self.acks: asyncio.Future | None = None  # the last transaction's ACK appends
         self.idle: Checkpoint | None = None  # progress read outside a transaction, reported after `acks`
+        self.closed_at = -1  # generation of the last chunk the last transaction consumed (Gazette's ClearPending)
 
     async def run(self) -> None:
+        """Transactions until `stop`: the open one closes at its next chunk and commits, nothing more is
+        consumed (what was read ahead is not: the checkpoint says where the next primary starts), and
+        its ACKs are written."""
         pump = asyncio.ensure_future(self._pump())
         stopped = asyncio.ensure_future(self.stop.wait())
         try:
-            while True:
+            while not self.stop.is_set():
                 read = self._ready()
                 if read is None:
                     await asyncio.wait(self._waits(stopped), return_when=asyncio.FIRST_COMPLETED)
-                    if self.acks is not None and self.acks.done():
-                        self.acks.result()  # (raises the ACKs' failure)
-                    if self.stop.is_set():
-                        break
+                    self._check_acks()
                     continue
                 if not read.envelopes:  # nothing to consume: only the read-through offsets moved
                     self._progress(read.checkpoint)
                     continue
                 await self._transaction(read, stopped)
             if self.acks is not None:  # a graceful stop: the last transaction's ACKs go out
-                await self.acks
+                await asyncio.wait([self.acks])
+                self._check_acks()
         finally:
             stopped.cancel()
             pump.cancel()
@@ -279,13 +309,24 @@ class _Transactions:
                 self.upcoming.cancel()
             await asyncio.wait([pump])
 
+    def _check_acks(self) -> None:
+        """Raise the last transaction's ACKs' failure, naming the output journal, if they failed."""
+        if self.acks is None or not self.acks.done():
+            return
+        err = self.acks.exception()
+        if err is not None:
+            raise OutputFailedError(self.shard.spec.id, getattr(err, "journal", "") or "?", err) from err
+
     async def _pump(self) -> None:
         """Read chunks and snapshot the checkpoint after each (nothing else runs between the two)."""
         reader = self.reader
+        seq = reader.sequencer
         try:
             async with contextlib.aclosing(reader.batches()) as batches:
                 async for envelopes in batches:
-                    await self.reads.put(_Read(envelopes, reader.checkpoint(), reader.sequencer.has_pending))
+                    read = _Read(envelopes, reader.checkpoint(), seq.generation, seq.pending_generation())
+                    seq.generation += 1
+                    await self.reads.put(read)
         except Exception as exc:  # the transaction loop raises it
             await self.reads.put(exc)
 
@@ -326,8 +367,6 @@ class _Transactions:
             await store.begin()  # (its locks are waited for off the event loop)
         if hasattr(app, "begin_txn"):
             await _called(app.begin_txn(shard, store))
-        appends: list[Awaitable[Any]] = []
-        publish = _Tracking(publisher, appends)
         consumed = 0
         last: _Read | None = read
         turn = time.monotonic()
@@ -335,23 +374,27 @@ class _Transactions:
             read = last
             for i, env in enumerate(read.envelopes):
                 if self.consume_is_async:
-                    await app.consume_message(shard, store, env, publish)
+                    await app.consume_message(shard, store, env, publisher)
                 else:
-                    app.consume_message(shard, store, env, publish)
+                    app.consume_message(shard, store, env, publisher)
                 if not i % YIELD_EVERY and time.monotonic() - turn > TURN:
                     await asyncio.sleep(0)  # let the process's other work in (its etcd lease, other shards)
                     turn = time.monotonic()
             consumed += len(read.envelopes)
             last = await self._next_read(began, read, stopped)
         # `read` is the last chunk consumed: its checkpoint is where this transaction stands.
-        self.reader.sequencer.clear_pending()
+        self.closed_at = read.generation
         closed = time.monotonic()
-        await _called(app.finalize_txn(shard, store, publish))
+        await _called(app.finalize_txn(shard, store, publisher))
         intents = publisher.build_ack_intents()
         if self.acks is not None:
-            await self.acks  # (N's ACKs must be written before N+1's checkpoint replaces N's intents)
+            await asyncio.wait([self.acks])  # (N's ACKs must be written before N+1's checkpoint replaces N's intents)
+            self._check_acks()
+        # The commit waits for every append queued so far, whichever API queued it (Gazette's
+        # PendingExcept): nothing this transaction wrote can be overtaken by its checkpoint.
+        appended = asyncio.ensure_future(self._appended(publisher.service.pending()))
         commit = asyncio.ensure_future(
-            store.start_commit(shard.spec.id, checkpoint_to_proto(read.checkpoint, intents), appends)
+            store.start_commit(shard.spec.id, checkpoint_to_proto(read.checkpoint, intents), [appended])
         )
         try:
             if hasattr(app, "finished_txn"):
@@ -363,10 +406,23 @@ class _Transactions:
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait([commit])
             raise
+        finally:
+            if not appended.done():
+                appended.cancel()
+            elif not appended.cancelled():
+                appended.exception()  # (retrieved: the store raised it, or failed before waiting for it)
         committed = time.monotonic()
         self.acks = acks = await publisher.write_ack_intents(intents)
         stats = TxnStats(consumed, closed - began, committed - closed)
         acks.add_done_callback(functools.partial(self._acked, read.checkpoint, stats, committed))
+
+    async def _appended(self, pending: dict[str, asyncio.Future[None]]) -> None:
+        """Wait for the appends of `pending` (AppendService.pending), raising a failure naming its journal."""
+        for journal, fut in pending.items():
+            try:
+                await fut
+            except TidingsError as exc:
+                raise OutputFailedError(self.shard.spec.id, journal, exc) from exc
 
     async def _next_read(self, began: float, last: _Read, stopped: asyncio.Future) -> _Read | None:
         """The next chunk for this transaction, or None to close it (step 2 of the module docstring)."""
@@ -378,7 +434,8 @@ class _Transactions:
             if read is not None:
                 return read
             acked = self.acks is None or self.acks.done()
-            if elapsed >= self.min_dur and acked and not (self.wait_for_ack and last.pending):
+            pending = self.wait_for_ack and last.pending > self.closed_at  # (begun or extended in this one)
+            if elapsed >= self.min_dur and acked and not pending:
                 await asyncio.sleep(0)  # (one more turn for a chunk already on its way)
                 read = self._ready()
                 return read
@@ -397,19 +454,3 @@ async def _called(result: Any) -> None:
     """An application hook's result, awaited if it is a coroutine (hooks may be plain functions)."""
     if inspect.isawaitable(result):
         await result
-
-
-class _Tracking:
-    """The shard's Publisher, remembering the futures of this transaction's uncommitted appends: the
-    store commits only once they have."""
-
-    def __init__(self, publisher: Publisher, appends: list[Awaitable[Any]]) -> None:
-        self._publisher, self._appends = publisher, appends
-
-    async def publish_uncommitted(self, mapping: Any, *messages: Any) -> asyncio.Future:
-        fut = await self._publisher.publish_uncommitted(mapping, *messages)
-        self._appends.append(fut)
-        return fut
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._publisher, name)

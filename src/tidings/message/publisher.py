@@ -376,7 +376,17 @@ def _committed(fut: asyncio.Future[AppendResult]) -> bool:
 def _all(futures: list[asyncio.Future[AppendResult]]) -> asyncio.Future[list[AppendResult]]:
     if len(futures) == 1:  # (the usual case, per message for a consumer: a gather costs twice as much)
         return _listed(futures[0])
-    return asyncio.gather(*futures) if futures else _done([])
+    if not futures:
+        return _done([])
+    out = asyncio.gather(*futures)
+    out.add_done_callback(_retrieved)
+    return out
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    """Mark a failure as seen: the AppendService logged it, and a caller need not await what it publishes."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _listed(fut: asyncio.Future[AppendResult]) -> asyncio.Future[list[AppendResult]]:
@@ -392,6 +402,7 @@ def _listed(fut: asyncio.Future[AppendResult]) -> asyncio.Future[list[AppendResu
             out.cancel()
         elif (exc := f.exception()) is not None:
             out.set_exception(exc)
+            out.exception()  # (seen: the AppendService logged it; a caller need not await what it publishes)
         else:
             out.set_result([f.result()])
 

@@ -264,7 +264,9 @@ class Sequencer:
         self._partials: dict[tuple[str, int], _Partial] = {}
         self._offsets: dict[str, int] = {}  # read-through offset per journal
         self._reread: dict[str, int] = {}  # restored read-through offsets not yet passed
-        self._pending: set[tuple[str, int]] = set()  # sequences begun or extended since clear_pending (Gazette's)
+        # Sequences begun or extended since clear_pending (Gazette's), by the generation they last were.
+        self._pending: dict[tuple[str, int], int] = {}
+        self.generation = 0  # the caller's count of its reads, if it keeps one (see pending_generation)
         # Dequeue state: the partial being emitted, the end offset of its committing envelope, the largest clock
         # considered so far, the next candidate, and the replay (requested range, supplied iterator).
         self._emit: _Partial | None = None
@@ -327,6 +329,13 @@ class Sequencer:
         the next one need not wait for them either)."""
         self._pending.clear()
 
+    def pending_generation(self) -> int:
+        """The newest `generation` in which a transaction still awaiting its ACK was begun or extended
+        (-1: none). A caller that reads ahead of what it consumes numbers its reads in `generation`:
+        a consumer transaction that began after read G then waits for an ACK only if this is above G
+        (has_pending and clear_pending are the same question for a caller that does not read ahead)."""
+        return max(self._pending.values(), default=-1)
+
     @property
     def pending_replay(self) -> Replay | None:
         """The range that must be passed to :meth:`replay` before dequeuing, if any."""
@@ -380,9 +389,9 @@ class Sequencer:
                     outcome = QueueOutcome.CONTINUE_EXTEND_SPAN
                 self._add_at_head(env, p, clock)
                 p.max_clock = clock
-                self._pending.add(key)
+                self._pending[key] = self.generation
         elif flags == ACK_TXN:
-            self._pending.discard(key)
+            self._pending.pop(key, None)
             if clock <= p.min_clock:
                 if clock < p.min_clock:
                     log.warning(
@@ -425,7 +434,7 @@ class Sequencer:
                     )  # fmt: skip
                 p.max_clock = clock
                 p.ring_start = p.ring_stop = -1
-                self._pending.discard(key)
+                self._pending.pop(key, None)
                 return self._commit(QueueOutcome.OUTSIDE_COMMIT, p, env, (env, clock))
         offsets[journal] = env.end
         self._outcomes[outcome] += 1
@@ -552,8 +561,12 @@ class Sequencer:
         # of a producer known in this journal with nothing pending. `known` caches the producers'
         # states for `journal` (a _Partial stays the same object while this call runs), and the
         # read-through offset is written once per stretch of inline deliveries (`through`).
+        # A journal still being re-read up to its restored read-through offset (`_reread`) takes the
+        # slow path (`inline` is False for it); the others are not held back by it.
         journal: str | None = None
         known: dict[int, _Partial] = {}
+        reread = self._reread
+        inline = False
         through = -1
         delivered = 0
         i, n = start, len(envs)
@@ -562,7 +575,7 @@ class Sequencer:
                 env = envs[i]
                 i += 1
                 u = env.uuid
-                if u is not None and not self._reread:
+                if u is not None:
                     x = u.int
                     if x & _OUTSIDE_MASK == _OUTSIDE_BITS:
                         if env.journal is not journal and env.journal != journal:
@@ -571,25 +584,27 @@ class Sequencer:
                                 through = -1
                             journal = env.journal
                             known = {}
-                        producer = x & _NODE_MASK
-                        p = known.get(producer)
-                        if p is None and journal in offsets:
-                            p = partials.get((journal, producer))
-                            if p is not None:
-                                known[producer] = p
-                        if p is not None and p.begin == -1:
-                            clock = (
-                                ((x >> 64) & 0xFFF) << 52
-                                | ((x >> 80) & 0xFFFF) << 36
-                                | (x >> 96) << 4
-                                | (x >> 58) & 0xF
-                            )
-                            if clock > p.min_clock:  # committed by itself: delivered
-                                p.min_clock = p.max_clock = clock
-                                through = env.end
-                                delivered += 1
-                                append(env)
-                                continue
+                            inline = journal not in reread
+                        if inline:
+                            producer = x & _NODE_MASK
+                            p = known.get(producer)
+                            if p is None and journal in offsets:
+                                p = partials.get((journal, producer))
+                                if p is not None:
+                                    known[producer] = p
+                            if p is not None and p.begin == -1:
+                                clock = (
+                                    ((x >> 64) & 0xFFF) << 52
+                                    | ((x >> 80) & 0xFFFF) << 36
+                                    | (x >> 96) << 4
+                                    | (x >> 58) & 0xF
+                                )
+                                if clock > p.min_clock:  # committed by itself: delivered
+                                    p.min_clock = p.max_clock = clock
+                                    through = env.end
+                                    delivered += 1
+                                    append(env)
+                                    continue
                 if through >= 0:  # (queue() reads the offsets)
                     offsets[journal] = max(offsets[journal], through)  # type: ignore[index]
                     through = -1
@@ -598,6 +613,8 @@ class Sequencer:
                     return i
                 while (committed := step()) is not None:
                     append(committed)
+                if not inline and journal is not None:
+                    inline = journal not in reread  # (the slow path may have passed its read-through offset)
             return i
         finally:
             if through >= 0:
@@ -769,6 +786,7 @@ class Sequencer:
         ]
         for key in stale:
             del self._partials[key]
+            self._pending.pop(key, None)  # (forgotten: nothing to wait for)
         return len(stale)
 
     def statistics(self) -> SequencerStatistics:
