@@ -63,3 +63,47 @@ async def test_a_producer_that_never_acknowledges_does_not_pin_where_a_new_prima
         await live.service.aclose()
     expected = {"never": 1, **{f"m{i}": 1 for i in range(5)}, "later0": 1, "later1": 1}
     assert seen(tmp_path / "relay%2F0.db") == expected
+
+
+async def test_a_recovered_ack_intent_of_a_deleted_journal_is_discarded_and_the_others_written(
+    cluster, etcd_root, tmp_path
+) -> None:
+    """A primary dies between its store commit and its ACKs (SIGKILL right after the commit); one of
+    its two output journals is then deleted. The next primary discards that journal's recovered ACK
+    intent (one log line naming shard, journal and why), writes the other, and serves on: the
+    transaction's messages in the remaining journal commit, and no operator is needed."""
+    from tests.support.consumer_procs import ConsumerProcs
+    from tests.test_consumer_commit_barrier import outputs, publish_ids, relay_spec
+    from tidings.consumer.client import ShardClient
+    from tidings.protocol import protocol_pb2 as pb
+
+    for name in ("relay/in", "relay/out", "relay/side"):
+        await cluster.create_journal(name, 1)
+    await publish_ids(cluster, ["m0", "m1", "m2"])
+    procs = ConsumerProcs(cluster, etcd_root + "-consumer", tmp_path, "tests.support.apps:Relay")
+    try:
+        first = await procs.start("c0", "zone-a", env={"TIDINGS_TEST_KILL_AFTER_COMMIT": "1"})
+        async with ShardClient(first) as sc:
+            spec = relay_spec("uncommitted", 0, side="relay/side")
+            await sc.apply([pb.ShardApplyRequest.Change(upsert=spec)])
+        assert await procs.wait_exit("c0", 60) == -9, procs.log("c0")[-3000:]
+        assert await outputs(cluster) == {}  # (its ACKs were never written)
+        async with cluster.client() as c:
+            revision = {j.spec.name: j.mod_revision for j in (await c.list()).journals}["relay/side"]
+            await c.apply([pb.ApplyRequest.Change(delete="relay/side", expect_mod_revision=revision)])
+        second = await procs.start("c1", "zone-b")
+
+        async def committed() -> bool:
+            return await outputs(cluster) == {"m0": 1, "m1": 1, "m2": 1}
+
+        await wait_until(committed, 30, interval=0.1)
+        async with ShardClient(second) as sc:
+            shards = (await sc.list()).shards
+        assert [st.code for st in shards[0].status] == [pb.ReplicaStatus.PRIMARY], shards[0].status
+        assert "discarding the recovered ACK intent of output journal relay/side" in procs.log("c1")
+        # Once the journal is back, the shard serves on (nothing to unassign).
+        await cluster.create_journal("relay/side", 1)
+        await publish_ids(cluster, ["m3"])
+        await wait_until(lambda: seen(tmp_path / "shards" / "relay%2F0.db").get("m3") == 1, 30)
+    finally:
+        procs.stop_all()
