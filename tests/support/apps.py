@@ -22,7 +22,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from pathlib import Path
 from typing import Any
+
+import apsw
 
 from tidings.consumer import SQLiteStore
 
@@ -76,9 +79,15 @@ class Relay:
 
 
 def seen(path: Any) -> dict[str, int]:
-    """The ids a Relay's store counted (its SQLite file at `path`), with how many times."""
+    """The ids a Relay's store counted (its SQLite file at `path`), with how many times (none yet: {})."""
+    if not Path(path).exists():
+        return {}
     store = SQLiteStore(path)
     try:
         return dict(store.db.execute("SELECT id, n FROM seen").fetchall())
+    except apsw.SQLError as exc:
+        if "no such table" in str(exc):
+            return {}
+        raise
     finally:
         store.destroy()

@@ -148,12 +148,16 @@ def logplayer_run(
     state_path = state or Path("data/logplayer") / (wal_journal.replace("/", "_") + ".state")
 
     async def go() -> None:
+        from tidings.client import AsyncClient
+
         server = None
         if metrics:
             host, port = metrics.rsplit(":", 1)
             server, at = serve_metrics(metrics, host, int(port), "logplayer")
             err.print(f"metrics on http://{at}/metrics", highlight=False)
-        async with _client(broker, 30.0) as client:
+        async with _client(broker, 30.0) as probe:  # (a wrong --broker or WAL fails here, in seconds)
+            await probe.write_head(wal_journal)
+        async with AsyncClient(broker, retries=None) as client:  # (then the player waits out broker outages)
             player = LogPlayer(client, wal_journal, declared, state_path=state_path, max_batch=max_batch,
                                dummy_every=dummy_every, ack_timeout=ack_timeout,
                                checkpoint_every=checkpoint_every)  # fmt: skip

@@ -68,10 +68,8 @@ import weakref
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, BinaryIO
 
-import grpc
-
 from tidings.client._async import ATTEMPT_TIMEOUT, AsyncClient
-from tidings.client._base import CHUNK, AppendResult, first_append_request
+from tidings.client._base import CHUNK, DEFINITE_CODES, AppendResult, first_append_request
 from tidings.protocol.status import StatusError, TidingsError, TransportError, UsageError
 
 __all__ = [
@@ -83,17 +81,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-# Transport failures that no retry can mend: the request itself is at fault.
-_DEFINITE_CODES = frozenset(
-    {
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.UNIMPLEMENTED,
-        grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.UNAUTHENTICATED,
-    }
-)
 
 
 class EarlierAppendFailedError(TidingsError):
@@ -602,7 +589,7 @@ class AppendService:
                 ambiguous = False
             except TransportError as exc:
                 client._failed(journal, endpoint, exc)
-                if exc.code in _DEFINITE_CODES:
+                if exc.code in DEFINITE_CODES:
                     raise
                 err = exc
                 ambiguous = True

@@ -19,8 +19,10 @@ import grpc
 from tidings._tasks import cancelled_under_us
 from tidings.client._base import (
     CHUNK,
+    DEFINITE_CODES,
     GRPC_OPTIONS,
     AppendResult,
+    Outage,
     ReadChunk,
     RetryPolicy,
     RouteCache,
@@ -62,7 +64,8 @@ class AsyncClient:
 
     **Parameters:**
     * `endpoint` - any broker of the cluster.
-    * `retries` - how many times one operation is retried before its error is raised.
+    * `retries` - how many times one operation is retried before its error is raised; None: for as
+      long as it takes (a long-running process's client: see `tidings.client._base`).
     * `zone` - the client's zone, for reads from a nearby replica.
 
     Usage::
@@ -73,7 +76,9 @@ class AsyncClient:
                 ...
     """
 
-    def __init__(self, endpoint: str, retries: int = 20, *, zone: str | None = None, deadline: float = 0.0) -> None:
+    def __init__(
+        self, endpoint: str, retries: int | None = 20, *, zone: str | None = None, deadline: float = 0.0
+    ) -> None:
         self.endpoint = endpoint
         self.retry = RetryPolicy(attempts=retries, deadline=deadline)
         self.routes = RouteCache(endpoint, zone)
@@ -140,6 +145,14 @@ class AsyncClient:
 
     async def backoff(self, attempt: int) -> None:
         await asyncio.sleep(self.retry.delay(attempt))
+
+    def _retriable(self, err: TidingsError) -> bool:
+        """Worth another try: a transient status or transport failure; for a client that retries for
+        ever, any transport failure but one saying the request itself is wrong (a broker dying mid-call
+        may end it with INTERNAL or UNKNOWN)."""
+        if getattr(err, "retriable", False):
+            return True
+        return self.retry.forever and isinstance(err, TransportError) and err.code not in DEFINITE_CODES
 
     async def aclose(self) -> None:
         for ch in self._channels.values():
@@ -318,19 +331,22 @@ class AsyncClient:
     async def watch(self, selector: pb.LabelSelector | None = None) -> AsyncIterator[pb.ListResponse]:
         """The journal list matching `selector`, again after every change; survives broker restarts."""
         attempt, failing_since = 0, 0.0
+        outage = Outage("watching the journal list")
         while True:
             endpoint = self._pick(self.endpoint)
             try:
                 async for resp in self.stub(endpoint).List(pb.ListRequest(selector=selector, watch=True)):
                     attempt, failing_since = 0, 0.0
+                    outage.ok()
                     self._learn_routes(resp)
                     yield resp
             except grpc.RpcError as exc:
                 err = map_grpc_error(exc, endpoint)
                 self._failed("", endpoint, err)
                 failing_since = failing_since or time.monotonic()
-                if not (err.retriable and not self.retry.gives_up(attempt, failing_since)):
+                if not (self._retriable(err) and not self.retry.gives_up(attempt, failing_since)):
                     raise err from None
+                outage.failed(err)
             await self.backoff(attempt)
             attempt += 1
 
@@ -368,6 +384,7 @@ class AsyncClient:
     async def _unary(self, journal: str, call: Callable[[JournalStub], Any]) -> Any:
         """One request/response exchange with any broker, retried while the failure is transient."""
         attempt, failing_since = 0, 0.0
+        outage = Outage(f"a request for journal {journal}" if journal else "a request to the brokers")
         while True:
             endpoint = self._read_endpoint(journal) if journal else self._pick(self.endpoint)
             try:
@@ -376,15 +393,18 @@ class AsyncClient:
                 err = map_grpc_error(exc, endpoint)
                 self._failed(journal, endpoint, err)
                 failing_since = failing_since or time.monotonic()
-                if not (err.retriable and not self.retry.gives_up(attempt, failing_since)):
+                if not (self._retriable(err) and not self.retry.gives_up(attempt, failing_since)):
                     raise err from None
+                outage.failed(err)
             else:
                 status = getattr(resp, "status", pb.OK)
                 if journal and resp.HasField("header"):
                     self.routes.update(journal, resp.header)
                 failing_since = failing_since or time.monotonic()
                 if status == pb.OK or not for_status(status).retriable or self.retry.gives_up(attempt, failing_since):
+                    outage.ok()
                     return resp
+                outage.failed(for_status(status)(journal, header=resp.header))
                 self.routes.invalidate(journal)
             await self.backoff(attempt)
             attempt += 1
@@ -536,6 +556,7 @@ class Reader:
         client = self.client
         attempt = suspended = 0
         failing_since = 0.0
+        outage = Outage(f"reading journal {self.journal}")
         while not self._done():
             endpoint = client._read_endpoint(self.journal)
             req = pb.ReadRequest(
@@ -570,11 +591,15 @@ class Reader:
                         if resp.offset != self.offset:
                             self._jump_to(resp.offset)
                         self.offset = resp.offset + len(resp.content)
-                        attempt = 0
+                        if attempt:
+                            attempt = 0
+                            outage.ok()
                         yield ReadChunk(resp.offset, resp.content, self.write_head)
                 if self.direct and fragment is not None:  # (in the try: the fallback's broker read fails as any)
                     async for chunk in self._from_store_or_broker(endpoint, fragment):
-                        attempt = 0
+                        if attempt:
+                            attempt = 0
+                            outage.ok()
                         yield chunk
                     continue
             except grpc.RpcError as exc:
@@ -591,8 +616,9 @@ class Reader:
                 stream.cancel()
             client._failed(self.journal, endpoint, err)
             failing_since = failing_since if attempt else time.monotonic()
-            if not (getattr(err, "retriable", False) and not client.retry.gives_up(attempt, failing_since)):
+            if not (client._retriable(err) and not client.retry.gives_up(attempt, failing_since)):
                 raise err
+            outage.failed(err)
             await client.backoff(attempt)
             attempt += 1
 

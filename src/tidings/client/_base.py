@@ -10,19 +10,29 @@ proxies; a status that says the route moved drops the cached Route.
 INSUFFICIENT_JOURNAL_BROKERS, ...: `StatusError.retriable`) and transport failures that leave
 nothing half-done (UNAVAILABLE, ...) are retried with jittered exponential backoff; a definite
 refusal (REGISTER_MISMATCH, WRONG_APPEND_OFFSET, NOT_ALLOWED, JOURNAL_NOT_FOUND) never is: it
-raises its `StatusError` subclass, which names the journal and the status.
+raises its `StatusError` subclass, which names the journal and the status. A client made with
+``retries=None`` retries for as long as it lives (Gazette's RetryReader): what long-running
+processes use (a consumer, a LogPlayer, Spark's tasks), so an outage of the brokers or of etcd, of
+any length, costs them time but never fails them. Its reads then also retry every transport
+failure but those that say the request itself is wrong (`DEFINITE_CODES`), and an operation
+failing for long is logged (`Outage`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import time
+
+import grpc
 
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
 
-__all__ = ["AppendResult", "ReadChunk", "RetryPolicy", "RouteCache"]
+__all__ = ["AppendResult", "DEFINITE_CODES", "Outage", "ReadChunk", "RetryPolicy", "RouteCache"]
+
+log = logging.getLogger(__name__)
 
 CHUNK = 256 * 1024  # content moves in chunks of this size
 GRPC_OPTIONS = [
@@ -89,12 +99,12 @@ class RetryPolicy:
     """How long to wait before retry `attempt` (0-based): jittered exponential backoff, capped.
 
     **Parameters:**
-    * `attempts` - retries of one operation before its error is raised.
+    * `attempts` - retries of one operation before its error is raised (None: no limit, until cancelled).
     * `base` / `cap` - seconds before the first retry, and the most between two.
     * `deadline` - with it, retries also stop once this many seconds passed since the first failure.
     """
 
-    attempts: int = 20
+    attempts: int | None = 20
     base: float = 0.02
     cap: float = 1.0
     deadline: float = 0.0  # seconds of retrying after an operation's first failure (0: `attempts` only)
@@ -104,10 +114,56 @@ class RetryPolicy:
 
     def gives_up(self, attempt: int, failing_since: float) -> bool:
         """No retry `attempt`: too many, or `deadline` seconds passed since the first failure (monotonic)."""
-        return attempt >= self.attempts or self.expired(failing_since)
+        return (self.attempts is not None and attempt >= self.attempts) or self.expired(failing_since)
 
     def expired(self, failing_since: float) -> bool:
         return bool(self.deadline) and time.monotonic() - failing_since >= self.deadline
+
+    @property
+    def forever(self) -> bool:
+        """Retries stop only when the caller cancels (a long-running process's client)."""
+        return self.attempts is None and not self.deadline
+
+
+# Transport failures that no retry can mend: the request itself is at fault.
+DEFINITE_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+    }
+)
+
+OUTAGE_WARN_AFTER = 5.0  # seconds of failures before an operation's outage is logged as a warning
+OUTAGE_LOG_EVERY = 30.0  # seconds between two warnings of one outage
+
+
+class Outage:
+    """How long an operation (`what`: "journal X: reading", say) has been failing: a warning once it
+    fails for OUTAGE_WARN_AFTER seconds and every OUTAGE_LOG_EVERY seconds while it lasts, and a
+    line when it works again, so an operator sees a reader waiting out an outage."""
+
+    __slots__ = ("logged", "since", "what")
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.since = 0.0
+        self.logged = 0.0
+
+    def failed(self, err: BaseException) -> None:
+        now = time.monotonic()
+        if not self.since:
+            self.since = now
+        elif now - self.since >= OUTAGE_WARN_AFTER and now - self.logged >= OUTAGE_LOG_EVERY:
+            log.warning("%s has failed for %.0f s (%s); retrying until it works", self.what, now - self.since, err)
+            self.logged = now
+
+    def ok(self) -> None:
+        if self.logged:
+            log.warning("%s works again after %.0f s of failures", self.what, time.monotonic() - self.since)
+        self.since = self.logged = 0.0
 
 
 class RouteCache:

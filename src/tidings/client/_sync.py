@@ -81,7 +81,7 @@ class Client:
                 ...
     """
 
-    def __init__(self, endpoint: str, retries: int = 20, *, zone: str | None = None) -> None:
+    def __init__(self, endpoint: str, retries: int | None = 20, *, zone: str | None = None) -> None:
         self.endpoint = endpoint
         self._loop = LoopThread()
         self.aio = AsyncClient(endpoint, retries, zone=zone)

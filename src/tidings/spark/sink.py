@@ -100,7 +100,7 @@ def check_target(opts: SinkOptions) -> None:
 
 def publish_rows(opts: SinkOptions, rows: Iterator[Any]) -> Acks:
     """Publish a task's rows uncommitted under a new producer; return the ACK intents that commit them."""
-    with Client(opts.broker) as c:
+    with Client(opts.broker, retries=None) as c:  # (a task waits out a broker outage)
         service = AppendService(c.aio)
         pub = Publisher(service)
         pending = []
