@@ -20,6 +20,7 @@ from tidings.consumer.client import ShardClient
 from tidings.consumer.service import Consumer, ConsumerConfig
 from tidings.message import Publisher, read_committed
 from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol import protocol_pb2_grpc as pb_grpc
 from tidings.protocol.specs import shard_from_dict
 from tidings.protocol.status import TransportError
 
@@ -198,3 +199,18 @@ async def test_invalid_shard_specs_are_refused_with_one_line(cluster, consumers)
         assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "sources" in str(caught.value) and "\n" not in str(caught.value)
         assert (await sc.list()).shards == []
+
+
+async def test_stat_past_its_deadline_fails_rather_than_answering_ok(cluster, consumers) -> None:
+    """A Stat whose offsets are not read through by its deadline fails (DEADLINE_EXCEEDED over the
+    wire, TimeoutError from ShardClient), as Gazette's does: an OK always means read through."""
+    a = await two_shards_served(cluster, consumers)
+    async with grpc.aio.insecure_channel(a.endpoint) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            req = pb.StatRequest(shard="wc/0", read_through={"wc/in/0": 10**9})
+            await pb_grpc.ShardStub(channel).Stat(req, timeout=2.0)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "has not read through" in caught.value.details()
+    async with ShardClient(a.endpoint) as sc:
+        with pytest.raises(TimeoutError, match="has not read through"):
+            await sc.stat("wc/0", {"wc/in/0": 10**9}, timeout=2.0)

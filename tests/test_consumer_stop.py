@@ -132,3 +132,35 @@ async def test_a_new_primary_does_not_wait_for_an_old_one_stuck_in_the_applicati
         resp = await sc.stat("relay/0", {"relay/in": head}, timeout=60)
     assert resp.read_through["relay/in"] >= head
     await wait_until(lambda: consumers.statuses("relay/0") == {"zone-a/c0": pb.ReplicaStatus.PRIMARY}, 10)
+
+
+async def test_a_primary_whose_output_refuses_appends_still_stops_and_is_replaced(
+    cluster, consumers, monkeypatch
+) -> None:
+    """An output journal that cannot take appends (more replicas than brokers: they are retried for
+    as long as the shard lives) holds the open transaction's commit; a spec change pointing the shard
+    elsewhere still replaces its primary within the stop timeout, and the process still stops."""
+    from tests.test_consumer_commit_barrier import outputs, publish_ids, relay_spec
+    from tidings.protocol.specs import spec_from_dict
+
+    monkeypatch.setattr(consumer_service, "STOP_TIMEOUT", 1.0)
+    await cluster.create_journal("relay/in", 1)
+    await cluster.create_journal("relay/out", 1)
+    async with cluster.client() as c:  # five replicas wanted, three brokers: INSUFFICIENT_JOURNAL_BROKERS
+        await c.apply([pb.ApplyRequest.Change(upsert=spec_from_dict({"name": "relay/stuck", "replication": 5}))])
+    await publish_ids(cluster, ["m0"])
+    app = Counting(n=1)
+    reached = asyncio.Event()
+    app.at = lambda n: reached.set()
+    a = await consumers.add("zone-a", app=app)
+    async with ShardClient(a.endpoint) as sc:
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=relay_spec("uncommitted", 0, out="relay/stuck"))])
+        await asyncio.wait_for(reached.wait(), 30)
+        fixed = relay_spec("uncommitted", 0, out="relay/out")
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=fixed, expect_mod_revision=-1)])
+
+        async def m0_out() -> bool:
+            return await outputs(cluster) == {"m0": 1}
+
+        await wait_until(m0_out, 30, interval=0.1)
+    await asyncio.wait_for(a.stop(graceful=False), 30)

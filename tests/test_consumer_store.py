@@ -107,3 +107,34 @@ def test_a_process_killed_mid_transaction_leaves_nothing_of_it(tmp_path) -> None
     assert asyncio.run(store.restore_checkpoint("wc/0")) == pb.Checkpoint()
     assert counts(store) == {}
     store.destroy()
+
+
+@pytest.mark.parametrize("waiting_in", ["begin", "restore"])
+async def test_a_cancelled_wait_for_the_files_lock_leaves_nothing_holding_it(tmp_path, waiting_in) -> None:
+    """A primary cancelled (a spec change, a stop) while its store waits in a worker thread for the
+    file's write lock (held by another connection: a zombie on the same host) stops waiting and can be
+    closed: no thread is left that would take the lock once it is free and keep it for good."""
+    import apsw
+
+    path = tmp_path / "shard.db"
+    store = SQLiteStore(path)
+    await store.restore_checkpoint("wc/0")
+    if waiting_in == "restore":
+        store.destroy()
+        store = SQLiteStore(path)
+    zombie = apsw.Connection(str(path))
+    zombie.execute("BEGIN IMMEDIATE")  # holds the write lock
+    waiting = asyncio.ensure_future(store.begin() if waiting_in == "begin" else store.restore_checkpoint("wc/0"))
+    done, _ = await asyncio.wait([waiting], timeout=0.3)
+    assert not done  # (it waits for the lock)
+    waiting.cancel()
+    done, _ = await asyncio.wait([waiting], timeout=5)
+    assert done and waiting.cancelled()
+    store.destroy()  # (no thread is busy with its connection)
+    zombie.execute("ROLLBACK")
+    probe = apsw.Connection(str(path))
+    probe.set_busy_timeout(2000)
+    probe.execute("BEGIN IMMEDIATE")  # the lock is free: nobody took it behind our back
+    probe.execute("ROLLBACK")
+    probe.close()
+    zombie.close()

@@ -417,6 +417,18 @@ class AppendService:
         self._closed = True
         await self.flush()
 
+    async def abort(self) -> None:
+        """Refuse new appends and stop at once: every append not yet settled fails ("the AppendService
+        stopped"), without waiting for the brokers (one whose RPC was under way may have committed).
+        For an owner that is going away: a consumer shard's primary that was cancelled, say, whose
+        appends would otherwise retry for as long as their journal refuses them."""
+        self._closed = True
+        tasks = [q.task for q in self._queues.values() if q.task is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
     def statistics(self) -> AppendServiceStatistics:
         return AppendServiceStatistics(
             self._appends, self._batches, self._bytes, self._retries, self._spilled, self._buffered, self._failed

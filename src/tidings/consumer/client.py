@@ -87,6 +87,9 @@ class ShardClient:
             try:
                 resp = await self._call("Stat", req, endpoint, timeout=min(timeout, left) + STAT_MARGIN + 0.5)
             except TransportError as exc:
+                if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:  # (the primary said so, at the deadline)
+                    raise TimeoutError(f"shard {shard!r} has not read through {dict(req.read_through)} within "
+                                       f"{timeout:g}s") from None  # fmt: skip
                 if not exc.retriable or time.monotonic() >= give_up:
                     raise
                 endpoint = None  # (ask the first consumer again where the primary is)

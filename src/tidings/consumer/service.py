@@ -106,6 +106,10 @@ def load_app(ref: str) -> Application:
     return app
 
 
+class NotReadThroughError(TidingsError):
+    """A Stat's deadline passed before the shard read through the offsets it asks for."""
+
+
 class ShardReplica:
     """This process's replica of one shard (see the module docstring)."""
 
@@ -301,7 +305,7 @@ class Consumer:
             self.keyspace = KeySpace(cfg.root, decoder(cfg.root, SHARDS))
             await self.keyspace.start(self.etcd)
             undo.push_async_callback(self.keyspace.aclose)
-            self.client = AsyncClient(cfg.broker)
+            self.client = AsyncClient(cfg.broker, retries=None)  # (shards wait out broker outages of any length)
             undo.push_async_callback(self.client.aclose)
             self.state = State.from_keyspace(self.keyspace, SHARDS)
             self.server = grpc.aio.server()
@@ -440,6 +444,12 @@ class Consumer:
             if primary.done():
                 why = "; ".join(replica.status.errors) or "it was handed off"
                 return pb.StatResponse(status=pb.SHARD_STOPPED, header=self.header(route), detail=why)
+            behind = {j: o for j, o in wanted.items() if shard.read_through.get(j, 0) < o}
+            if behind:  # (the deadline passed first: Gazette's Stat fails with the context's error too)
+                raise NotReadThroughError(
+                    f"shard {req.shard!r} has not read through {behind} by the call's deadline (it has read "
+                    f"through {dict(shard.read_through)})"
+                )
         resp = pb.StatResponse(status=pb.OK, header=self.header(route))
         resp.read_through.update(shard.read_through)
         return resp
@@ -527,6 +537,8 @@ class _Servicer(pb_grpc.ShardServicer):
                 resp = await self.consumer.stat(request, deadline)
             except ValidationError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except NotReadThroughError as exc:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
             outcome.append(resp.status)
             return resp
 

@@ -4,8 +4,10 @@ downstream journals commit exactly once, whatever crashes.
 
 On becoming primary (`serve_primary`): restore the Checkpoint from the store (which fences off a
 previous primary, see `store`), re-write the ACK intents it holds (the previous primary may have
-died between committing the checkpoint and writing its ACKs), then read the sources committed
-(`read_committed`, resuming the Sequencer from the checkpoint) and run transactions:
+died between committing the checkpoint and writing its ACKs; an intent naming a journal deleted
+since is discarded with a warning, as in Gazette), then read the sources committed from the
+checkpoint's read-through offsets (`read_committed`; a source transaction pending there is re-read
+when its ACK comes, so a producer that never acknowledges pins nothing) and run transactions:
 
 1. begin with the first message read (`begin_txn`), consume messages (`consume_message`, which
    changes the store in its open transaction and publishes downstream messages uncommitted);
@@ -15,8 +17,12 @@ died between committing the checkpoint and writing its ACKs), then read the sour
    transaction's ACKs are still being written (keep consuming meanwhile); then `finalize_txn`;
 3. build the ACK intents that commit this transaction's downstream messages, and commit the
    store's transaction with the Checkpoint (read-through offsets, producer states, those ACK
-   intents), after every downstream append of the transaction and every ACK of the previous one
-   has committed (`finished_txn` gets the commit's future as it starts);
+   intents), after every append queued on the shard's AppendService has committed (Gazette's
+   `PendingExcept`): whatever made it (the hook's `publisher` or `shard.publisher`, committed or
+   uncommitted, from any hook), and the previous transaction's ACKs. A definite failure of one of
+   them (a deleted journal, say) fails the transaction instead (`OutputFailedError`, naming the
+   journal). `finished_txn` gets the commit's future as it starts; what it appends belongs to the
+   next transaction;
 4. only then write the ACK intents, and go on at 1 while they are written (pipelining: the next
    transaction consumes while this one's ACKs are in flight). Its read-through offsets count as
    the shard's progress (`Shard.read_through`, what Stat waits on) once its ACKs are written.
@@ -26,13 +32,18 @@ acknowledged, so read-committed readers never see them; the next primary reads t
 again). A crash between 3 and 4 is mended by the next primary's step 0. A zombie's step 3 fails
 on the fence and it stops.
 
+A stop (the spec changed, the shard moved, the process stops) closes the open transaction at its
+next chunk; it commits, its ACKs are written, and nothing more is consumed, whatever the backlog.
+
 Messages are read a chunk at a time (`ReadCommitted.batches`) by a task that snapshots the
 Sequencer's checkpoint after each chunk, so a transaction closes between chunks and its
-checkpoint is exactly what it consumed. A store's transaction is one at a time (a SQL
-connection's): transaction N+1 begins once N's store commit is done; the ACK writes overlap.
-Choices where Gazette differs: an undecodable message is skipped with a warning naming its
-journal and offsets, or the application's `on_garbage(shard, journal, garbage)` decides (raising
-fails the shard).
+checkpoint is exactly what it consumed. The reader runs ahead by up to READ_AHEAD chunks; chunks
+are numbered (the Sequencer's `generation`) so a transaction waits only for source transactions
+begun or extended in chunks after the last one it closed at (Gazette clears HasPending there). A
+store's transaction is one at a time (a SQL connection's): transaction N+1 begins once N's store
+commit is done; the ACK writes overlap. Choices where Gazette differs: an undecodable message is
+skipped with a warning naming its journal and offsets, or the application's `on_garbage(shard,
+journal, garbage)` (a plain function) decides (raising fails the shard).
 """
 
 from __future__ import annotations
@@ -169,6 +180,7 @@ async def serve_primary(
     shard = shard if shard is not None else Shard(spec, client)
     store = app.new_store(shard)
     service = AppendService(client)
+    stopped = False
     try:
         restored, intents = checkpoint_from_proto(await store.restore_checkpoint(spec.id))
         publisher = shard.publisher = Publisher(service)
@@ -188,21 +200,54 @@ async def serve_primary(
         shard.advance(restored)
         shard.restored.set()
         on_garbage = getattr(app, "on_garbage", None)
+        if on_garbage is not None and inspect.iscoroutinefunction(on_garbage):
+            raise UsageError(_ASYNC_ON_GARBAGE)
         reader = read_committed(
             client,
             names,
             checkpoint=restored,
             ring_size=spec.ring_buffer_size or 8192,
             message_type=await _message_type(client, app, names),
-            on_garbage=None if on_garbage is None else functools.partial(on_garbage, shard),
+            on_garbage=None if on_garbage is None else functools.partial(_on_garbage, on_garbage, shard),
             empty_batches=True,
             reread_pending=False,  # (Gazette's: a transaction pending at the checkpoint is re-read at its ACK)
         )
         await _Transactions(shard, app, store, publisher, reader, stop).run()
+        stopped = True
     finally:
         store.destroy()
-        with contextlib.suppress(Exception):
-            await service.aclose()
+        await _close_appends(spec.id, service, flush=stopped)
+
+
+_ASYNC_ON_GARBAGE = (
+    "on_garbage must be a plain function (def, not async def): it is called as the bytes are decoded; "
+    "raise there to fail the shard"
+)
+
+
+def _on_garbage(hook: Callable[..., Any], shard: Shard, journal: str, garbage: Any) -> None:
+    """The application's on_garbage, which must decide at once (it cannot be awaited mid-decode)."""
+    result = hook(shard, journal, garbage)
+    if inspect.isawaitable(result):
+        if inspect.iscoroutine(result):
+            result.close()
+        raise UsageError(_ASYNC_ON_GARBAGE)
+
+
+async def _close_appends(shard_id: str, service: AppendService, flush: bool) -> None:
+    """After a graceful stop, wait (at most FLUSH_TIMEOUT) for appends still queued (say, from
+    `finished_txn`); after a failure or a cancellation, or past that wait, abandon them: a primary
+    going away never hangs on a journal that refuses its appends (they retry for as long as it lives)."""
+    try:
+        if flush:
+            async with asyncio.timeout(FLUSH_TIMEOUT):
+                await service.aclose()
+    except TimeoutError:
+        log.warning("shard %s: appends still queued after %.0fs at its stop are abandoned", shard_id, FLUSH_TIMEOUT)
+    except Exception as exc:  # (they failed: the transaction that needed them did not commit)
+        log.info("shard %s: appends still queued at its stop failed: %s", shard_id, exc)
+    finally:
+        await service.abort()
 
 
 async def _write_recovered(
@@ -250,6 +295,7 @@ class _Read:
 
 
 READ_AHEAD = 8  # chunks read ahead of the transaction consuming them
+FLUSH_TIMEOUT = 5.0  # seconds a stopped primary waits for appends still queued
 # consume_message rarely waits (appends are queued), so a chunk of messages could hold the event loop
 # for seconds: every YIELD_EVERY messages, if TURN seconds passed, the loop gets a turn.
 YIELD_EVERY, TURN = 64, 0.02
@@ -275,7 +321,6 @@ class _Transactions:
         spec = shard.spec
         self.min_dur, self.max_dur = spec.min_txn_duration_ms / 1000, spec.max_txn_duration_ms / 1000
         self.wait_for_ack = not spec.disable_wait_for_ack
-        self.consume_is_async = inspect.iscoroutinefunction(app.consume_message)
         self.reads: asyncio.Queue[_Read | BaseException] = asyncio.Queue(READ_AHEAD)
         self.upcoming: asyncio.Task | None = None  # a get from `reads`: never cancelled mid-transaction
         self.acks: asyncio.Future | None = None  # the last transaction's ACK appends
@@ -302,6 +347,10 @@ class _Transactions:
             if self.acks is not None:  # a graceful stop: the last transaction's ACKs go out
                 await asyncio.wait([self.acks])
                 self._check_acks()
+            if self.publisher.in_transaction:
+                log.warning("shard %s: stops with messages published uncommitted after its last transaction (from "
+                            "finished_txn?): no transaction commits them, so read-committed readers never see them",
+                            self.shard.spec.id)  # fmt: skip
         finally:
             stopped.cancel()
             pump.cancel()
@@ -370,13 +419,13 @@ class _Transactions:
         consumed = 0
         last: _Read | None = read
         turn = time.monotonic()
+        consume = app.consume_message
         while last is not None:
             read = last
             for i, env in enumerate(read.envelopes):
-                if self.consume_is_async:
-                    await app.consume_message(shard, store, env, publisher)
-                else:
-                    app.consume_message(shard, store, env, publisher)
+                done = consume(shard, store, env, publisher)
+                if done is not None:  # (an async hook's coroutine, or whatever awaitable a wrapper gave back)
+                    await done
                 if not i % YIELD_EVERY and time.monotonic() - turn > TURN:
                     await asyncio.sleep(0)  # let the process's other work in (its etcd lease, other shards)
                     turn = time.monotonic()

@@ -41,13 +41,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import re
+import threading
 import time
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import apsw
 
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
 __all__ = ["FenceError", "PostgresStore", "SQLiteStore", "Store"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TABLE = "tidings_checkpoints"
 BUSY_TIMEOUT = 30.0  # seconds a statement waits for another connection's write lock
@@ -86,13 +89,16 @@ class _Waiting:
             self.warned = time.monotonic()
 
 
-def _retry_for(seconds: float):  # -> Callable[[int], bool]
-    """A busy handler retrying every millisecond for `seconds` (apsw calls it with the tries so far)."""
+def _retry_for(seconds: float, stop: threading.Event):  # -> Callable[[int], bool]
+    """A busy handler retrying every millisecond for `seconds` (apsw calls it with the tries so far),
+    unless `stop` is set (its statement then fails with BusyError at once)."""
     started: list[float] = []
 
     def busy(tries: int) -> bool:
         if tries == 0:
             started[:] = [time.monotonic()]
+        if stop.is_set():
+            return False
         time.sleep(0.001)
         return time.monotonic() - started[0] < seconds
 
@@ -139,7 +145,8 @@ class SQLiteStore:
         # restores, or the other way round): retry every millisecond, so a writer between two of its
         # transactions (committing, then writing its ACKs) lets the other in (SQLite's own busy timeout
         # backs off to 100 ms and could wait out a busy zombie for ever).
-        self.db.set_busy_handler(_retry_for(BUSY_TIMEOUT))
+        self._giving_up = threading.Event()  # a cancelled caller: a statement waiting for a lock stops waiting
+        self.db.set_busy_handler(_retry_for(BUSY_TIMEOUT, self._giving_up))
         self.cache: Any = None  # the application's, as Gazette's SQLStore.Cache: e.g. a transaction's changes
         self._fence = 0  # the fence this store restored; 0 before restore_checkpoint
         self._open = False
@@ -164,7 +171,25 @@ class SQLiteStore:
         another process's connection, say) never stops the event loop. The shard calls it before a
         transaction's first message."""
         if not self._open:
-            await asyncio.to_thread(self._begin)
+            await self._in_thread(self._begin)
+
+    async def _in_thread(self, work: Callable[[], T]) -> T:
+        """Run `work` (statements that may wait for another connection's lock) in a worker thread. A
+        cancelled caller makes it stop waiting and still waits for the thread to end: the connection is
+        never left busy in a thread nobody waits for (it could not be closed, and a BEGIN that got its
+        lock later would hold it for good)."""
+        task = asyncio.ensure_future(asyncio.to_thread(work))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._giving_up.set()
+            try:
+                await to_the_end(task)
+            except Exception:  # (BusyError: it stopped waiting; the cancellation is what counts)
+                pass
+            finally:
+                self._giving_up.clear()
+            raise
 
     def transaction(self) -> apsw.Connection:
         """The connection, inside the current transaction (begun here, on the caller's thread, if
@@ -185,7 +210,7 @@ class SQLiteStore:
             self._rollback()
         while True:
             try:
-                fence, raw = await asyncio.to_thread(self._restore, shard)
+                fence, raw = await self._in_thread(functools.partial(self._restore, shard))
                 break
             except apsw.BusyError:  # another process holds the file's write lock (a zombie, paused?): wait on
                 log.warning("shard %s: the store %s stays locked by another connection; still waiting", shard,

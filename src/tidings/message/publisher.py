@@ -269,6 +269,7 @@ class Publisher:
         self._txn_appends: list[asyncio.Future[AppendResult]] = []  # appends of the open transaction
         self._acked_appends: list[asyncio.Future[AppendResult]] = []  # appends the built intents acknowledge
         self._acks_written = True  # the last built intents went through write_ack_intents
+        self._unacked: set[str] = set()  # journals of built intents not yet queued by write_ack_intents
         self._prune_at = PRUNE_AT  # _txn_appends' length that makes _publish forget committed ones
 
     @staticmethod
@@ -291,6 +292,7 @@ class Publisher:
         earlier = [] if self._acks_written else [f for f in self._acked_appends if not _committed(f)]
         self._acked_appends, self._txn_appends, self._acks_written = earlier + self._txn_appends, [], False
         self._prune_at = PRUNE_AT
+        self._unacked = set(self._txn)
         if not self._txn:
             return []
         self.clock.update()
@@ -308,11 +310,40 @@ class Publisher:
 
         Each ACK is held until every uncommitted publish of the transaction the last
         `build_ack_intents` closed has committed, in every journal, and fails unwritten
-        (`DependencyFailedError`) if one of them failed."""
+        (`DependencyFailedError`) if one of them failed. An ACK settles everything this producer has
+        pending in its journal: what was published uncommitted there after the intent was built is
+        rolled back by it (re-writing an earlier transaction's intents abandons the open one there)."""
         deps = self._acked_appends = [f for f in self._acked_appends if not _committed(f)]
         self._acks_written = True
-        futures = [await self.service.append(i.journal, i.content, dependencies=deps) for i in intents]
+        self._unacked = set()
+        futures = []
+        for intent in intents:
+            futures.append(await self.service.append(intent.journal, intent.content, dependencies=deps))
+            # (an older ACK settles what this producer has pending there: it rolls back what came after it)
+            self._txn.pop(intent.journal, None)
         return _all(futures)
+
+    @property
+    def in_transaction(self) -> bool:
+        """Messages were published uncommitted since the last `build_ack_intents`."""
+        return bool(self._txn)
+
+    def _check_order(self, journal: str, flags: int) -> None:
+        """Refuse what read-committed readers would lose: a committed message of this producer in a
+        journal holding its pending (uncommitted) ones rolls them back; and any message in a journal
+        whose ACK is built but not yet queued lands before it, so the ACK rolls it back (uncommitted)
+        or, later in the journal than the message, goes back in the producer's clock (committed)."""
+        if journal in self._unacked:
+            raise UsageError(
+                f"journal {journal!r}: the ACK of this producer's last transaction there is built but not written "
+                "yet, and a message published now would land before it and be lost (publishing from a consumer's "
+                "finished_txn?): publish from consume_message, begin_txn or finalize_txn"
+            )
+        if flags == OUTSIDE_TXN and journal in self._txn:
+            raise UsageError(
+                f"journal {journal!r}: this producer has uncommitted messages there in its open transaction, which "
+                "a committed message would roll back: publish it uncommitted too (it commits with the transaction)"
+            )
 
     async def framing(self, journal: str) -> Framing:
         """The framing of `journal`, by its content-type label (cached)."""
@@ -337,6 +368,8 @@ class Publisher:
         clocks = self.clock.reserve(len(messages))
         at = 0
         futures = []
+        for journal in groups:
+            self._check_order(journal, flags)
         for journal, msgs in groups.items():
             framing = await self.framing(journal)
             mine, at = clocks[at : at + len(msgs)], at + len(msgs)
