@@ -189,7 +189,7 @@ async def test_relay_outputs_are_exact_through_kills_at_commits_large_appends_an
 
     async def join(planned_kill: bool) -> None:
         """A new consumer; with a planned kill it dies right after its k-th store commit resolves."""
-        env = {"TIDINGS_TEST_KILL_AFTER_COMMIT": str(rng.randint(2, 12))} if planned_kill else {}
+        env = {"TIDINGS_TEST_KILL_AFTER_COMMIT": str(rng.randint(1, 6))} if planned_kill else {}
         await procs.start(f"c{next(serial)}", rng.choice(zones), env=env)
 
     async def publish_round(c, pubs: dict[str, Publisher]) -> None:
@@ -221,9 +221,9 @@ async def test_relay_outputs_are_exact_through_kills_at_commits_large_appends_an
             for round_ in range(KILLS):
                 await reap()
                 failures += await _unassign_failed(procs)  # (the operator, once the deleted output is back)
-                await publish_round(c, pubs)
-                # Some progress downstream, or a planned kill...
+                # Some progress downstream (of what this round publishes), or a planned kill...
                 target = await _out_bytes(c) + rng.randrange(1, 4) * PAD
+                await publish_round(c, pubs)
                 await wait_until(lambda c=c, t=target: _progress_or_death(c, procs, t), 120, interval=0.05)
                 # ... then a kill -9 mid-stream, or a SIGTERM (a hand-off), of a live process.
                 live = [s for s, p in procs.procs.items() if p.poll() is None]
@@ -233,7 +233,8 @@ async def test_relay_outputs_are_exact_through_kills_at_commits_large_appends_an
                     events[signal.Signals(sig).name] += 1
                 if round_ == deleted_at:  # an operator deletes the side output, and creates it again
                     await _delete(c, SIDE)
-                    await publish_round(c, pubs)  # (the uncommitted shard fails on its side output)
+                    await publish_round(c, pubs)  # (the uncommitted shard fails on its side output...)
+                    await wait_until(lambda: _failed(procs, "rl/uncommitted"), 60, interval=0.1)
                     # (over a fresh store: the old one holds the deleted journal's fragments, and a journal
                     # created again over them refuses appends until `journals reset-head`)
                     fresh = f"file://{tmp_path / f'side-store-{round_}'}/"
@@ -293,6 +294,17 @@ async def _progress_or_death(c, procs: ConsumerProcs, target: int) -> bool:
 async def _delete(c, journal: str) -> None:
     revision = {j.spec.name: j.mod_revision for j in (await c.list()).journals}[journal]
     await c.apply([pb.ApplyRequest.Change(delete=journal, expect_mod_revision=revision)])
+
+
+async def _failed(procs: ConsumerProcs, shard_id: str) -> bool:
+    """Whether the shard is FAILED (replacing consumers that died by plan meanwhile)."""
+    for suffix, proc in list(procs.procs.items()):
+        if proc.poll() is not None:
+            await procs.wait_exit(suffix, 10)
+    if not procs.live():
+        await procs.start(f"c-after-{len(procs.procs)}", "zone-a")
+    listed = await procs.shards() or []
+    return any(s.spec.id == shard_id and pb.ReplicaStatus.FAILED in [st.code for st in s.status] for s in listed)
 
 
 async def _unassign_failed(procs: ConsumerProcs) -> list[str]:
