@@ -322,3 +322,20 @@ async def test_the_search_for_a_lost_batch_accounts_for_offset_jumps(cluster) ->
         q.head = 100  # past the jump: the whole window is readable, so "not found" is an answer
         assert await svc._find_committed(q, batch(b"nope")) is None
         assert q.head == 110
+
+
+async def test_abort_settles_appends_whose_journal_task_never_ran(cluster) -> None:
+    """abort() in the same step as an append (a hook publishes, then fails): the append's future and
+    a pending() barrier taken before fail with "stopped", and flush() returns."""
+    await cluster.create_journal("svc/abort", 1)
+    async with cluster.client() as c:
+        svc = AppendService(c)
+        fut = svc.append_nowait("svc/abort", b"never sent\n")
+        barrier = svc.pending()["svc/abort"]
+        await svc.abort()
+        with pytest.raises(UsageError, match="stopped"):
+            await asyncio.wait_for(fut, 5)
+        with pytest.raises(UsageError, match="stopped"):
+            await asyncio.wait_for(barrier, 5)
+        await asyncio.wait_for(svc.flush(), 5)
+        assert svc.statistics().buffered_bytes == 0

@@ -1,5 +1,6 @@
 """Brokers with S3 fragment stores (a real local S3 server, moto's, on loopback), and stores that
-cannot work on this machine, refused at `journals apply` with one line instead of hanging the journal.
+cannot work on this machine, refused at `journals apply` with one line instead of hanging the journal;
+a fragment whose file is corrupt is DATA_LOSS, which no reader retries.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 from tests.support.missing import shadow_path
 from tests.support.moto_s3 import MotoS3
 from tests.support.waiting import wait_until
+from tidings.client import AsyncClient
 from tidings.fragment.store import store_for
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
@@ -130,3 +132,30 @@ async def test_journals_apply_refuses_a_store_it_cannot_load_in_one_line(
     assert err.splitlines() == [line], err
     async with cluster.client(0) as c:
         assert [j.spec.name for j in (await c.list()).journals] == [], "nothing was applied"
+
+
+async def test_a_corrupt_fragment_is_data_loss_at_once_even_for_a_reader_that_retries_for_ever(
+    cluster, tmp_path
+) -> None:
+    """A persisted fragment whose file does not hold what its name says (truncated in its store) is
+    answered DATA_LOSS naming it, which no client retries: a consumer or Spark task (a client made with
+    retries=None) fails with the reason instead of waiting for ever."""
+    url = f"file://{tmp_path / 'store'}/"
+    await cluster.create_journal("bad/frag", 1, fragment={"length": "1KiB", "stores": [url]})
+    async with cluster.client(0) as c:
+        await c.append("bad/frag", os.urandom(2000))
+        await c.append("bad/frag", b"rolls the first fragment")
+    store = store_for(url)
+    first = await wait_until(lambda: next((f for f in store.list("bad/frag") if f.begin == 0), None), 30)
+    path = tmp_path / "store" / "bad" / "frag" / first.content_name()
+    path.write_bytes(path.read_bytes()[:100])  # (truncated)
+    holder = next(b for b in cluster.brokers if "bad/frag" in b.resolver.replicas)
+    await holder.stop(graceful=False)  # the next primary never held the spool: it reads the store
+    others = [b for b in cluster.brokers if b is not holder]
+    async with AsyncClient(others[0].endpoint, retries=None) as c:
+        with pytest.raises(TransportError) as caught:
+            async with asyncio.timeout(30):
+                async for _ in c.reader("bad/frag", 0, block=True):
+                    pass
+    assert caught.value.code == grpc.StatusCode.DATA_LOSS
+    assert first.content_name() in str(caught.value)

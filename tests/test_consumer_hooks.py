@@ -116,3 +116,23 @@ async def test_publishing_that_would_lose_messages_is_refused(cluster, tmp_path,
             await serve(c, relay_spec("uncommitted", 0), app(), tmp_path, lambda s: False)
     assert seen(tmp_path / "relay%2F0.db") in ({}, {"m0": 1})  # (refused before or after its commit)
     assert set(await outputs(cluster)) <= {"m0"}  # nothing read committed is lost or half there
+
+
+class ReturnsCursor(Relay):
+    """A plain-function consume_message returning what its last call gave (an apsw Cursor)."""
+
+    def consume_message(self, shard, store, envelope, publisher):
+        msg_id = envelope.message["id"]
+        return store.transaction().execute(
+            "INSERT INTO seen VALUES (?, 1) ON CONFLICT (id) DO UPDATE SET n = n + 1", (msg_id,)
+        )
+
+
+async def test_a_plain_consume_message_may_return_anything(cluster, tmp_path) -> None:
+    await cluster.create_journal("relay/in", 1)
+    await publish_ids(cluster, ["m0", "m1"])
+    async with cluster.client() as c:
+        head = await c.write_head("relay/in")
+        spec = shard_from_dict({"id": "relay/0", "sources": ["relay/in"], "max_txn_duration": "1s"})
+        await serve(c, spec, ReturnsCursor(), tmp_path, lambda s: s.read_through.get("relay/in", 0) >= head)
+    assert seen(tmp_path / "relay%2F0.db") == {"m0": 1, "m1": 1}

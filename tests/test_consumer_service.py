@@ -214,3 +214,37 @@ async def test_stat_past_its_deadline_fails_rather_than_answering_ok(cluster, co
     async with ShardClient(a.endpoint) as sc:
         with pytest.raises(TimeoutError, match="has not read through"):
             await sc.stat("wc/0", {"wc/in/0": 10**9}, timeout=2.0)
+
+
+async def test_stat_waits_across_a_spec_change_and_ignores_journals_that_are_not_sources(cluster, consumers) -> None:
+    """A Stat waiting while the shard's primary restarts under a changed spec is answered by the new
+    primary (the shard never moved); offsets of journals the shard does not read are ignored (Gazette)."""
+    a = await two_shards_served(cluster, consumers)
+    async with cluster.client() as c:
+        head = await c.write_head("wc/in/0")
+    async with ShardClient(a.endpoint) as sc:
+        waiting = asyncio.ensure_future(sc.stat("wc/0", {"wc/in/0": head + 1, "wc/out/1": 10**9}, timeout=30))
+        await asyncio.sleep(0.2)  # (the Stat waits on the first primary...)
+        changed = shard(0, max_txn_duration="300ms")
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=changed, expect_mod_revision=-1)])  # (...which restarts)
+        await produce(cluster, "wc/in/0", ["apple"])
+        resp = await waiting
+    assert resp.read_through["wc/in/0"] > head
+
+
+async def test_a_consumer_whose_broker_does_not_answer_says_so_at_start(cluster, etcd_root, tmp_path) -> None:
+    """The shards' client waits out outages for ever, so a --broker that never answered is refused at
+    start, in seconds, naming the flag (a port nobody listens on; etcd's port: gRPC, not a broker)."""
+    import socket
+
+    from tidings.protocol.status import UsageError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{s.getsockname()[1]}"  # (closed again before the consumer tries it)
+    for broker in (nobody, cluster.etcd_endpoint):
+        cfg = ConsumerConfig(etcd=cluster.etcd_endpoint, broker=broker, app=Counts(), root=etcd_root + "-c",
+                             data_dir=tmp_path, lease_ttl=2)  # fmt: skip
+        with pytest.raises(UsageError, match="--broker") as caught:
+            await asyncio.wait_for(Consumer(cfg).start(), 20)
+        assert broker in str(caught.value) and "\n" not in str(caught.value)

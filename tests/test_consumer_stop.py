@@ -164,3 +164,77 @@ async def test_a_primary_whose_output_refuses_appends_still_stops_and_is_replace
 
         await wait_until(m0_out, 30, interval=0.1)
     await asyncio.wait_for(a.stop(graceful=False), 30)
+
+
+class OneAtATime(Counting):
+    """Counts the stores open at once (one per primary: never two in one process), and, while `stuck`,
+    holds in consume_message and takes `unwind` seconds to give up when cancelled."""
+
+    def __init__(self, unwind: float) -> None:
+        super().__init__()
+        self.open = self.most = 0
+        self.unwind = unwind
+        self.stuck = True
+        self.holding = asyncio.Event()
+
+    def new_store(self, shard):
+        store = super().new_store(shard)
+        self.open += 1
+        self.most = max(self.most, self.open)
+        destroy = store.destroy
+
+        def destroyed() -> None:
+            self.open -= 1
+            destroy()
+
+        store.destroy = destroyed
+        return store
+
+    async def consume_message(self, shard, store, envelope, publisher) -> None:
+        await super().consume_message(shard, store, envelope, publisher)
+        if self.stuck:
+            self.holding.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                await asyncio.sleep(self.unwind)  # (an application slow to let go)
+                raise
+
+
+async def test_quick_spec_changes_never_run_two_primaries_at_once(cluster, consumers, monkeypatch) -> None:
+    """Two spec changes 0.2 s apart while the primary is stuck in the application and slow to unwind
+    once cancelled: each new primary waits until the one before it has ended."""
+    monkeypatch.setattr(consumer_service, "STOP_TIMEOUT", 1.0)
+    await cluster.create_journal("relay/in", 1)
+    await publish_backlog(cluster)
+    app = OneAtATime(unwind=1.5)
+    a = await consumers.add("zone-a", app=app)
+    async with ShardClient(a.endpoint) as sc:
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=backlog_spec())])
+        await asyncio.wait_for(app.holding.wait(), 30)
+        app.stuck = False
+        for duration in ("2s", "3s"):
+            await sc.apply(
+                [pb.ShardApplyRequest.Change(upsert=backlog_spec(max_txn_duration=duration), expect_mod_revision=-1)]
+            )
+            await asyncio.sleep(0.2)  # (the second change comes while the first restart still waits)
+        async with cluster.client() as c:
+            head = await c.write_head("relay/in")
+        await sc.stat("relay/0", {"relay/in": head}, timeout=60)
+    assert app.most == 1
+
+
+async def test_a_shard_unassigned_and_assigned_back_never_runs_two_primaries_at_once(cluster, consumers) -> None:
+    await cluster.create_journal("relay/in", 1)
+    await publish_backlog(cluster)
+    app = OneAtATime(unwind=0.0)
+    app.stuck = False
+    a = await consumers.add("zone-a", app=app)
+    async with ShardClient(a.endpoint) as sc:
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=backlog_spec())])
+        await wait_until(lambda: len(app.offsets) > BATCH, 30)
+        assert await sc.unassign(["relay/0"]) == ["relay/0"]  # (the allocator gives it back to this process)
+        async with cluster.client() as c:
+            head = await c.write_head("relay/in")
+        await sc.stat("relay/0", {"relay/in": head}, timeout=60)
+    assert app.most == 1

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import logging
+import zlib
 from typing import TYPE_CHECKING, BinaryIO
 
 import grpc
+import zstandard
 
 from tidings.broker import _metrics as metrics
 from tidings.fragment.spool import SpoolFile
@@ -134,6 +137,13 @@ async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.Serv
             if req.metadata_only:
                 return pb.OK
             offset = await _send_content(context, frag, file if file is not None else stream, offset, until, counter)
+        except _CORRUPT as exc:  # the fragment's content itself is bad: no retry mends it (DATA_LOSS is definite)
+            log.error("journal %s: fragment %s is corrupt: %s", req.journal, frag.content_name(), exc)
+            await context.abort(
+                grpc.StatusCode.DATA_LOSS,
+                f"journal {req.journal!r}: fragment {frag.content_name()} is corrupt at {offset} ({exc}); replace the "
+                "file in its store with a good copy",
+            )
         except OSError as exc:  # a store that fails mid-read: the client retries from its offset
             log.warning("journal %s: reading fragment %s failed: %s", req.journal, frag.content_name(), exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"reading journal {req.journal!r} at {offset}: {exc}")
@@ -142,6 +152,14 @@ async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.Serv
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(stream.close)
     return pb.OK
+
+
+class FragmentCorruptError(Exception):
+    """A fragment file does not hold what its name says (shorter, or not valid for its codec)."""
+
+
+# What reading a fragment raises when its file is bad (gzip's BadGzipFile is an OSError: listed first).
+_CORRUPT = (FragmentCorruptError, gzip.BadGzipFile, zlib.error, zstandard.ZstdError, EOFError)
 
 
 async def _wait_for_change(index, closed: asyncio.Event) -> None:
@@ -167,12 +185,12 @@ async def _send_content(context, frag, source: SpoolFile | BinaryIO, offset: int
     while skip > 0:
         data = await asyncio.to_thread(source.read, min(CHUNK, skip))
         if not data:
-            raise OSError(f"fragment {frag.content_name()} is shorter than its name says")
+            raise FragmentCorruptError(f"fragment {frag.content_name()} is shorter than its name says")
         skip -= len(data)
     while offset < until:
         data = await asyncio.to_thread(source.read, min(CHUNK, until - offset))
         if not data:
-            raise OSError(f"fragment {frag.content_name()} is shorter than its name says")
+            raise FragmentCorruptError(f"fragment {frag.content_name()} is shorter than its name says")
         offset = await _send(context, offset, data, counter)
     return offset
 

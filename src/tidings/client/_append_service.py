@@ -428,6 +428,13 @@ class AppendService:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks)
+        stopped = UsageError("the AppendService stopped")
+        for q in self._queues.values():  # (a task cancelled before it ever ran settled nothing)
+            for batch in [*([q.flight] if q.flight else []), *q.ready, *([q.open] if q.open else [])]:
+                self._settle(batch, stopped)
+                self._release(batch)
+            q.ready.clear()
+            q.open = q.flight = q.task = None
 
     def statistics(self) -> AppendServiceStatistics:
         return AppendServiceStatistics(

@@ -571,6 +571,9 @@ class Reader:
             suspended_before = suspended
             try:
                 async for resp in stream:
+                    if resp.status == pb.OK and (failing_since or attempt):  # a replica serves the read again:
+                        failing_since, attempt = 0.0, 0  # a later failure is a new one (its own budget and deadline)
+                        outage.ok()
                     if resp.HasField("header"):
                         client.routes.update(self.journal, resp.header)
                     if resp.status in (pb.OFFSET_NOT_YET_AVAILABLE, pb.SUSPENDED):
@@ -591,15 +594,11 @@ class Reader:
                         if resp.offset != self.offset:
                             self._jump_to(resp.offset)
                         self.offset = resp.offset + len(resp.content)
-                        if attempt:
-                            attempt = 0
-                            outage.ok()
+                        attempt = 0
                         yield ReadChunk(resp.offset, resp.content, self.write_head)
                 if self.direct and fragment is not None:  # (in the try: the fallback's broker read fails as any)
                     async for chunk in self._from_store_or_broker(endpoint, fragment):
-                        if attempt:
-                            attempt = 0
-                            outage.ok()
+                        attempt = 0
                         yield chunk
                     continue
             except grpc.RpcError as exc:
@@ -615,7 +614,7 @@ class Reader:
             finally:
                 stream.cancel()
             client._failed(self.journal, endpoint, err)
-            failing_since = failing_since if attempt else time.monotonic()
+            failing_since = failing_since or time.monotonic()
             if not (client._retriable(err) and not client.retry.gives_up(attempt, failing_since)):
                 raise err
             outage.failed(err)

@@ -133,6 +133,7 @@ DEFINITE_CODES = frozenset(
         grpc.StatusCode.UNIMPLEMENTED,
         grpc.StatusCode.PERMISSION_DENIED,
         grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.DATA_LOSS,  # (a broker found a fragment's content corrupt)
     }
 )
 

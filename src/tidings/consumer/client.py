@@ -87,7 +87,9 @@ class ShardClient:
             try:
                 resp = await self._call("Stat", req, endpoint, timeout=min(timeout, left) + STAT_MARGIN + 0.5)
             except TransportError as exc:
-                if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:  # (the primary said so, at the deadline)
+                if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED and "has not read through" in str(
+                    exc
+                ):  # (the primary)
                     raise TimeoutError(f"shard {shard!r} has not read through {dict(req.read_through)} within "
                                        f"{timeout:g}s") from None  # fmt: skip
                 if not exc.retriable or time.monotonic() >= give_up:
@@ -103,7 +105,7 @@ class ShardClient:
                 if resp.status not in RETRIABLE or time.monotonic() >= give_up:
                     detail = f"shard {shard!r}" + (f": {resp.detail}" if resp.detail else "")
                     raise_for_status(resp.status, detail=detail)
-                    behind = {j: o for j, o in req.read_through.items() if resp.read_through.get(j, 0) < o}
+                    behind = {j: o for j, o in req.read_through.items() if 0 < resp.read_through.get(j, o) < o}
                     if behind:
                         raise TimeoutError(f"shard {shard!r} has not read through {behind} within {timeout:g}s")
                     return resp

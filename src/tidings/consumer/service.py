@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import importlib
 import logging
 import sys
@@ -62,6 +63,7 @@ __all__ = ["Consumer", "ConsumerConfig", "ShardReplica", "load_app"]
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT = 10.0  # seconds a stopping shard may take to commit its open transaction and write its ACKs
+BROKER_CHECK_RETRIES = 8  # retries of the start's check that --broker answers (about 3 s)
 LAG_INTERVAL = 5.0  # seconds between looks at the sources' write heads (the lag gauges)
 
 
@@ -113,9 +115,10 @@ class NotReadThroughError(TidingsError):
 class ShardReplica:
     """This process's replica of one shard (see the module docstring)."""
 
-    def __init__(self, consumer: Consumer, shard_id: str) -> None:
+    def __init__(self, consumer: Consumer, shard_id: str, predecessor: asyncio.Task[None] | None = None) -> None:
         self.consumer = consumer
         self.id = shard_id
+        self._predecessor = predecessor  # this shard's replica here that is still closing (its aclose)
         self.spec: pb.ShardSpec | None = None
         self.assignment: Assignment | None = None
         self.shard: Shard | None = None  # while primary
@@ -179,6 +182,11 @@ class ShardReplica:
         self._start_primary(after=self._primary)
 
     async def _serve(self, shard: Shard, stop: asyncio.Event, after: asyncio.Task[None] | None) -> None:
+        if self._predecessor is not None:  # (unassigned, then assigned here again: bounded by its own stop)
+            await asyncio.wait([self._predecessor])
+            self._predecessor = None
+            if stop.is_set():
+                return
         if after is not None:  # (never two primaries of a shard in one process: they would share its store)
             await self._outlast(after)
             if stop.is_set():
@@ -207,18 +215,26 @@ class ShardReplica:
 
     async def _outlast(self, old: asyncio.Task[None]) -> None:
         """Wait for the previous primary to stop (it commits its open transaction), at most
-        STOP_TIMEOUT seconds; then cancel it (its store rolls the transaction back)."""
+        STOP_TIMEOUT seconds; then cancel it (its store rolls the transaction back) and wait until it
+        has ended, even if this wait is cancelled meanwhile (its successor is, or the replica closes):
+        two primaries of one shard never run in one process, whatever the order of stops and starts."""
+        cancelled = False
         try:
-            _done, pending = await asyncio.wait([old], timeout=STOP_TIMEOUT)
-        except asyncio.CancelledError:  # (its successor is cancelled, or the replica closes: it goes too)
+            await asyncio.wait([old], timeout=STOP_TIMEOUT)
+        except asyncio.CancelledError:
+            cancelled = True
+        if not old.done():
+            if not cancelled:
+                log.warning("shard %s: its previous primary did not stop within %.0fs; cancelling it", self.id,
+                            STOP_TIMEOUT)  # fmt: skip
             old.cancel()
-            await asyncio.wait([old])
-            raise
-        if pending:
-            log.warning("shard %s: its previous primary did not stop within %.0fs; cancelling it", self.id,
-                        STOP_TIMEOUT)  # fmt: skip
-            old.cancel()
-            await asyncio.wait([old])
+            while not old.done():
+                try:
+                    await asyncio.wait([old])
+                except asyncio.CancelledError:
+                    cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
 
     def _fail(self, reason: str, stop: asyncio.Event) -> None:
         if stop.is_set():  # (stopping anyway: the assignment went, a successor fenced us)
@@ -286,7 +302,7 @@ class Consumer:
         self.process_id = pb.ProcessId(zone=config.zone, suffix=config.suffix)
         self.app: Application = load_app(config.app) if isinstance(config.app, str) else config.app
         self.replicas: dict[str, ShardReplica] = {}
-        self._closing: set[asyncio.Task[None]] = set()
+        self._closing: dict[str, asyncio.Task[None]] = {}  # replicas being closed, by shard
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics_server: Any = None
         self.endpoint = self.metrics_endpoint = ""
@@ -305,6 +321,7 @@ class Consumer:
             self.keyspace = KeySpace(cfg.root, decoder(cfg.root, SHARDS))
             await self.keyspace.start(self.etcd)
             undo.push_async_callback(self.keyspace.aclose)
+            await self._check_broker()
             self.client = AsyncClient(cfg.broker, retries=None)  # (shards wait out broker outages of any length)
             undo.push_async_callback(self.client.aclose)
             self.state = State.from_keyspace(self.keyspace, SHARDS)
@@ -334,6 +351,18 @@ class Consumer:
         log.info("%s serving on %s (root %s)", self.who, self.endpoint, cfg.root)
         return self
 
+    async def _check_broker(self) -> None:
+        """Fail at start, in seconds, when --broker is wrong: the shards' client then waits out outages
+        of any length, which for an address that never answered would be a wait for ever."""
+        broker = self.config.broker
+        try:
+            async with AsyncClient(broker, retries=BROKER_CHECK_RETRIES) as probe:
+                await probe.list(labels.parse_selector("name=tidings/consumer-start-check"))
+        except TidingsError as err:
+            raise UsageError(
+                f"{self.who}: no broker answers at --broker {broker} ({err}); pass the HOST:PORT of a running broker"
+            ) from None
+
     def _on_keyspace_update(self) -> None:
         """Atomically with a KeySpace update: rebuild State and follow this process's assignments."""
         if self.stopped.is_set():
@@ -346,15 +375,20 @@ class Consumer:
                 continue
             replica = self.replicas.get(shard_id)
             if replica is None:
-                replica = self.replicas[shard_id] = ShardReplica(self, shard_id)
+                closing = self._closing.get(shard_id)
+                replica = self.replicas[shard_id] = ShardReplica(self, shard_id, closing)
             replica.update(item.spec, assignment)
         for shard_id in list(self.replicas):
             if shard_id not in mine or shard_id not in state.items:
                 replica = self.replicas.pop(shard_id)
                 log.info("shard %s: no longer assigned here; stopping its replica", shard_id)
                 task = asyncio.get_running_loop().create_task(replica.aclose(), name=f"close:{shard_id}")
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
+                self._closing[shard_id] = task
+                task.add_done_callback(functools.partial(self._closed, shard_id))
+
+    def _closed(self, shard_id: str, task: asyncio.Task[None]) -> None:
+        if self._closing.get(shard_id) is task:
+            del self._closing[shard_id]
 
     def header(self, route: pb.Route | None = None) -> pb.Header:
         return pb.Header(
@@ -377,7 +411,7 @@ class Consumer:
         with contextlib.suppress(Exception):
             await self.allocator.aclose()
         replicas, self.replicas = self.replicas, {}
-        await asyncio.gather(*(r.aclose() for r in replicas.values()), *self._closing, return_exceptions=True)
+        await asyncio.gather(*(r.aclose() for r in replicas.values()), *self._closing.values(), return_exceptions=True)
         await self.server.stop(grace=1.0 if graceful else 0)
         await self.announcement.aclose(timeout=ETCD_STOP_TIMEOUT)
         await self.keyspace.aclose()
@@ -409,8 +443,9 @@ class Consumer:
                     continue
                 for journal, through in list(shard.read_through.items()):
                     metrics.READ_THROUGH.labels(replica.id, journal).set(through)
-                    with contextlib.suppress(TidingsError):
-                        head = await self.client.write_head(journal)
+                    with contextlib.suppress(TidingsError, TimeoutError):
+                        async with asyncio.timeout(LAG_INTERVAL):  # (the client retries for ever: not here)
+                            head = await self.client.write_head(journal)
                         metrics.LAG_BYTES.labels(replica.id, journal).set(max(0, head - through))
             await asyncio.sleep(LAG_INTERVAL)
 
@@ -426,9 +461,34 @@ class Consumer:
         if replica is None or not replica.is_primary or replica.shard is None:
             status = pb.NO_SHARD_PRIMARY if route.primary < 0 else pb.NOT_SHARD_PRIMARY
             return pb.StatResponse(status=status, header=self.header(route))
-        shard, primary = replica.shard, replica._primary
-        assert primary is not None
-        wanted = dict(req.read_through)
+        # Only the shard's sources, as Gazette's resolver keeps: another journal is never read through.
+        sources = {src.journal for src in replica.spec.sources} if replica.spec is not None else set()
+        wanted = {j: o for j, o in req.read_through.items() if j in sources and o > 0}
+        while True:
+            shard, primary = replica.shard, replica._primary
+            if shard is None or primary is None:  # (demoted meanwhile)
+                return pb.StatResponse(status=pb.NOT_SHARD_PRIMARY, header=self.header(self.state.route(req.shard)))
+            if await self._served(shard, primary, wanted, deadline):
+                break
+            if not primary.done():  # the deadline passed first: Gazette's Stat fails with the context's error too
+                behind = {j: o for j, o in wanted.items() if shard.read_through.get(j, 0) < o}
+                raise NotReadThroughError(
+                    f"shard {req.shard!r} has not read through {behind} by the call's deadline (it has read "
+                    f"through {dict(shard.read_through)})"
+                )
+            if replica._primary is not None and replica._primary is not primary and not replica.closed:
+                continue  # restarted under a new spec: the same shard, served on by its new primary
+            why = "; ".join(replica.status.errors) or "it was handed off"
+            return pb.StatResponse(status=pb.SHARD_STOPPED, header=self.header(route), detail=why)
+        resp = pb.StatResponse(status=pb.OK, header=self.header(route))
+        resp.read_through.update(shard.read_through)
+        return resp
+
+    @staticmethod
+    async def _served(
+        shard: Shard, primary: asyncio.Task[None], wanted: dict[str, int], deadline: float | None
+    ) -> bool:
+        """Whether `shard` is restored and reads through `wanted` before `deadline` passes or `primary` ends."""
 
         async def served() -> None:
             await shard.restored.wait()
@@ -440,19 +500,7 @@ class Consumer:
             await asyncio.wait([waiting, primary], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             waiting.cancel()
-        if not waiting.done() or waiting.cancelled():
-            if primary.done():
-                why = "; ".join(replica.status.errors) or "it was handed off"
-                return pb.StatResponse(status=pb.SHARD_STOPPED, header=self.header(route), detail=why)
-            behind = {j: o for j, o in wanted.items() if shard.read_through.get(j, 0) < o}
-            if behind:  # (the deadline passed first: Gazette's Stat fails with the context's error too)
-                raise NotReadThroughError(
-                    f"shard {req.shard!r} has not read through {behind} by the call's deadline (it has read "
-                    f"through {dict(shard.read_through)})"
-                )
-        resp = pb.StatResponse(status=pb.OK, header=self.header(route))
-        resp.read_through.update(shard.read_through)
-        return resp
+        return waiting.done() and not waiting.cancelled()
 
     def list_response(self, selector: pb.LabelSelector) -> pb.ShardListResponse:
         state = self.state

@@ -55,6 +55,7 @@ import functools
 import inspect
 import logging
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -294,6 +295,7 @@ class _Read:
     pending: int  # the newest generation with a source transaction awaiting its ACK (-1: none)
 
 
+_COROUTINE = types.CoroutineType
 READ_AHEAD = 8  # chunks read ahead of the transaction consuming them
 FLUSH_TIMEOUT = 5.0  # seconds a stopped primary waits for appends still queued
 # consume_message rarely waits (appends are queued), so a chunk of messages could hold the event loop
@@ -424,8 +426,8 @@ class _Transactions:
             read = last
             for i, env in enumerate(read.envelopes):
                 done = consume(shard, store, env, publisher)
-                if done is not None:  # (an async hook's coroutine, or whatever awaitable a wrapper gave back)
-                    await done
+                if done is not None and (type(done) is _COROUTINE or inspect.isawaitable(done)):
+                    await done  # (an async hook's coroutine, or whatever awaitable a wrapper gave back)
                 if not i % YIELD_EVERY and time.monotonic() - turn > TURN:
                     await asyncio.sleep(0)  # let the process's other work in (its etcd lease, other shards)
                     turn = time.monotonic()
