@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tidings.allocator.solver import BALANCE_MOVES, Current, Slot, SolverItem, SolverMember, solve
@@ -315,6 +315,14 @@ def _check_one_round(members: list[SolverMember], items: list[SolverItem], curre
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(clusters())
+@example(  # a dead member's assignment dropped and a primary swap in one round: no swap then
+    cluster=(
+        [SolverMember(("z0", "m0"), 1, False), SolverMember(("z0", "m1"), 1, False),
+         SolverMember(("z0", "m2"), 0, False), SolverMember(("z0", "m3"), 2, False)],
+        [SolverItem("j0", 1, True), SolverItem("j1", 3, True)],
+        {"j0": [], "j1": [c(("z0", "m3"), 0), c(("z0", "dead1"), 1), c(("z0", "m0"), 2), c(("z0", "m1"), 3)]},
+    )
+)  # fmt: skip
 def test_solver_never_breaks_limits_uniqueness_or_invariant_5(cluster: tuple) -> None:
     members, items, current = cluster
     _check_one_round(members, items, current, solve(members, items, current))

@@ -230,9 +230,14 @@ def solve(
 
     # Primaries spread (same budget): swap primaries along a chain of journals, from a member leading
     # at least two more than another to that one (each journal's primary to one of its replicas).
+    # Only of items settled and left as they are (a dead member's assignment being dropped is a change too).
     if budget > len(preferred):
         unchanged = [
-            it.name for it in ordered if sorted(out[it.name]) == sorted(Slot(a.member, a.slot) for a in live[it.name])
+            it.name
+            for it in ordered
+            if it.consistent
+            and all(a.consistent for a in current.get(it.name, ()))
+            and sorted(out[it.name]) == sorted(Slot(a.member, a.slot) for a in current.get(it.name, ()))
         ]
         _spread_primaries(out, unchanged, {m.id for m in active}, budget - len(preferred))
     return out
