@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -381,6 +382,83 @@ def test_cluster_up_killed_leaves_nothing_running_and_starts_again_cleanly(tmp_p
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        for pid in children:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_cluster_up_restarts_at_once_on_its_own_ports_and_etcd_endpoint(tmp_path: Path) -> None:
+    """`cluster up --brokers 3 --port P`, an append, then a stop (SIGTERM, then SIGKILL of the whole
+    tree) and `cluster up` again on the same data dir and port: it starts at once (the ports the last
+    run's connections hold in TIME-WAIT are free), on the same etcd endpoint, with the append there.
+    A port another process listens on is still refused in one line."""
+    data_dir, port = tmp_path / "data", free_port()
+    broker = f"127.0.0.1:{port}"
+    cli = [sys.executable, "-m", "tidings.cli"]
+    spec = tmp_path / "j.yaml"
+    spec.write_text("journals:\n  - name: up/b\n    replication: 3\n")
+    procs: list[subprocess.Popen[str]] = []
+    children: list[int] = []
+
+    def up() -> str:
+        proc = subprocess.Popen(
+            [*cli, "cluster", "up", "--brokers", "3", "--port", str(port), "--data-dir", str(data_dir)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        procs.append(proc)
+        lines = _wait_ready(proc, 60)
+        children.extend(_children(proc.pid))
+        return next(line.split()[1] for line in lines if line.startswith("etcd "))
+
+    try:
+        etcd = up()
+        r = subprocess.run([*cli, "journals", "apply", str(spec), "--broker", broker], capture_output=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        r = subprocess.run(
+            [*cli, "journals", "append", "up/b", "--broker", broker], input=b"once", capture_output=True, timeout=60
+        )
+        assert r.returncode == 0, r.stderr
+        held = [socket.create_connection(("127.0.0.1", port + i)) for i in range(3)]  # (a client's connections)
+        procs[-1].send_signal(signal.SIGTERM)
+        assert procs[-1].wait(timeout=60) == 0
+        for conn in held:  # the brokers closed first: read to their FIN, close, and their ports stay in TIME-WAIT
+            conn.settimeout(10)
+            while conn.recv(65536):
+                pass
+            conn.close()
+        with socket.socket() as plain, pytest.raises(OSError):
+            plain.bind(("127.0.0.1", port + 1))  # (what the restart used to probe with)
+
+        assert up() == etcd, "a restart serves etcd where the last run did"
+        for pid in [procs[-1].pid, *_children(procs[-1].pid)]:
+            os.kill(pid, signal.SIGKILL)  # the whole tree at once
+        procs[-1].wait()
+        wait_until_sync(lambda: all(_gone(pid) for pid in children), 20)
+
+        assert up() == etcd
+        r = subprocess.run([*cli, "journals", "read", "up/b", "--broker", broker], capture_output=True, timeout=60)
+        assert r.returncode == 0 and r.stdout == b"once", r.stderr
+
+        r = subprocess.run(
+            [*cli, "cluster", "up", "--brokers", "3", "--port", str(port + 1), "--data-dir", str(tmp_path / "other")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.count("\n") == 1 and f"127.0.0.1:{port + 1} is taken" in r.stderr, r.stderr
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         for pid in children:
             if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)

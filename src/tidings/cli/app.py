@@ -420,9 +420,8 @@ def cluster_up(
 
     Restarting on the same --data-dir keeps journals and their data. If this process dies (even
     by SIGKILL), its brokers and etcd get SIGTERM and exit."""
-    import socket
-
     from tidings.cluster import LocalCluster
+    from tidings.cluster.etcd import port_free
 
     ranges = [(flag, first) for flag, first in (("--port", port), ("--metrics-port", metrics_port)) if first]
     for flag, first in ranges:  # (what the flags say is wrong first: it does not depend on what else runs)
@@ -432,12 +431,9 @@ def cluster_up(
         usage(f"--metrics-port {metrics_port} overlaps the brokers' ports from --port {port}: give another")
     for flag, first in ranges:
         for at in range(first, first + brokers):  # (before anything starts: one line, not a broker's death)
-            with socket.socket() as probe:
-                try:
-                    probe.bind(("127.0.0.1", at))
-                except OSError as exc:
-                    usage(f"{flag} {first}: 127.0.0.1:{at} is taken ({exc.strerror}): give another {flag} "
-                          f"(the brokers use {brokers} ports from it)")  # fmt: skip
+            if not port_free(at):  # (TIME-WAIT left by a cluster just stopped is no conflict)
+                usage(f"{flag} {first}: 127.0.0.1:{at} is taken (another process listens there): give another "
+                      f"{flag} (the brokers use {brokers} ports from it)")  # fmt: skip
     lc = LocalCluster(brokers=brokers, zones=zones, data_dir=data_dir, port=port, metrics_port=metrics_port)
     stop = False
 

@@ -8,6 +8,7 @@ own brokers' stale member keys for that reason.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import random
 import shutil
@@ -55,6 +56,19 @@ def free_port() -> int:
                 continue
             return s.getsockname()[1]
     raise ClusterError("no free TCP port on 127.0.0.1")
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could listen on `host:port` now. A port held only by connections in TIME-WAIT
+    (its last server stopped a moment ago) is free, as it is to gRPC's and etcd's SO_REUSEADDR
+    listeners; one another socket listens on is not."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _ephemeral_low() -> int:
@@ -120,13 +134,36 @@ class EtcdProcess:
     def __init__(self, data_dir: str | Path | None = None, client_port: int = 0, peer_port: int = 0) -> None:
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="tidings-etcd-"))
-        self.client_port = client_port or free_port()
-        self.peer_port = peer_port or free_port()
+        self.client_port, self.peer_port = client_port, peer_port
+        if not self._own_dir and not (client_port and peer_port):
+            self._reuse_ports()  # the ports an earlier run on this data dir used, when they are free
+        self.client_port = self.client_port or free_port()
+        self.peer_port = self.peer_port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.client_port}"
+
+    PORTS_FILE = "ports.json"  # in the data dir: a restart serves on the same endpoint (scripts keep it)
+
+    def _reuse_ports(self) -> None:
+        try:
+            old = json.loads((self.data_dir / self.PORTS_FILE).read_text())
+            client, peer = int(old["client"]), int(old["peer"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        if not self.client_port and port_free(client):
+            self.client_port = client
+        if not self.peer_port and peer != self.client_port and port_free(peer):
+            self.peer_port = peer
+
+    def _save_ports(self) -> None:
+        if not self._own_dir:
+            path = self.data_dir / self.PORTS_FILE
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"client": self.client_port, "peer": self.peer_port}) + "\n")
+            os.replace(tmp, path)
 
     @property
     def url(self) -> str:
@@ -134,6 +171,7 @@ class EtcdProcess:
 
     def start(self, timeout: float = 20.0) -> EtcdProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._save_ports()
         log = open(self.data_dir / "etcd.log", "ab")
         client = f"http://127.0.0.1:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
