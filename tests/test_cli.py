@@ -117,6 +117,47 @@ async def test_reset_head_after_index_has_greater_offset(cluster, spec_file: Pat
     assert json.loads(r.stdout)["begin"] == 60
 
 
+async def test_a_journal_created_over_an_earlier_ones_fragments_is_named_by_apply_and_status(
+    cluster, spec_file: Path
+) -> None:
+    """A new journal whose store already holds fragments (an earlier journal of the name: another
+    cluster, or one deleted) refuses appends until reset-head: apply warns at once, and `status` lists
+    it with what to do until the reset-head, instead of saying "healthy"."""
+    from tests.test_broker_recovery import write_foreign_fragment
+
+    ep = cluster.brokers[0].endpoint
+    write_foreign_fragment(cluster, "cli/hello", 0, b"an earlier cluster's line\n", codec="gzip")
+    r = await run("journals", "apply", str(spec_file), broker=ep)
+    warned = r.stderr.decode()
+    assert r.returncode == 0 and r.stdout == b"created cli/hello\n", r
+    assert warned.startswith("warning: journal cli/hello: its store") and warned.count("\n") == 1, warned
+    assert "fragments to offset 26" in warned and "tidings journals reset-head cli/hello" in warned, warned
+    await cluster.wait_consistent("cli/hello", 3)
+
+    async def status() -> dict:
+        r = await run("status", "--json", broker=ep)
+        assert r.returncode == 0, r
+        return json.loads(r.stdout)
+
+    from tests.support.waiting import wait_until
+
+    async def named() -> bool:
+        return any("appends refused" in p and "reset-head cli/hello" in p for p in (await status())["problems"])
+
+    await wait_until(named, 30, interval=0.2)
+    r = await run("status", broker=ep)
+    assert b"appends refused" in r.stdout and b"healthy" not in r.stdout, r
+    r = await run("journals", "reset-head", "cli/hello", broker=ep)
+    assert r.returncode == 0 and json.loads(r.stdout)["write_head"] == 26
+
+    async def healthy() -> bool:
+        return (await status())["problems"] == []
+
+    await wait_until(healthy, 30, interval=0.2)
+    r = await run("journals", "apply", str(spec_file), broker=ep)
+    assert r.returncode == 0 and r.stdout == b"unchanged cli/hello\n" and r.stderr == b"", r
+
+
 async def test_publish_json_lines_and_read_them_committed(cluster) -> None:
     ep = cluster.brokers[0].endpoint
     for i in range(2):

@@ -128,6 +128,11 @@ class Replica:
         return max(self.index.end_offset, self._spool.end)
 
     @property
+    def spool_end(self) -> int:
+        """The synchronized spool's end: where an append without an explicit offset lands."""
+        return self._spool.end
+
+    @property
     def stores(self) -> list[str]:
         return stores_of(self.spec, self.default_store)
 

@@ -42,7 +42,7 @@ from tidings.broker.append_api import serve_append
 from tidings.broker.append_fsm import AppendFSM
 from tidings.broker.read_api import serve_read
 from tidings.broker.recovery import RecoveryChecks, verify_unassigned
-from tidings.broker.replica import Replica, spool_directory
+from tidings.broker.replica import Replica, spool_directory, stores_of
 from tidings.broker.replicate_api import serve_replicate
 from tidings.broker.resolver import Resolver, same_process
 from tidings.broker.transport import Dialer, FailedStream, ReplicaStream, ReplicationServer
@@ -465,7 +465,7 @@ class Broker:
 
     async def apply(self, req: pb.ApplyRequest) -> pb.ApplyResponse:
         root = self.config.root
-        compares, ops = [], []
+        compares, ops, created = [], [], []
         for i, change in enumerate(req.changes):
             if change.HasField("upsert"):
                 validate.journal_spec(change.upsert, f"changes[{i}].upsert")
@@ -474,6 +474,8 @@ class Broker:
                 key = keys.item_key(root, change.upsert.name)
                 spec = change.upsert
                 current = self.resolver.state.items.get(spec.name)
+                if current is None:
+                    created.append(spec)
                 if not spec.HasField("suspend") and current is not None and current.spec.HasField("suspend"):
                     spec = pb.JournalSpec()  # the brokers' resume offset survives a spec that omits it
                     spec.CopyFrom(change.upsert)
@@ -489,7 +491,41 @@ class Broker:
         ok, revision = await self.etcd.txn(compares, ops)
         await self.keyspace.wait_for_revision(revision, timeout=10)
         status = pb.OK if ok else pb.ETCD_TRANSACTION_FAILED
-        return pb.ApplyResponse(status=status, header=self.resolver.header(pb.Route(primary=-1)))
+        warnings = await self._stale_fragments(created) if ok else []
+        return pb.ApplyResponse(status=status, header=self.resolver.header(pb.Route(primary=-1)), warnings=warnings)
+
+    STALE_CHECK_TIMEOUT = 5.0  # seconds Apply spends listing created journals' stores
+
+    async def _stale_fragments(self, created: list[pb.JournalSpec]) -> list[str]:
+        """A warning per created journal whose store already holds fragments: an earlier journal of the
+        name left them, and its first append is refused (INDEX_HAS_GREATER_OFFSET) until reset-head, as
+        in Gazette. Found at apply, not at the first append; a store that cannot be listed in time is
+        left to the journal's replicas (they report it)."""
+
+        def listed(spec: pb.JournalSpec) -> str | None:
+            for url in stores_of(spec, self.config.default_store):
+                frags = store_for(url).list(spec.name)
+                if frags:
+                    end = max(f.end for f in frags)
+                    return (
+                        f"journal {spec.name}: its store {url} already holds {len(frags)} fragments to offset {end} "
+                        f"(an earlier journal of this name): appends are refused until `tidings journals reset-head "
+                        f"{spec.name}` (reads then include them), or delete them from the store first"
+                    )
+            return None
+
+        checks = [asyncio.ensure_future(asyncio.to_thread(listed, spec)) for spec in created]
+        if checks:
+            await asyncio.wait(checks, timeout=self.STALE_CHECK_TIMEOUT)
+        warnings = []
+        for spec, check in zip(created, checks, strict=True):
+            if not check.done():  # (a store down or slow: the replicas report it)
+                check.cancel()
+            elif check.exception() is not None:
+                log.info("apply: listing the store of created journal %s failed: %s", spec.name, check.exception())
+            elif check.result():
+                warnings.append(check.result())
+        return warnings
 
     def members_response(self) -> pb.MembersResponse:
         """Every live member (its spec from etcd), with the journals assigned to it and those it leads."""

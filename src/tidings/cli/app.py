@@ -559,10 +559,13 @@ def _apply_file(file: Path, broker: str, dry_run: bool = False) -> None:
         async with _client(broker) as c:
             current = {j.spec.name: j for j in (await c.list()).journals}
             changes, report = _plan(file, specs, current)
+            warnings: list[str] = []
             if changes and not dry_run:
-                await c.apply(changes)  # (all or nothing: one etcd transaction)
+                warnings = list((await c.apply(changes)).warnings)  # (all or nothing: one etcd transaction)
             for line in report:
                 out.print(line, highlight=False, soft_wrap=True)
+            for w in warnings:
+                err.print(f"[yellow]warning:[/yellow] {escape(w)}", highlight=False, soft_wrap=True)
             if dry_run:
                 out.print("dry run: nothing applied", style="bold")
 
@@ -1316,6 +1319,14 @@ def members_list(broker: BrokerOpt = DEFAULT_BROKER, as_json: Annotated[bool, ty
         out.print(_members_table(rows))
 
 
+def refused_appends(spec: pb.JournalSpec, probe: pb.ReadResponse) -> bool:
+    """Whether the journal refuses appends now with INDEX_HAS_GREATER_OFFSET, from a write-head probe:
+    its fragment index ends past its replicas' spool (which a suspended journal's resume offset moves)."""
+    if spec.flags == pb.JournalSpec.O_RDONLY or probe.status == pb.SUSPENDED:
+        return False
+    return max(probe.spool_end, spec.suspend.offset) < probe.write_head
+
+
 STATUS_CONCURRENCY = 16  # journals asked about at once by `tidings status`
 
 
@@ -1350,11 +1361,18 @@ async def _journal_status(c, j: pb.ListResponse.Journal) -> dict:
     if route.primary < 0:
         return row
     try:
-        head = (await c.probe(spec.name, -1)).write_head
+        probe = await c.probe(spec.name, -1)
         frags = [e.spec for e in (await c.fragments(spec.name)).fragments]
     except TidingsError as exc:
         problems.append(str(exc))
         return row
+    head = probe.write_head
+    if refused_appends(spec, probe):
+        problems.append(
+            f"appends refused: its fragments end at {head}, past the replicas' write head {probe.spool_end} (an "
+            f"earlier journal's fragments in its store, or every replica lost): `tidings journals reset-head "
+            f"{spec.name}` appends after them, or delete them from the store"
+        )
     first = min((f.begin for f in frags), default=head)
     row |= {
         "head": head,

@@ -355,6 +355,8 @@ class AsyncClient:
         resp = await self._unary("", lambda stub: stub.Apply(pb.ApplyRequest(changes=changes)))
         if resp.status != pb.OK:
             raise for_status(resp.status)(", ".join(c.upsert.name or c.delete for c in changes))
+        for warning in resp.warnings:  # (e.g. a created journal over an earlier one's fragments)
+            log.warning("%s", warning)
         return resp
 
     async def suspend(self, journal: str, force: bool = False) -> bool:

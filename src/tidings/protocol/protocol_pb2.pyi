@@ -353,7 +353,7 @@ class ReadRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., journal: _Optional[str] = ..., offset: _Optional[int] = ..., block: _Optional[bool] = ..., do_not_proxy: _Optional[bool] = ..., metadata_only: _Optional[bool] = ..., end_offset: _Optional[int] = ...) -> None: ...
 
 class ReadResponse(_message.Message):
-    __slots__ = ("status", "header", "offset", "write_head", "fragment", "fragment_url", "content")
+    __slots__ = ("status", "header", "offset", "write_head", "fragment", "fragment_url", "content", "spool_end")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -361,6 +361,7 @@ class ReadResponse(_message.Message):
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_URL_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    SPOOL_END_FIELD_NUMBER: _ClassVar[int]
     status: Status
     header: Header
     offset: int
@@ -368,7 +369,8 @@ class ReadResponse(_message.Message):
     fragment: Fragment
     fragment_url: str
     content: bytes
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., header: _Optional[_Union[Header, _Mapping]] = ..., offset: _Optional[int] = ..., write_head: _Optional[int] = ..., fragment: _Optional[_Union[Fragment, _Mapping]] = ..., fragment_url: _Optional[str] = ..., content: _Optional[bytes] = ...) -> None: ...
+    spool_end: int
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., header: _Optional[_Union[Header, _Mapping]] = ..., offset: _Optional[int] = ..., write_head: _Optional[int] = ..., fragment: _Optional[_Union[Fragment, _Mapping]] = ..., fragment_url: _Optional[str] = ..., content: _Optional[bytes] = ..., spool_end: _Optional[int] = ...) -> None: ...
 
 class AppendRequest(_message.Message):
     __slots__ = ("header", "journal", "do_not_proxy", "content", "offset", "check_registers", "union_registers", "subtract_registers", "commit", "suspend")
@@ -513,12 +515,14 @@ class ApplyRequest(_message.Message):
     def __init__(self, changes: _Optional[_Iterable[_Union[ApplyRequest.Change, _Mapping]]] = ...) -> None: ...
 
 class ApplyResponse(_message.Message):
-    __slots__ = ("status", "header")
+    __slots__ = ("status", "header", "warnings")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     status: Status
     header: Header
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., header: _Optional[_Union[Header, _Mapping]] = ...) -> None: ...
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., header: _Optional[_Union[Header, _Mapping]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MembersRequest(_message.Message):
     __slots__ = ()
