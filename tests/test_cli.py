@@ -88,11 +88,41 @@ async def test_invalid_spec_file_is_named(cluster, tmp_path: Path) -> None:
 
 
 def test_unreachable_cluster_says_what_to_do(tmp_path: Path) -> None:
+    """A --broker where nothing ever answered fails at once, append and publish included (they retry a
+    broker that answered before, for --deadline seconds: a journal that moved is worth it, a wrong
+    address is not): given --deadline 600, each fails within the 60 s `tidings` allows it."""
     from tidings.cluster import free_port
 
-    r = tidings("journals", "list", broker=f"127.0.0.1:{free_port()}")
+    nobody = f"127.0.0.1:{free_port()}"
+    for args, stdin in (
+        (("journals", "list"), b""),
+        (("journals", "append", "a/b", "--deadline", "600"), b"x"),
+        (("publish", "a/b", "--deadline", "600"), b"{}\n"),
+    ):
+        r = tidings(*args, broker=nobody, stdin=stdin)
+        err = r.stderr.decode()
+        assert r.returncode == 1 and "UNAVAILABLE" in err and "cluster up" in err and err.count("\n") == 1, (args, err)
+
+
+def test_a_broker_address_that_is_not_a_broker_says_what_it_is(etcd) -> None:
+    """--broker naming etcd (gRPC, but no Journal service) or a web port (HTTP/1) says so in one line."""
+    import http.server
+    import threading
+
+    r = tidings("journals", "append", "a/b", broker=etcd.endpoint, stdin=b"x")
     err = r.stderr.decode()
-    assert r.returncode == 1 and "UNAVAILABLE" in err and "cluster up" in err and "Traceback" not in err
+    assert r.returncode == 1 and f"{etcd.endpoint} is not a tidings broker (an etcd endpoint?)" in err, err
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        at = f"127.0.0.1:{web.server_port}"
+        for args, stdin in ((("journals", "list"), b""), (("publish", "a/b"), b"{}\n")):
+            r = tidings(*args, broker=at, stdin=stdin)
+            err = r.stderr.decode()
+            assert r.returncode == 1 and f"{at} does not speak gRPC" in err and err.count("\n") == 1, err
+    finally:
+        web.shutdown()
+        web.server_close()
 
 
 async def test_reset_head_after_index_has_greater_offset(cluster, spec_file: Path) -> None:

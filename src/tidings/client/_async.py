@@ -86,6 +86,7 @@ class AsyncClient:
         self._stubs: dict[str, JournalStub] = {}
         self._appends_whole: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
         self._down: dict[str, float] = {}
+        self._answered = False  # some broker has answered this client (a wrong --broker never does)
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -137,9 +138,15 @@ class AsyncClient:
         return self._pick(self.routes.read_endpoint(journal))
 
     def _failed(self, journal: str, endpoint: str, err: TidingsError) -> None:
-        """Forget what an error says is stale: the Route, and for a transport failure the endpoint."""
+        """Forget what an error says is stale: the Route, and for a transport failure the endpoint.
+
+        A client with bounded retries that no broker has answered yet raises at once a failure to
+        reach one: retrying a journal that moved is right, retrying an address where nothing ever
+        answered (a wrong --broker) only makes its user wait. A client retrying for ever waits."""
         if isinstance(err, TransportError) and err.code == grpc.StatusCode.UNAVAILABLE:
             self._down[endpoint] = time.monotonic() + DOWN_FOR
+            if err.unreachable and not self._answered and not self.retry.forever:
+                raise TransportError(str(err), err.code, unreachable=True) from None
         if getattr(err, "refresh_route", True):
             self.routes.invalidate(journal)
 
@@ -265,6 +272,7 @@ class AsyncClient:
         return self._append_result(first.journal, resp)
 
     def _append_result(self, journal: str, resp: pb.AppendResponse) -> AppendResult:
+        self._answered = True
         if resp.HasField("header"):
             self.routes.update(journal, resp.header)
         if resp.status != pb.OK:
@@ -336,6 +344,7 @@ class AsyncClient:
             endpoint = self._pick(self.endpoint)
             try:
                 async for resp in self.stub(endpoint).List(pb.ListRequest(selector=selector, watch=True)):
+                    self._answered = True
                     attempt, failing_since = 0, 0.0
                     outage.ok()
                     self._learn_routes(resp)
@@ -399,6 +408,7 @@ class AsyncClient:
                     raise err from None
                 outage.failed(err)
             else:
+                self._answered = True
                 status = getattr(resp, "status", pb.OK)
                 if journal and resp.HasField("header"):
                     self.routes.update(journal, resp.header)
@@ -573,6 +583,7 @@ class Reader:
             suspended_before = suspended
             try:
                 async for resp in stream:
+                    client._answered = True
                     if resp.status == pb.OK and (failing_since or attempt):  # a replica serves the read again:
                         failing_since, attempt = 0.0, 0  # a later failure is a new one (its own budget and deadline)
                         outage.ok()

@@ -146,10 +146,13 @@ def raise_for_status(status: int, journal: str = "", detail: str = "", header: p
 class TransportError(TidingsError):
     """The broker could not be reached or the RPC failed in transport."""
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None, retriable: bool = False) -> None:
+    def __init__(
+        self, message: str, code: grpc.StatusCode | None = None, retriable: bool = False, unreachable: bool = False
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.retriable = retriable
+        self.unreachable = unreachable  # no server answered at all (refused, unresolved, not gRPC)
 
 
 _RETRIABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED})
@@ -162,15 +165,26 @@ _CODE_HINTS = {
 }
 
 
+_UNREACHABLE = ("failed to connect to all addresses", "DNS resolution failed")  # gRPC's own, not a server's
+_SERVICE_ROLES = {"Journal": "broker", "Shard": "consumer", "Target": "target"}  # who serves each gRPC service
+
+
 def map_grpc_error(err: grpc.RpcError, target: str = "") -> TransportError:
     """The one place gRPC errors become TidingsErrors."""
     code = err.code() if hasattr(err, "code") else None
     details = err.details() if hasattr(err, "details") else str(err)
     where = f" from {target}" if target else ""
     hint = _CODE_HINTS.get(code, "") if code is not None else ""
+    if code == grpc.StatusCode.UNIMPLEMENTED and "unknown service tidings.protocol." in details:
+        service = details.rsplit("tidings.protocol.", 1)[1].strip()
+        role = _SERVICE_ROLES.get(service, f"{service} server")
+        hint = f"{target or 'it'} is not a tidings {role} (an etcd endpoint?): give a {role}'s HOST:PORT"
+    elif "Failed parsing HTTP/2" in details:
+        hint = f"{target or 'it'} does not speak gRPC (a web or /metrics port?): give a tidings server's HOST:PORT"
     name = code.name if code is not None else "UNKNOWN"
     msg = f"{name}{where}: {details}" + (f"; {hint}" if hint else "")
-    return TransportError(msg, code, retriable=code in _RETRIABLE_CODES)
+    unreachable = code == grpc.StatusCode.UNAVAILABLE and details.startswith(_UNREACHABLE)
+    return TransportError(msg, code, retriable=code in _RETRIABLE_CODES, unreachable=unreachable)
 
 
 class ValidationError(TidingsError, ValueError):
