@@ -218,6 +218,10 @@ async def test_publish_bad_line_names_it_and_keeps_what_came_before(cluster) -> 
     assert [json.loads(line)["n"] for line in r.stdout.splitlines()] == [1, 2]
     r = await run("publish", "topic=none", broker=ep, stdin=b'{"n": 1}\n')
     assert r.returncode == 1 and b"no journal matches the selector 'topic=none'" in r.stderr
+    r = await run("publish", "cli/pub", broker=ep, stdin=b'{"n": 5}\n')  # (counted in English)
+    assert r.returncode == 0 and r.stderr == b"published 1 message to cli/pub\n", r
+    r = await run("publish", "cli/pub", broker=ep, stdin=b'{"n": 6}\n[]\n')
+    assert r.returncode == 1 and b"; the message before it was published, nothing after it" in r.stderr, r
 
 
 def _children(pid: int) -> list[int]:

@@ -1,17 +1,21 @@
 """The LogPlayer's commands as a user runs them against a real cluster: `wal append` (transactions
 from stdin, a retry by UUID applied once, bad lines, an append that fails) and `targets status`
-(a target up, one down). One clear line and exit code 1 or 2 on a mistake, never a traceback."""
+(a target up, one down, the WAL bytes after what a target applied). One clear line and exit code 1
+or 2 on a mistake, never a traceback."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from pathlib import Path
 
 from tests.support.waiting import wait_until
 from tests.test_cli import run
 from tidings.cluster.etcd import free_port
+from tidings.logplayer.player import LogPlayer
 from tidings.logplayer.target import TargetServer
-from tidings.logplayer.wal import WalEntry
+from tidings.logplayer.wal import Targets, WalEntry
 from tidings.message.iterators import ReadCommitted
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import spec_from_dict, spec_to_dict
@@ -53,22 +57,33 @@ async def test_wal_append_prints_each_index_and_a_retry_by_uuid_is_applied_once(
 
 
 async def test_wal_append_bad_lines_say_which_and_what_went_before(cluster, tmp_path: Path) -> None:
+    """A bad stdin line stops `wal append` with one line naming it, the expected shape and what was
+    appended before it; exit code 1, as `publish` gives a bad line (2 is for flags and arguments,
+    refused before anything connects). A mutation setting nothing (no value, no delete) is refused."""
     await cluster.create_journal(WAL)
     ep = cluster.brokers[0].endpoint
     targets = targets_file(tmp_path, ["127.0.0.1:7000"])
+    shape = 'give a JSON list of mutations, or {"mutations": [...], "uuid": "..."}'
     cases = [
-        (b'[{"key": "a", "value": 1}]\nnot json\n', "stdin line 2", "(the 1 before it were appended)"),
+        (b'[{"key": "a", "value": 1}]\nnot json\n', "stdin line 2", "(1 transaction before it appended)"),
         (b"[]\n", "stdin line 1", "at least one mutation"),
         (b'[{"value": 1}]\n', "stdin line 1", "mutation 0"),
-        (b'{"mutations": [{"key": "a"}], "uuid": "nope"}\n', "stdin line 1", "uuid 'nope'"),
-        (b'{"uuid": "x"}\n', "stdin line 1", "give a JSON list of mutations"),
+        (b'[{"key": "a"}]\n', "stdin line 1", "mutation 0: neither 'value' nor 'delete': true: give"),
+        (b'[{"key": "a", "value": 1, "delete": true}]\n', "stdin line 1", "mutation 0: both 'value' and"),
+        (b'{"mutations": [{"key": "a", "delete": true}], "uuid": "nope"}\n', "stdin line 1", "uuid 'nope'"),
+        (b'{"uuid": "x"}\n', "stdin line 1", shape),
+        (b"42\n", "stdin line 1", f"a JSON number, not a transaction: {shape}"),
     ]
     for stdin, where, what in cases:
         r = await run("wal", "append", WAL, "--targets", targets, broker=ep, stdin=stdin)
         err = r.stderr.decode()
-        assert r.returncode == 2, (stdin, err)
+        assert r.returncode == 1, (stdin, err)
         assert where in err and what in err and "Traceback" not in err, (stdin, err)
         assert len(err.strip().splitlines()) == 1, err
+    r = await run("wal", "append", "wal/absent", "--targets", targets, broker=ep, stdin=b'[{"key": "a", "value": 1}]\n')
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "journal 'wal/absent' does not exist: nothing was appended" in err, err
+    assert "unknown" not in err and len(err.strip().splitlines()) == 1, err
     r = await run("wal", "append", WAL, "--targets", str(tmp_path / "nope.yaml"), broker=ep, stdin=b"[]\n")
     assert r.returncode == 2 and "nope.yaml" in r.stderr.decode()
 
@@ -110,10 +125,33 @@ async def test_targets_status_shows_each_target_and_fails_when_one_is_down(clust
         r = await run("targets", "status", "--targets", targets, "--wal", WAL, "--json", broker=ep)
         assert r.returncode == 1, r.stderr
         rows = {row["id"]: row for row in map(json.loads, r.stdout.splitlines())}
-        assert rows["t0"]["up"] and rows["t0"]["last_applied"] == -1 and rows["t0"]["behind_head"] > 0
+        async with cluster.client() as c:
+            head = await c.write_head(WAL)
+        assert rows["t0"]["up"] and rows["t0"]["last_applied"] == -1 and rows["t0"]["wal_bytes_after"] == head
         assert not rows["t1"]["up"] and rows["t1"]["error"]
         r = await run("targets", "status", "--targets", targets, broker=ep)
         table = r.stdout.decode()
         assert r.returncode == 1 and "t0" in table and "yes" in table and "no:" in table, table
+
+        # Every entry applied (a LogPlayer over t0 alone): 0 WAL bytes after it.
+        only_up = targets_file(tmp_path, [up])
+        for _ in range(2):
+            r = await run("wal", "append", WAL, "--targets", only_up, broker=ep, stdin=b'[{"key": "b", "value": 2}]\n')
+            assert r.returncode == 0, r.stderr
+        async with cluster.client() as client:
+            player = LogPlayer(client, WAL, Targets.load(only_up), state_path=tmp_path / "p.state")
+            task = asyncio.create_task(player.run())
+            try:
+
+                async def caught_up() -> bool:
+                    r = await run("targets", "status", "--targets", only_up, "--wal", WAL, "--json", broker=ep)
+                    row = json.loads(r.stdout)
+                    return r.returncode == 0 and row["last_applied"] > 0 and row["wal_bytes_after"] == 0
+
+                await wait_until(caught_up, 30)
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
     finally:
         await server.stop()

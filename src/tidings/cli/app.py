@@ -61,6 +61,18 @@ def usage(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
+def plural(n: int, noun: str) -> str:
+    """'1 message', '2 messages'."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def line_span(first: int, last: int) -> str:
+    """'stdin line 3', 'stdin lines 1 to 5', or 'no stdin line' for an empty span."""
+    if last < first:
+        return "no stdin line"
+    return f"stdin line {first}" if first == last else f"stdin lines {first} to {last}"
+
+
 def _endpoint(
     flag: str, optional: bool = False, also: tuple[str, ...] = (), any_port: bool = False
 ) -> Callable[[str], str]:
@@ -1094,9 +1106,9 @@ def publish(
     done = {"sent": 0, "through": 0, "flight": 0}  # messages published, the stdin line they reach, a batch's last
 
     def so_far() -> str:
-        said = f"published {done['sent']} messages (stdin lines 1 to {done['through']})"
+        said = f"published {plural(done['sent'], 'message')} ({line_span(1, done['through'])})"
         if done["flight"]:  # (interrupted while a batch's appends were out: they may commit yet)
-            said += f"; lines {done['through'] + 1} to {done['flight']} were being published and may have been"
+            said += f"; {line_span(done['through'] + 1, done['flight'])} were being published and may have been"
         return said
 
     async def go() -> tuple[int, set[str], str]:
@@ -1131,10 +1143,10 @@ def publish(
                 if not isinstance(exc, TidingsError):
                     raise exc
                 of_ok = sum(len(groups[n]) for n in ok)
-                span = f"line {first}" if first == last else f"lines {first} to {last}"
+                span = line_span(first, last)
                 partly = f", and {of_ok} of {span} (those for {', '.join(ok)})" if ok else ""
                 raise TidingsError(
-                    f"{exc}; published {done['sent'] + of_ok} messages (stdin lines 1 to {first - 1}{partly}); "
+                    f"{exc}; published {plural(done['sent'] + of_ok, 'message')} ({line_span(1, first - 1)}{partly}); "
                     f"not published: {span} for {', '.join(failed)}, and every line after {last}"
                 )
 
@@ -1179,8 +1191,9 @@ def publish(
         err.print(f"interrupted: {so_far()}", highlight=False)
         raise typer.Exit(130) from None
     if bad:
-        raise TidingsError(f"{bad}; the {sent} messages before it were published, nothing after it")
-    err.print(f"published {sent} messages to {', '.join(sorted(written)) or 'no journal'}", highlight=False)
+        before = f"the {plural(sent, 'message')} before it were" if sent != 1 else "the message before it was"
+        raise TidingsError(f"{bad}; {before} published, nothing after it")
+    err.print(f"published {plural(sent, 'message')} to {', '.join(sorted(written)) or 'no journal'}", highlight=False)
 
 
 class _Stdin:

@@ -31,10 +31,12 @@ from tidings.cli.app import (
     app,
     err,
     out,
+    plural,
     serve_until_signalled,
     usage,
 )
-from tidings.protocol.status import TidingsError, UsageError, ValidationError
+from tidings.protocol import labels
+from tidings.protocol.status import JournalNotFoundError, TidingsError, UsageError, ValidationError
 
 target = typer.Typer(help="Run a LogPlayer target (a storage shard).", no_args_is_help=True, **_PLAIN)  # type: ignore[arg-type]
 targets_cmd = typer.Typer(help="The targets of targets.yaml.", no_args_is_help=True, **_PLAIN)  # type: ignore[arg-type]
@@ -225,30 +227,39 @@ def wal_append(
         from tidings.logplayer.wal import WalWriter
 
         async with _client(broker, 30.0) as client:
+            if not (await client.list(labels.parse_selector(f"name={journal}"))).journals:
+                raise TidingsError(f"journal {journal!r} does not exist: nothing was appended; create it with "
+                                   "`tidings journals apply` (README: LogPlayer)")  # fmt: skip
             writer = WalWriter(client, journal, declared)
             appended = 0
             try:
                 for n, line in enumerate(sys.stdin, 1):
                     if not line.strip():
                         continue
-                    before = f" (the {appended} before it were appended)" if appended else ""
+                    before = f" ({plural(appended, 'transaction')} before it appended)" if appended else ""
+                    shape = 'give a JSON list of mutations, or {"mutations": [...], "uuid": "..."}'
                     try:
                         doc = msgspec.json.decode(line)
-                        mutations, uuid = (
-                            (doc, "") if isinstance(doc, list) else (doc["mutations"], doc.get("uuid", ""))
-                        )
+                        if isinstance(doc, dict):
+                            doc = [doc.get("mutations"), doc.get("uuid", "")]
+                        elif isinstance(doc, list):
+                            doc = [doc, ""]
+                        else:
+                            kind = {bool: "true/false", int: "number", float: "number", str: "string"}.get(type(doc))
+                            raise TypeError(f"a JSON {kind or 'null'}, not a transaction")
+                        mutations, uuid = doc
                         if not isinstance(mutations, list) or not isinstance(uuid, str):
-                            raise TypeError("mutations must be a list, uuid a string")
+                            raise TypeError('"mutations" must be a list, "uuid" a string')
                         entry = writer.prepare(mutations, uuid)
-                    except ValidationError as exc:
-                        raise ValidationError(f"stdin line {n}", f"{exc}{before}") from None
-                    except (msgspec.DecodeError, KeyError, TypeError) as exc:
-                        raise ValidationError(
-                            f"stdin line {n}",
-                            f'{exc}: give a JSON list of mutations, or {{"mutations": [...], "uuid": "..."}}{before}',
-                        ) from None
+                    except ValidationError as exc:  # (a bad line, read after others were appended: exit 1)
+                        raise TidingsError(f"stdin line {n}: {exc}{before}") from None
+                    except (msgspec.DecodeError, TypeError) as exc:
+                        raise TidingsError(f"stdin line {n}: {exc}: {shape}{before}") from None
                     try:
                         index = await writer.append(entry)
+                    except JournalNotFoundError:  # (deleted meanwhile: refused, so not appended)
+                        raise TidingsError(f"stdin line {n}: journal {journal!r} does not exist: it was not "
+                                           f"appended{before}") from None  # fmt: skip
                     except TidingsError as exc:  # (whether it landed is unknown: its UUID makes a retry safe)
                         raise TidingsError(
                             f"stdin line {n}: {exc}; whether it was appended is unknown: append it again as "
@@ -266,7 +277,12 @@ def wal_append(
 def targets_status(
     targets: TargetsOpt = Path("targets.yaml"),
     wal_journal: Annotated[
-        str, typer.Option("--wal", envvar="TIDINGS_WAL", help="Also show each target's lag behind this WAL's head.")
+        str,
+        typer.Option(
+            "--wal",
+            envvar="TIDINGS_WAL",
+            help="Also show the WAL bytes after each target's last applied entry (0: it applied the last one).",
+        ),
     ] = "",
     broker: BrokerOpt = DEFAULT_BROKER,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per target.")] = False,
@@ -277,15 +293,28 @@ def targets_status(
 
     declared = _load_targets(targets)
 
+    async def entry_end(client, index: int, head: int) -> int:
+        """Where the WAL entry beginning at `index` ends (the byte after its newline)."""
+        async for chunk in client.reader(wal_journal, index, block=False, end_offset=head):
+            at = chunk.content.find(b"\n")
+            if at >= 0:
+                return chunk.offset + at + 1
+        return head
+
     async def go():
         answers = await last_acks(declared)
-        head = None
+        head, after = None, {}
         if wal_journal:
             async with _client(broker) as client:
                 head = await client.write_head(wal_journal)
-        return answers, head
+                for t in declared.targets:
+                    a = answers[t.id]
+                    if isinstance(a, pb.LastAckResponse) and a.status == pb.OK:  # (-1: nothing applied yet)
+                        applied_to = await entry_end(client, a.last_applied, head) if a.last_applied >= 0 else 0
+                        after[t.id] = max(head - applied_to, 0)
+        return answers, head, after
 
-    answers, head = _run(go())
+    answers, head, after = _run(go())
     rows = []
     for t in declared.targets:
         a = answers[t.id]
@@ -294,18 +323,18 @@ def targets_status(
         else:
             why = a if isinstance(a, str) else f"{pb.Status.Name(a.status)}: {a.detail}"
             row = {"id": t.id, "endpoint": t.endpoint, "up": False, "error": why}
-        if head is not None and row["up"]:
-            row["behind_head"] = max(head - row["last_applied"], 0)
+        if t.id in after:  # (entries for other targets count too: a target receives only its parts)
+            row["wal_bytes_after"] = after[t.id]
         rows.append(row)
     if as_json:
         for row in rows:
             print(json.dumps(row))
     else:
         table = Table(
-            "target", "endpoint", "up", "last applied", "epoch", *(["behind head"] if head is not None else [])
+            "target", "endpoint", "up", "last applied", "epoch", *(["WAL bytes after it"] if head is not None else [])
         )
         for row in rows:
-            extra = [str(row.get("behind_head", ""))] if head is not None else []
+            extra = [str(row.get("wal_bytes_after", ""))] if head is not None else []
             if row["up"]:
                 table.add_row(row["id"], row["endpoint"], "yes", str(row["last_applied"]), str(row["epoch"]), *extra)
             else:

@@ -204,6 +204,12 @@ class WalWriter:
 def _mutation(m: Mapping[str, Any], i: int) -> WalMutation:
     if not isinstance(m, Mapping):
         raise ValidationError(f"mutation {i}", "give {'key': str, 'value': JSON} or {'key': str, 'delete': true}")
+    if ("value" in m) == bool(m.get("delete")):  # (neither would store null; both is ambiguous)
+        raise ValidationError(
+            f"mutation {i}",
+            f"{'both' if 'value' in m else 'neither'} 'value' {'and' if 'value' in m else 'nor'} 'delete': true: "
+            "give {'key': str, 'value': JSON} to set the key, or {'key': str, 'delete': true} to delete it",
+        )
     try:
         return msgspec.convert({**m, "value": msgspec.Raw(msgspec.json.encode(m.get("value")))}, WalMutation)
     except (msgspec.ValidationError, TypeError) as exc:
