@@ -21,7 +21,11 @@ def arguments(doc: str, prefix: str) -> argparse.ArgumentParser:
     """The arguments every example takes (the cluster, the journals' prefix and partitions)."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--etcd", default=os.environ.get("TIDINGS_ETCD", ""), help="the cluster's etcd HOST:PORT")
-    ap.add_argument("--broker", default=os.environ.get("TIDINGS_BROKER", "127.0.0.1:8080"))
+    ap.add_argument(
+        "--broker",
+        default=os.environ.get("TIDINGS_BROKER", ""),
+        help="a broker HOST:PORT (default: one of those the cluster announces in --etcd)",
+    )
     ap.add_argument(
         "--prefix", default=f"examples/{prefix}-{int(time.time())}", help="of the journals and shards (new)"
     )
@@ -30,6 +34,26 @@ def arguments(doc: str, prefix: str) -> argparse.ArgumentParser:
     ap.add_argument("--consumers", type=int, default=2, help="consumer processes to run the shards")
     ap.add_argument("--seed", type=int, default=1)
     return ap
+
+
+def parse(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """The arguments, the cluster found: --etcd is needed; the brokers are those it announces."""
+    import asyncio
+
+    from tidings.cluster import broker_endpoints
+
+    args = ap.parse_args()
+    if not args.etcd:
+        ap.error("give --etcd HOST:PORT (the `etcd` line `tidings cluster up` prints)")
+    if not args.broker:
+        try:
+            found = asyncio.run(broker_endpoints(args.etcd))
+        except Exception as exc:
+            ap.error(f"--etcd {args.etcd}: {exc}")
+        if not found:
+            ap.error(f"no broker is announced in etcd {args.etcd}: run `tidings cluster up`, or give --broker")
+        args.broker = found[0]
+    return args
 
 
 def start_consumer(

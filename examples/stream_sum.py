@@ -32,7 +32,7 @@ import random
 import zlib
 from typing import Any
 
-from examples._consumers import arguments, consumers, create, failures, wait_for
+from examples._consumers import arguments, consumers, create, failures, parse, wait_for
 
 from tidings.client import AppendService, AsyncClient
 from tidings.consumer import PostgresStore, SQLiteStore
@@ -176,9 +176,7 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=10, help="per stream")
     ap.add_argument("--postgres", nargs="?", const="private", default="",
                     help="keep the sums in PostgreSQL: this URL, or a private server if none")  # fmt: skip
-    args = ap.parse_args()
-    if not args.etcd:
-        ap.error("give --etcd HOST:PORT (the `etcd` line `tidings cluster up` prints)")
+    args = parse(ap)
     with contextlib.ExitStack() as stack:
         env = {}
         if args.postgres == "private":

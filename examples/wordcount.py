@@ -27,7 +27,7 @@ import zlib
 from collections import Counter
 from typing import Any
 
-from examples._consumers import arguments, consumers, create, failures, wait_for
+from examples._consumers import arguments, consumers, create, failures, parse, wait_for
 
 from tidings.client import AppendService, AsyncClient
 from tidings.consumer import SQLiteStore
@@ -42,10 +42,29 @@ def _label(shard: Any, name: str) -> str:
     return next((lb.value for lb in shard.spec.labels.labels if lb.name == name), "")
 
 
+NEEDS = {  # the labels a WordCount shard's spec gives, what each says, and how each is checked
+    "stage": ("split or count", lambda v: v in ("split", "count")),
+    "prefix": ("the journals' prefix, e.g. wc", lambda v: bool(v) and not v.startswith("/") and not v.endswith("/")),
+    "parts": ("the number of words partitions, e.g. 2", lambda v: v.isdigit() and int(v) > 0),
+}
+
+
+def check_labels(shard: Any) -> None:
+    """Fail the shard at its start, naming the label, rather than on a journal named from a missing one."""
+    for name, (what, ok) in NEEDS.items():
+        if not ok(_label(shard, name)):
+            given = _label(shard, name)
+            raise ValueError(
+                f"WordCount needs the label {name!r} ({what}); the spec of shard {shard.spec.id} "
+                f"{'gives ' + repr(given) if given else 'lacks it'} (examples/shards.yaml shows one)"
+            )
+
+
 class WordCount:
     """The application (`tidings consumer --app examples.wordcount:WordCount`)."""
 
     def new_store(self, shard: Any) -> SQLiteStore:
+        check_labels(shard)
         counts = "CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NOT NULL)"
         return SQLiteStore(shard.path(), schema=[counts] if _label(shard, "stage") == "count" else [])
 
@@ -125,9 +144,7 @@ async def counts_published(broker: str, prefix: str) -> tuple[dict[str, int], li
 def main() -> None:
     ap = arguments(__doc__, "wc")
     ap.add_argument("--lines", type=int, default=2000)
-    args = ap.parse_args()
-    if not args.etcd:
-        ap.error("give --etcd HOST:PORT (the `etcd` line `tidings cluster up` prints)")
+    args = parse(ap)
     with consumers("examples.wordcount:WordCount", args, "wc") as endpoints:
         asyncio.run(create(args.broker, endpoints[0], journal_specs(args.prefix, args.parts, args.replication),
                            shard_specs(args.prefix, args.parts)))  # fmt: skip

@@ -5,6 +5,6 @@ stopped by PID in a ``finally`` so nothing is left running.
 """
 
 from tidings.cluster.etcd import EtcdProcess, find_etcd, free_port
-from tidings.cluster.launcher import BrokerProcess, LocalCluster
+from tidings.cluster.launcher import BrokerProcess, LocalCluster, broker_endpoints
 
-__all__ = ["BrokerProcess", "EtcdProcess", "LocalCluster", "find_etcd", "free_port"]
+__all__ = ["BrokerProcess", "EtcdProcess", "LocalCluster", "broker_endpoints", "find_etcd", "free_port"]

@@ -229,3 +229,25 @@ def _run_async(coro):  # type: ignore[no-untyped-def]
     """Run a coroutine to completion from sync code, even when this thread already runs a loop."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(uvloop.run, coro).result()
+
+
+async def broker_endpoints(etcd_endpoint: str, root: str = DEFAULT_ROOT) -> list[str]:
+    """The endpoints of the brokers announced in etcd under `root` (`cluster up`'s by default): a
+    program given only a cluster's etcd finds its brokers there."""
+    from tidings.protocol import protocol_pb2 as pb
+
+    etcd = await Etcd.connect(etcd_endpoint)
+    try:
+        kvs, _ = await etcd.get_prefix(members_prefix(root))
+    finally:
+        await etcd.aclose()
+    found = []
+    for kv in kvs:
+        spec = pb.BrokerSpec()
+        try:
+            spec.ParseFromString(kv.value)
+        except Exception:  # (not a broker's announcement: skip it)
+            continue
+        if spec.endpoint and not spec.exiting:
+            found.append(spec.endpoint)
+    return found
