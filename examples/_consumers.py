@@ -27,6 +27,9 @@ def arguments(doc: str, prefix: str) -> argparse.ArgumentParser:
         help="a broker HOST:PORT (default: one of those the cluster announces in --etcd)",
     )
     ap.add_argument(
+        "--cluster-root", default="/tidings/cluster", help="the brokers' root in etcd (`cluster up`'s by default)"
+    )
+    ap.add_argument(
         "--prefix", default=f"examples/{prefix}-{int(time.time())}", help="of the journals and shards (new)"
     )
     ap.add_argument("--parts", type=int, default=2)
@@ -47,11 +50,11 @@ def parse(ap: argparse.ArgumentParser) -> argparse.Namespace:
         ap.error("give --etcd HOST:PORT (the `etcd` line `tidings cluster up` prints)")
     if not args.broker:
         try:
-            found = asyncio.run(broker_endpoints(args.etcd))
+            found = asyncio.run(broker_endpoints(args.etcd, args.cluster_root))
         except Exception as exc:
             ap.error(f"--etcd {args.etcd}: {exc}")
         if not found:
-            ap.error(f"no broker is announced in etcd {args.etcd}: run `tidings cluster up`, or give --broker")
+            ap.error(f"no broker announces itself in etcd {args.etcd} under {args.cluster_root}: give --broker")
         args.broker = found[0]
     return args
 

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def run_example(lc: LocalCluster, module: str, *args: str) -> str:
     assert lc.etcd_endpoint is not None
-    argv = [sys.executable, "-m", module, "--etcd", lc.etcd_endpoint, "--broker", lc.brokers[0].endpoint,
+    argv = [sys.executable, "-m", module, "--etcd", lc.etcd_endpoint,
             "--prefix", f"examples/t-{uuid.uuid4().hex[:8]}", *args]  # fmt: skip
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
@@ -33,14 +33,35 @@ def run_example(lc: LocalCluster, module: str, *args: str) -> str:
 
 
 def test_wordcount_counts_every_word_exactly_once(local_cluster: LocalCluster) -> None:
-    out = run_example(local_cluster, "examples.wordcount", "--lines", "400")
+    """Given only --etcd (as the README runs it), with brokers on ports other than 8080: it finds them."""
+    out = run_example(local_cluster, "examples.wordcount", "--lines", "400", "--cluster-root", local_cluster.root)
     assert "counted exactly once" in out
+
+
+async def test_a_wordcount_shard_lacking_a_label_fails_naming_it(cluster, consumers) -> None:
+    """docs/shards.md's spec without `prefix`: the shard fails at its start naming the label, not on
+    a journal "/counts" named from the missing one."""
+    from examples.wordcount import WordCount
+
+    from tidings.protocol.specs import shard_from_dict
+
+    await cluster.create_journal("wc/words/part-0", 3)
+    c = await consumers.add("zone-a", app=WordCount())
+    spec = shard_from_dict({"id": "wc/count/0", "sources": ["wc/words/part-0"], "labels": {"stage": "count"}})
+    async with ShardClient(c.endpoint) as sc:
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=spec)])
+    await wait_until(lambda: consumers.statuses("wc/count/0") == {"zone-a/c0": pb.ReplicaStatus.FAILED}, 60)
+    async with ShardClient(c.endpoint) as sc:
+        (listed,) = (await sc.list()).shards
+    reason = listed.status[0].errors[0]
+    assert "WordCount needs the label 'prefix'" in reason and "lacks it" in reason, reason
 
 
 @pytest.mark.parametrize("store", ["sqlite", "postgres"])
 def test_stream_sum_sums_every_stream_exactly_once(local_cluster: LocalCluster, store: str, request) -> None:
     extra = ["--postgres", request.getfixturevalue("pg_dsn")] if store == "postgres" else []
-    out = run_example(local_cluster, "examples.stream_sum", "--streams", "24", "--chunks", "6", *extra)
+    broker = ["--broker", local_cluster.brokers[0].endpoint]  # (given, as a user may)
+    out = run_example(local_cluster, "examples.stream_sum", "--streams", "24", "--chunks", "6", *broker, *extra)
     assert f"verified: 24 streams summed exactly once ({'PostgreSQL' if extra else 'SQLite'} stores)" in out
 
 
