@@ -22,19 +22,53 @@ Writing (`df.write` / `df.writeStream` `.format("tidings")`): options `broker`, 
 `journal` column per row) and, for streams, `checkpointLocation`; exactly once, see
 `tidings.spark.sink`.
 
-`register(spark)` registers the source with a session explicitly (a session whose Python workers
-cannot import `pyspark_tidings` needs it).
+`session()` starts a local SparkSession whose Python workers run this interpreter (Spark's own
+default runs the PATH's `python3`, which may not have tidings: the lookup of `format("tidings")`
+then fails with DATA_SOURCE_NOT_FOUND). `register(spark)` registers the source with a session
+explicitly (one whose workers cannot find `pyspark_tidings` on their own, e.g. `--py-files`); with a
+local master it first checks that the workers' Python can import tidings, and says how if not.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from typing import Any
 
+try:
+    import pyspark  # noqa: F401
+except ModuleNotFoundError:
+    raise ImportError("tidings.spark needs PySpark: pip install 'tidings[spark]'") from None
+
+from tidings.protocol.status import UsageError
+from tidings.spark.local import local_session as session
 from tidings.spark.source import TidingsBatchReader, TidingsDataSource
 
-__all__ = ["TidingsBatchReader", "TidingsDataSource", "register"]
+__all__ = ["TidingsBatchReader", "TidingsDataSource", "register", "session"]
 
 
 def register(spark: Any) -> None:
     """Register the `tidings` format with a SparkSession."""
+    if spark.sparkContext.master.startswith("local"):
+        check_worker_python(spark)
     spark.dataSource.register(TidingsDataSource)
+
+
+def check_worker_python(spark: Any) -> None:
+    """Raise UsageError (one line) if a local session's Python workers cannot import tidings."""
+    sc = spark.sparkContext
+    worker = sc.getConf().get("spark.pyspark.python") or sc.pythonExec or "python3"  # (the conf wins, as in Spark)
+    path = shutil.which(worker) or worker
+    if os.path.realpath(path) == os.path.realpath(sys.executable):
+        return
+    try:
+        ok = subprocess.run([path, "-c", "import tidings.spark"], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    if not ok:
+        raise UsageError(
+            f"Spark's Python workers run {worker!r} ({path}), which cannot import tidings: start the session with "
+            f"tidings.spark.session(), or set PYSPARK_PYTHON={sys.executable} before creating it"
+        )
