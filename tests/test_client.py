@@ -264,7 +264,6 @@ async def test_reader_reads_persisted_fragments_straight_from_the_store(cluster)
 async def test_a_store_the_client_cannot_read_is_read_through_the_broker(cluster, monkeypatch) -> None:
     """A reader without access to the fragment store (no credentials on a Spark executor, say)
     falls back to the broker, which can read it, rather than failing."""
-    import tidings.client._async as client_async
 
     await cluster.create_journal("cl/no-store", 1, fragment={"length": "1KiB"})
     async with cluster.client(0) as c:
@@ -275,7 +274,7 @@ async def test_a_store_the_client_cannot_read_is_read_through_the_broker(cluster
         def no_store(url: str):
             raise PermissionError(f"no credentials for {url}")
 
-        monkeypatch.setattr(client_async, "store_for", no_store)
+        monkeypatch.setattr("tidings.fragment.store.store_for", no_store)  # (what a direct read opens)
         reader = c.reader("cl/no-store", 0, block=False, direct=True)
         data = b"".join([chunk.content async for chunk in reader])
         assert data == b"".join(bytes([65 + i]) * 700 for i in range(4))
@@ -285,7 +284,6 @@ async def test_a_store_the_client_cannot_read_is_read_through_the_broker(cluster
 async def test_a_store_fallback_whose_broker_fails_too_raises_a_tidings_error(cluster, monkeypatch) -> None:
     """The fallback's own broker read failing (the broker went away in between) is a TransportError
     the reader retries and then raises, as every other read failure: not a raw grpc.RpcError."""
-    import tidings.client._async as client_async
     from tidings.cluster.etcd import free_port
 
     await cluster.create_journal("cl/no-store-no-broker", 1, fragment={"length": "1KiB"})
@@ -307,7 +305,7 @@ async def test_a_store_fallback_whose_broker_fails_too_raises_a_tidings_error(cl
             c.stub = lambda endpoint: stub(dead)  # (the broker goes away too: the fallback's read fails)
             raise PermissionError(f"no credentials for {url}")
 
-        monkeypatch.setattr(client_async, "store_for", no_store)
+        monkeypatch.setattr("tidings.fragment.store.store_for", no_store)  # (what a direct read opens)
         reader = c.reader("cl/no-store-no-broker", 0, block=False, direct=True)
         with pytest.raises(TransportError):
             _ = [chunk async for chunk in reader]

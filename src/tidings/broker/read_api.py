@@ -94,7 +94,7 @@ async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.Serv
                         header=res.header if first else None,
                         offset=offset,
                         write_head=replica.write_head,
-                        spool_end=replica.spool_end,
+                        spool_end=replica.synchronized_spool_end,
                     )
                 )
                 return pb.OFFSET_NOT_YET_AVAILABLE
@@ -130,7 +130,7 @@ async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.Serv
                     header=res.header if first else None,
                     offset=offset,
                     write_head=replica.write_head,
-                    spool_end=replica.spool_end,
+                    spool_end=replica.synchronized_spool_end,
                     fragment=frag.to_proto(),
                     fragment_url=store_for(frag.backing_store).url(frag) if frag.backing_store else "",
                 )

@@ -128,9 +128,10 @@ class Replica:
         return max(self.index.end_offset, self._spool.end)
 
     @property
-    def spool_end(self) -> int:
-        """The synchronized spool's end: where an append without an explicit offset lands."""
-        return self._spool.end
+    def synchronized_spool_end(self) -> int | None:
+        """The spool's end once a pipeline synchronized it (where an append without an explicit offset
+        lands), else None: a replica recovering or just joined does not know it yet."""
+        return self._spool.end if self.synchronized.is_set() else None
 
     @property
     def stores(self) -> list[str]:

@@ -488,10 +488,11 @@ class Broker:
             else:
                 raise ValidationError(f"changes[{i}]", "expected an upsert or a delete")
             compares.append(mod_revision_is(key, change.expect_mod_revision))
+        warnings = await self._stale_fragments(created)  # (before the journal exists: none of its own yet)
         ok, revision = await self.etcd.txn(compares, ops)
         await self.keyspace.wait_for_revision(revision, timeout=10)
         status = pb.OK if ok else pb.ETCD_TRANSACTION_FAILED
-        warnings = await self._stale_fragments(created) if ok else []
+        warnings = warnings if ok else []
         return pb.ApplyResponse(status=status, header=self.resolver.header(pb.Route(primary=-1)), warnings=warnings)
 
     STALE_CHECK_TIMEOUT = 5.0  # seconds Apply spends listing created journals' stores

@@ -17,13 +17,11 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
-import yaml
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
@@ -37,6 +35,9 @@ from tidings.protocol.specs import (
     spec_to_dict,
 )
 from tidings.protocol.status import TidingsError, ValidationError
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 # Plain help (rich_markup_mode=None): no boxes cut to the terminal, no "<bool>" beside every flag;
 # -h as well as --help; shell completion (--install-completion).
@@ -183,7 +184,7 @@ def _client(broker: str, deadline: float = 0.0):
     """A client of `broker`: with a `deadline`, retrying transient failures for that many seconds."""
     from tidings.client import AsyncClient
 
-    return AsyncClient(broker, retries=1_000_000 if deadline else 8, deadline=deadline)
+    return AsyncClient(broker, retries=1_000_000 if deadline else 8, deadline=deadline, fail_fast=True)
 
 
 # -- broker and cluster --------------------------------------------------------------------
@@ -506,6 +507,8 @@ def journals_apply(
 
 def load_yaml(file: Path, what: str, doc: str) -> Any:
     """A YAML file of specs (`what`: "journal", "shard"), its every mistake one usage line."""
+    import yaml
+
     try:
         with file.open() as f:  # (a stream: YAML's errors then name the file, not "<unicode string>")
             loaded = yaml.safe_load(f)
@@ -694,6 +697,8 @@ def journals_edit(
     rows = _rows(_run(go()), routes=False)
     if not rows:
         raise TidingsError(f"no journal matches {name or selector!r} (see `tidings journals list`)")
+    import yaml
+
     text = yaml.safe_dump({"journals": rows}, sort_keys=False)
     edit_then_apply(text, chosen, lambda path: _apply_file(path, broker), "tidings journals apply")
 
@@ -728,8 +733,12 @@ def journals_list(
         for row in rows:
             print(json.dumps(row))
     elif as_yaml:
+        import yaml
+
         print(yaml.safe_dump({"journals": rows}, sort_keys=False))
     else:
+        from rich.table import Table
+
         t = Table("name", "R", "primary", "replicas", "labels", "revision")
         for row in rows:
             values = row["labels"].items()
@@ -1260,6 +1269,8 @@ def journals_fragments(
             return await c.fragments(journal)
 
     resp = _run(go())
+    from rich.table import Table
+
     t = Table("begin", "end", "sha1", "store", "url")
     for e in resp.fragments:
         f = Fragment.from_proto(e.spec)
@@ -1309,6 +1320,8 @@ def _member_rows(resp: pb.MembersResponse) -> list[dict]:
 
 
 def _members_table(rows: list[dict]) -> Table:
+    from rich.table import Table
+
     t = Table("zone", "id", "endpoint", "journals", "primaries", "exiting", "metrics")
     for r in rows:
         t.add_row(r["zone"], r["id"], r["endpoint"], str(r["journals"]), str(r["primaries"]),
@@ -1335,8 +1348,8 @@ def members_list(broker: BrokerOpt = DEFAULT_BROKER, as_json: Annotated[bool, ty
 def refused_appends(spec: pb.JournalSpec, probe: pb.ReadResponse) -> bool:
     """Whether the journal refuses appends now with INDEX_HAS_GREATER_OFFSET, from a write-head probe:
     its fragment index ends past its replicas' spool (which a suspended journal's resume offset moves)."""
-    if spec.flags == pb.JournalSpec.O_RDONLY or probe.status == pb.SUSPENDED:
-        return False
+    if spec.flags == pb.JournalSpec.O_RDONLY or probe.status == pb.SUSPENDED or not probe.HasField("spool_end"):
+        return False  # (no spool_end: the replica is not synchronized yet, or the broker predates it)
     return max(probe.spool_end, spec.suspend.offset) < probe.write_head
 
 
@@ -1380,7 +1393,7 @@ async def _journal_status(c, j: pb.ListResponse.Journal) -> dict:
         problems.append(str(exc))
         return row
     head = probe.write_head
-    if refused_appends(spec, probe):
+    if j.consistent and refused_appends(spec, probe):
         problems.append(
             f"appends refused: its fragments end at {head}, past the replicas' write head {probe.spool_end} (an "
             f"earlier journal's fragments in its store, or every replica lost): `tidings journals reset-head "
@@ -1421,6 +1434,8 @@ def status(broker: BrokerOpt = DEFAULT_BROKER, as_json: Annotated[bool, typer.Op
         return
     out.print(f"members ({len(member_rows)})", style="bold")
     out.print(_members_table(member_rows))
+    from rich.table import Table
+
     t = Table("journal", "R", "primary", "replicas", "synced", "suspended", "head", "persisted", "size", "problems")
     for r in rows:
         shown = ["" if r[k] is None else str(r[k]) for k in ("head", "persisted_head", "size")]

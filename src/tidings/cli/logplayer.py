@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from tidings.cli.app import (
     _PLAIN,
@@ -157,7 +156,8 @@ def logplayer_run(
             host, port = metrics.rsplit(":", 1)
             server, at = serve_metrics(metrics, host, int(port), "logplayer")
             err.print(f"metrics on http://{at}/metrics", highlight=False)
-        async with _client(broker, 30.0) as probe:  # (a wrong --broker or WAL fails here, in seconds)
+        # (a wrong --broker or WAL fails here, within 30 s: a server process may start beside its brokers)
+        async with AsyncClient(broker, retries=1_000_000, deadline=30.0) as probe:
             await probe.write_head(wal_journal)
         async with AsyncClient(broker, retries=None) as client:  # (then the player waits out broker outages)
             player = LogPlayer(client, wal_journal, declared, state_path=state_path, max_batch=max_batch,
@@ -273,6 +273,13 @@ def wal_append(
     _run(go())
 
 
+def _or_unknown(value: object) -> str:
+    return "unknown" if value is None else str(value)
+
+
+PENDING_SCAN = 4 << 20  # WAL bytes `targets status --wal` reads past a target's last entry
+
+
 @targets_cmd.command("status")
 def targets_status(
     targets: TargetsOpt = Path("targets.yaml"),
@@ -281,7 +288,8 @@ def targets_status(
         typer.Option(
             "--wal",
             envvar="TIDINGS_WAL",
-            help="Also show the WAL bytes after each target's last applied entry (0: it applied the last one).",
+            help="Also show each target's WAL bytes pending: from the first entry meant for it that it has not "
+            "applied, to the WAL's head (0: it applied all meant for it).",
         ),
     ] = "",
     broker: BrokerOpt = DEFAULT_BROKER,
@@ -293,13 +301,26 @@ def targets_status(
 
     declared = _load_targets(targets)
 
-    async def entry_end(client, index: int, head: int) -> int:
-        """Where the WAL entry beginning at `index` ends (the byte after its newline)."""
-        async for chunk in client.reader(wal_journal, index, block=False, end_offset=head):
-            at = chunk.content.find(b"\n")
-            if at >= 0:
-                return chunk.offset + at + 1
-        return head
+    async def pending(client, target: str, applied: int, head: int) -> int | None:
+        """WAL bytes from the first entry after `applied` that holds a part for `target` to the head:
+        0 when none does (it has everything meant for it). Scans at most PENDING_SCAN bytes, then
+        counts from where it stopped; None if the entry at `applied` is gone (retention)."""
+        from tidings.logplayer.wal import WalEntry
+        from tidings.message.iterators import ReadUncommitted
+
+        start = max(applied, 0)
+        reader = ReadUncommitted(client, wal_journal, offsets={wal_journal: start}, end_offsets={wal_journal: head},
+                                 message_type=WalEntry, block=False, on_garbage=lambda *_: None)  # fmt: skip
+        first = applied >= 0  # (the entry it applied last comes first, unless retention removed it)
+        async for env in reader:
+            if first:
+                if env.begin != applied:
+                    return None
+                first = False
+                continue
+            if env.message.parts.get(target) or env.begin - start > PENDING_SCAN:
+                return head - env.begin
+        return None if first else 0
 
     async def go():
         answers = await last_acks(declared)
@@ -310,8 +331,7 @@ def targets_status(
                 for t in declared.targets:
                     a = answers[t.id]
                     if isinstance(a, pb.LastAckResponse) and a.status == pb.OK:  # (-1: nothing applied yet)
-                        applied_to = await entry_end(client, a.last_applied, head) if a.last_applied >= 0 else 0
-                        after[t.id] = max(head - applied_to, 0)
+                        after[t.id] = await pending(client, t.id, a.last_applied, head)
         return answers, head, after
 
     answers, head, after = _run(go())
@@ -323,18 +343,20 @@ def targets_status(
         else:
             why = a if isinstance(a, str) else f"{pb.Status.Name(a.status)}: {a.detail}"
             row = {"id": t.id, "endpoint": t.endpoint, "up": False, "error": why}
-        if t.id in after:  # (entries for other targets count too: a target receives only its parts)
-            row["wal_bytes_after"] = after[t.id]
+        if t.id in after:  # (None: what it applied last is gone from the WAL, so unknown)
+            row["pending_bytes"] = after[t.id]
         rows.append(row)
     if as_json:
         for row in rows:
             print(json.dumps(row))
     else:
+        from rich.table import Table
+
         table = Table(
-            "target", "endpoint", "up", "last applied", "epoch", *(["WAL bytes after it"] if head is not None else [])
+            "target", "endpoint", "up", "last applied", "epoch", *(["pending WAL bytes"] if head is not None else [])
         )
         for row in rows:
-            extra = [str(row.get("wal_bytes_after", ""))] if head is not None else []
+            extra = [_or_unknown(row.get("pending_bytes", ""))] if head is not None else []
             if row["up"]:
                 table.add_row(row["id"], row["endpoint"], "yes", str(row["last_applied"]), str(row["epoch"]), *extra)
             else:

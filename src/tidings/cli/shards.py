@@ -9,8 +9,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-import yaml
-from rich.table import Table
 
 from tidings.cli.app import (
     _PLAIN,
@@ -239,8 +237,12 @@ def shards_list(
         return
     if as_yaml:
         keep = [{k: v for k, v in r.items() if k not in ("primary", "status", "errors")} for r in rows]
+        import yaml
+
         print(yaml.safe_dump({"shards": keep}, sort_keys=False))
         return
+    from rich.table import Table
+
     t = Table("id", "status", "primary", "read through", "lag", "sources")
     for r in rows:
         status = " ".join(f"{m}:{s}" for m, s in r["status"].items()) or "unassigned"
@@ -290,5 +292,7 @@ def shards_edit(
     if not rows:
         raise TidingsError(f"no shard matches {id or selector!r} (see `tidings shards list`)")
     keep = [{k: v for k, v in r.items() if k not in ("primary", "status", "errors")} for r in rows]
+    import yaml
+
     text = yaml.safe_dump({"shards": keep}, sort_keys=False)
     edit_then_apply(text, chosen, lambda path: _apply_file(path, consumer), "tidings shards apply")

@@ -30,7 +30,6 @@ from tidings.client._base import (
     registers_dict,
 )
 from tidings.fragment.fragment import Fragment
-from tidings.fragment.store import store_for
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.protocol_pb2_grpc import JournalStub
 from tidings.protocol.status import (
@@ -77,10 +76,17 @@ class AsyncClient:
     """
 
     def __init__(
-        self, endpoint: str, retries: int | None = 20, *, zone: str | None = None, deadline: float = 0.0
+        self,
+        endpoint: str,
+        retries: int | None = 20,
+        *,
+        zone: str | None = None,
+        deadline: float = 0.0,
+        fail_fast: bool = False,
     ) -> None:
         self.endpoint = endpoint
         self.retry = RetryPolicy(attempts=retries, deadline=deadline)
+        self.fail_fast = fail_fast  # give up at once on an address where no server ever answered
         self.routes = RouteCache(endpoint, zone)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, JournalStub] = {}
@@ -140,12 +146,13 @@ class AsyncClient:
     def _failed(self, journal: str, endpoint: str, err: TidingsError) -> None:
         """Forget what an error says is stale: the Route, and for a transport failure the endpoint.
 
-        A client with bounded retries that no broker has answered yet raises at once a failure to
+        A `fail_fast` client (the CLI's) that no broker has answered yet raises at once a failure to
         reach one: retrying a journal that moved is right, retrying an address where nothing ever
-        answered (a wrong --broker) only makes its user wait. A client retrying for ever waits."""
+        answered (a wrong --broker) only makes its user wait. Other clients retry as their policy
+        says (a program started beside its brokers waits for them)."""
         if isinstance(err, TransportError) and err.code == grpc.StatusCode.UNAVAILABLE:
             self._down[endpoint] = time.monotonic() + DOWN_FOR
-            if err.unreachable and not self._answered and not self.retry.forever:
+            if self.fail_fast and err.unreachable and not self._answered:
                 raise TransportError(str(err), err.code, unreachable=True) from None
         if getattr(err, "refresh_route", True):
             self.routes.invalidate(journal)
@@ -661,6 +668,8 @@ class Reader:
             stream.cancel()
 
     async def _read_store(self, fragment: Fragment, until: int) -> AsyncIterator[ReadChunk]:
+        from tidings.fragment.store import store_for  # (fsspec: only for a read straight from the store)
+
         src = await asyncio.to_thread(store_for(fragment.backing_store).open, fragment)
         try:
             skip = self.offset - fragment.begin

@@ -31,13 +31,21 @@ codec functions block, the index and persister do not.
 
 from __future__ import annotations
 
-from tidings.fragment import codecs
-from tidings.fragment.fragment import EMPTY_SUM, Fragment, parse_content_name
-from tidings.fragment.index import FragmentIndex
-from tidings.fragment.persister import Persister, PersisterStatistics
-from tidings.fragment.store import FragmentStore, store_for
+import importlib
+from typing import Any
 
-# Spool is exported by spool.py's author
+# Exports load on first use (PEP 562): a client reading fragments needs `Fragment`, not fsspec,
+# the persister or prometheus_client (`tidings --help` and short CLI commands start faster).
+_EXPORTS = {
+    "EMPTY_SUM": "tidings.fragment.fragment",
+    "Fragment": "tidings.fragment.fragment",
+    "parse_content_name": "tidings.fragment.fragment",
+    "FragmentIndex": "tidings.fragment.index",
+    "FragmentStore": "tidings.fragment.store",
+    "store_for": "tidings.fragment.store",
+    "Persister": "tidings.fragment.persister",
+    "PersisterStatistics": "tidings.fragment.persister",
+}
 
 __all__ = [
     "EMPTY_SUM",
@@ -50,3 +58,13 @@ __all__ = [
     "parse_content_name",
     "store_for",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    if name in ("codecs", "retention", "spool", "_metrics", "index", "store", "persister", "fragment"):
+        return importlib.import_module(f"tidings.fragment.{name}")
+    raise AttributeError(f"module 'tidings.fragment' has no attribute {name!r}")
