@@ -84,19 +84,35 @@ async def cluster(etcd: EtcdProcess, etcd_root: str, tmp_path):
             await client.aclose()
 
 
-@pytest.fixture
-def local_cluster(etcd: EtcdProcess, etcd_root: str, tmp_path):
-    """Four brokers as child processes over three zones (a spare for R=3), on the session etcd."""
+def _local_cluster(etcd: EtcdProcess, root: str, data_dir) -> Iterator:
     from tests.support.cluster import FAST_BROKER_FLAGS
     from tidings.cluster import LocalCluster
 
-    lc = LocalCluster(brokers=4, zones=3, data_dir=tmp_path, etcd=etcd.endpoint, root=etcd_root)
+    lc = LocalCluster(brokers=4, zones=3, data_dir=data_dir, etcd=etcd.endpoint, root=root)
     lc.extra = list(FAST_BROKER_FLAGS)
     try:
         lc.start()
         yield lc
     finally:
         lc.stop()
+
+
+@pytest.fixture(scope="module")
+def module_cluster(etcd: EtcdProcess, tmp_path_factory) -> Iterator:
+    """One local cluster for a whole module (see `local_cluster`)."""
+    yield from _local_cluster(etcd, f"/tidings-test/{uuid.uuid4().hex[:12]}", tmp_path_factory.mktemp("cluster"))
+
+
+@pytest.fixture
+def local_cluster(request, etcd: EtcdProcess, etcd_root: str, tmp_path):
+    """Four brokers as child processes over three zones (a spare for R=3), on the session etcd. A
+    module that sets SHARE_CLUSTER = True (its tests only create journals of their own names and
+    never stop a broker: the Spark tests) shares one cluster among its tests (starting one costs
+    seconds)."""
+    if getattr(request.module, "SHARE_CLUSTER", False):
+        yield request.getfixturevalue("module_cluster")
+        return
+    yield from _local_cluster(etcd, etcd_root, tmp_path)
 
 
 @pytest.fixture

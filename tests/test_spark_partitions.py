@@ -20,6 +20,8 @@ from tidings.protocol import protocol_pb2 as pb
 from tidings.spark.options import SourceOptions
 from tidings.spark.source import TidingsBatchReader, fragment_cuts, read_partition
 
+SHARE_CLUSTER = True  # one local cluster for the module's tests (conftest.local_cluster)
+
 PA, PB, PC = (bytes([0x0A, 0, 0, 0, 0, n]) for n in (1, 2, 3))
 PAD = "p" * 1100  # each append below fills a 1 KiB fragment of its own
 DAY_NS = 86_400 * 10**9

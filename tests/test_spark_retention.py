@@ -20,6 +20,8 @@ from tidings.protocol.status import UsageError
 from tidings.spark.options import SourceOptions
 from tidings.spark.stream import TidingsStreamReader
 
+SHARE_CLUSTER = True  # one local cluster for the module's tests (conftest.local_cluster)
+
 
 def emptied_journal(lc, name: str, labels: dict[str, str]) -> int:
     """A journal written (two fragments, persisted) and then emptied by retention; its old end."""

@@ -13,6 +13,8 @@ from tests.test_spark_stream import run_available_now
 from tidings.client import Client
 from tidings.message.uuid import OUTSIDE_TXN
 
+SHARE_CLUSTER = True  # one local cluster for the module's tests (conftest.local_cluster)
+
 
 def _message(fn) -> str:
     with pytest.raises(Exception) as err:

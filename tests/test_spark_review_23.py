@@ -12,6 +12,8 @@ from tests.test_spark_stream import run_available_now
 from tidings.client import Client
 from tidings.message.uuid import ACK_TXN, CONTINUE_TXN
 
+SHARE_CLUSTER = True  # one local cluster for the module's tests (conftest.local_cluster)
+
 MINUTE = 60 * 10_000_000 << 4  # a minute of UUID clock: 100 ns ticks, 4 sequence bits
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 from tests.test_spark_source import P1, line, ndjson_journal
 from tidings.message.uuid import OUTSIDE_TXN
 
+SHARE_CLUSTER = True  # one local cluster for the module's tests (conftest.local_cluster)
+
 
 def test_option_schema_takes_spark_struct_ddl_as_schema_does(spark, local_cluster) -> None:
     journal = "spark/r24-struct-ddl"

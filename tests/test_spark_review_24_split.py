@@ -19,6 +19,8 @@ from tidings.client import Client
 from tidings.fragment.store import store_for
 from tidings.message.uuid import ACK_TXN, CONTINUE_TXN, OUTSIDE_TXN, build_uuid, clock_from_unix_ns, uuid_to_str
 
+SHARE_CLUSTER = True  # one local cluster for the module's tests (conftest.local_cluster)
+
 P = [bytes([0x0C, 0, 0, 0, 0, n]) for n in range(4)]
 
 

@@ -8,6 +8,8 @@ from tests.test_spark_review_22 import stream_error
 from tests.test_spark_source import P1, line, ndjson_journal
 from tidings.message.uuid import OUTSIDE_TXN
 
+SHARE_CLUSTER = True  # one local cluster for the module's tests (conftest.local_cluster)
+
 
 @pytest.mark.parametrize(
     ("option", "value"),
@@ -20,7 +22,7 @@ def test_a_bad_stream_option_with_an_explicit_schema_fails_with_our_one_line(
     _one_line); the options are first parsed in streamReader(), and an OptionError raised there
     reaches the user inside PySpark 4.3's stream runner's UnboundLocalError with two tracebacks --
     the very failure `_usable` defers check_schema's and endingOffsets' errors to avoid."""
-    journal = "spark/r24-opt"
+    journal = f"spark/r24-opt-{option}"  # (one per case: the module shares its cluster)
     ndjson_journal(local_cluster, journal, line(P1, 1, OUTSIDE_TXN, id=1))
     df = (
         spark.readStream.format("tidings")

@@ -22,6 +22,8 @@ from tidings.client import Client
 from tidings.message.uuid import OUTSIDE_TXN
 from tidings.spark.sink import SinkOptions, TidingsStreamWriter, publish_rows
 
+SHARE_CLUSTER = True  # one local cluster for the module's tests (conftest.local_cluster)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -11,6 +11,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -18,6 +19,8 @@ from tests.support.cluster import create_local_journal
 from tidings.client import AppendService, AsyncClient, Client
 from tidings.message import Publisher
 from tidings.message.uuid import ACK_TXN, CONTINUE_TXN, OUTSIDE_TXN, build_uuid, uuid_to_str
+
+SHARE_CLUSTER = True  # one local cluster for the module's tests (conftest.local_cluster)
 
 NDJSON = {"labels": {"content-type": "application/x-ndjson"}}
 P1, P2, P3, P4 = (bytes([0x01, 0, 0, 0, 0, n]) for n in (1, 2, 3, 4))
@@ -187,10 +190,11 @@ def test_a_selector_reads_every_matching_journal(spark, local_cluster) -> None:
     ],
 )
 def test_bad_input_fails_the_query_with_one_line_naming_it(spark, local_cluster, options, says) -> None:
-    asyncio.run(create_local_journal(local_cluster, "spark/bad-input", 1, **NDJSON))
+    journal = f"spark/bad-input-{uuid.uuid4().hex[:8]}"  # (one per case: the module shares its cluster)
+    asyncio.run(create_local_journal(local_cluster, journal, 1, **NDJSON))
     reader = spark.read.format("tidings").option("broker", local_cluster.endpoints[0])
     for k, v in options.items():
-        reader = reader.option(k, v)
+        reader = reader.option(k, journal if v == "spark/bad-input" else v)
     with pytest.raises(Exception) as err:
         reader.schema("id BIGINT").load().collect()
     assert says in str(err.value)
@@ -343,9 +347,10 @@ def test_line_uuids_reads_every_form_a_reader_accepts() -> None:
 @pytest.mark.parametrize(("schema", "column"), [("id BIGINT NOT NULL", "id"), ("s STRUCT<a: INT NOT NULL>", "s.a")])
 def test_a_not_null_message_column_is_refused_naming_it(spark, local_cluster, schema, column) -> None:
     """A message may lack a field or not decode, so its columns must take null (Spark trusts the declared schema)."""
-    ndjson_journal(local_cluster, "spark/not-null", line(P1, 1, OUTSIDE_TXN, id=1))
+    journal = f"spark/not-null-{column}"  # (one per case: the module shares its cluster)
+    ndjson_journal(local_cluster, journal, line(P1, 1, OUTSIDE_TXN, id=1))
     with pytest.raises(Exception) as err:
-        read_df(spark, local_cluster, "spark/not-null", f"journal STRING NOT NULL, {schema}").collect()
+        read_df(spark, local_cluster, journal, f"journal STRING NOT NULL, {schema}").collect()
     assert f"column {column!r} is declared NOT NULL" in str(err.value)
 
 

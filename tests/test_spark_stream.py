@@ -14,6 +14,8 @@ from tests.test_spark_source import CASES, NDJSON, P1, P4, line, ndjson_journal
 from tidings.client import Client
 from tidings.message.uuid import ACK_TXN, OUTSIDE_TXN
 
+SHARE_CLUSTER = True  # one local cluster for the module's tests (conftest.local_cluster)
+
 
 def run_available_now(
     spark, lc, journal: str, checkpoint: str, *, raw: bool = False, **options: str
