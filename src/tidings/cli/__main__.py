@@ -1,3 +1,3 @@
-from tidings.cli.app import main
+from tidings.cli import main
 
 main()
