@@ -54,3 +54,23 @@ def test_every_flag_of_a_long_running_command_has_help_and_its_variable(command:
             continue
         assert param.help, f"{' '.join(command)} --{param.name} has no help text"
         assert str(param.envvar or "").startswith("TIDINGS_"), f"{' '.join(command)} --{param.name} has no variable"
+
+
+HEAVY = ("grpc", "typer", "asyncio", "yaml", "fsspec", "prometheus_client", "pyspark", "rich")
+
+
+def _loaded_after(code: str) -> list[str]:
+    probe = f"import sys\n{code}\nprint(' '.join(m for m in {HEAVY!r} if m in sys.modules))"
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()  # (the last: the loaded ones; --version prints its line first)
+    return lines[-1].split() if lines else []
+
+
+def test_start_up_loads_only_what_the_command_uses() -> None:
+    """Scripts call the CLI in loops: `--version` loads none of the libraries the commands need, and
+    the client (`tidings.client`) neither the fragment store's (fsspec), metrics, YAML nor Spark.
+    (What each costs in seconds: bench/cli_startup.py.)"""
+    assert _loaded_after("sys.argv = ['tidings', '--version']\nfrom tidings.cli import main\nmain()") == []
+    client = _loaded_after("import tidings.client")
+    assert not {"fsspec", "prometheus_client", "yaml", "pyspark", "typer", "rich"} & set(client), client
