@@ -68,9 +68,12 @@ def _loaded_after(code: str) -> list[str]:
 
 
 def test_start_up_loads_only_what_the_command_uses() -> None:
-    """Scripts call the CLI in loops: `--version` loads none of the libraries the commands need, and
-    the client (`tidings.client`) neither the fragment store's (fsspec), metrics, YAML nor Spark.
+    """Scripts call the CLI in loops: `--version` loads none of the libraries the commands need, the
+    commands' module (all `--help` needs) no gRPC nor asyncio, and the client (`tidings.client`)
+    neither the fragment store's (fsspec), metrics, YAML nor Spark.
     (What each costs in seconds: bench/cli_startup.py.)"""
     assert _loaded_after("sys.argv = ['tidings', '--version']\nfrom tidings.cli import main\nmain()") == []
+    commands = _loaded_after("import tidings.cli.app")  # (what `--help` and a usage error need)
+    assert not {"grpc", "asyncio", "yaml", "fsspec", "prometheus_client", "pyspark"} & set(commands), commands
     client = _loaded_after("import tidings.client")
     assert not {"fsspec", "prometheus_client", "yaml", "pyspark", "typer", "rich"} & set(client), client

@@ -7,7 +7,6 @@ environment variable too (named in each command's -h).
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import logging
@@ -172,6 +171,8 @@ def main() -> None:
 
 
 def _run(coro):
+    import asyncio
+
     try:
         import uvloop
 
@@ -337,6 +338,8 @@ def serve_until_signalled(start: Callable[[], Any], who: str, exit_timeout: floa
     stop it gracefully on SIGTERM or SIGINT (exit code 0), or without hand-off once its etcd lease is
     lost (exit code 1). A signal during start (which may wait for a previous process's member key to
     expire) cancels it; start then undoes what it began."""
+    import asyncio
+
     log = logging.getLogger("tidings.cli")
 
     async def run() -> int:
@@ -839,6 +842,7 @@ class _Content:
 
     @classmethod
     async def of_stdin(cls) -> _Content:
+        import asyncio
         import stat
         import tempfile
 
@@ -1014,6 +1018,8 @@ def journals_prune(
     its stores, reached from here. Only the oldest go, in offset order, so a journal never gets a hole
     in its middle: it starts later, and readers of a removed offset jump to its first byte. Brokers do
     this themselves every --prune-interval."""
+    import asyncio
+
     from tidings.fragment import retention
     from tidings.fragment.fragment import Fragment
 
@@ -1088,6 +1094,8 @@ def publish(
     that already has a "uuid" field is refused: the publisher sets every message's UUID. Transient
     failures are retried for up to --deadline seconds (each batch lands once: after an answer lost
     in transport the journal is searched for it before a retry)."""
+    import asyncio
+
     import msgspec
 
     from tidings.client import AppendService
@@ -1212,6 +1220,7 @@ class _Stdin:
     `slots` waiting, and gives up quietly once `stop()`ped or the loop is gone."""
 
     def __init__(self, lines: bool = True, slots: int = 10_000) -> None:
+        import asyncio
         import threading
 
         self.lines = lines
@@ -1413,6 +1422,7 @@ async def _journal_status(c, j: pb.ListResponse.Journal) -> dict:
 def status(broker: BrokerOpt = DEFAULT_BROKER, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """One screen: the brokers, each journal with its primary, replicas, synchronization, write head,
     persisted head and size held, and anything unhealthy (it exits 0 either way: see `problems`)."""
+    import asyncio
 
     async def go() -> tuple[pb.MembersResponse, list[dict]]:
         async with _client(broker) as c:

@@ -7,7 +7,6 @@ TIDINGS_TARGETS): the target ids, their endpoints, and so the key -> target mapp
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import sys
@@ -134,6 +133,7 @@ def logplayer_run(
     """Deliver the WAL journal to every target of targets.yaml, in order, exactly once, until SIGTERM.
     Prints `READY` once the main stream started, then progress lines (current index, targets up,
     the most lagging target). Exit code 1 if a newer LogPlayer fences this one."""
+    import asyncio
     import signal
 
     from tidings._serving import serve_metrics, stop_metrics
@@ -190,6 +190,8 @@ def logplayer_run(
 
 
 async def _progress(player, every: float) -> None:
+    import asyncio
+
     if every <= 0:
         return
     said, quiet = "", 0.0

@@ -15,9 +15,12 @@ become gRPC errors. Messages name the journal, the status and the next step.
 
 from __future__ import annotations
 
-import grpc
+from typing import TYPE_CHECKING
 
 from tidings.protocol import protocol_pb2 as pb
+
+if TYPE_CHECKING:  # (grpc loads only with a connection: `tidings --help` and specs need none)
+    import grpc
 
 Status = pb.Status
 
@@ -155,13 +158,13 @@ class TransportError(TidingsError):
         self.unreachable = unreachable  # no server answered at all (refused, unresolved, not gRPC)
 
 
-_RETRIABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED})
+_RETRIABLE_CODES = frozenset({"UNAVAILABLE", "CANCELLED", "ABORTED"})  # grpc.StatusCode names
 
 _CODE_HINTS = {
-    grpc.StatusCode.UNAVAILABLE: "is the cluster up? (tidings cluster up, or set --broker / TIDINGS_BROKER)",
-    grpc.StatusCode.INVALID_ARGUMENT: "fix the request",
-    grpc.StatusCode.DEADLINE_EXCEEDED: "the broker did not answer in time; retry",
-    grpc.StatusCode.RESOURCE_EXHAUSTED: "the message is too large; send smaller chunks",
+    "UNAVAILABLE": "is the cluster up? (tidings cluster up, or set --broker / TIDINGS_BROKER)",
+    "INVALID_ARGUMENT": "fix the request",
+    "DEADLINE_EXCEEDED": "the broker did not answer in time; retry",
+    "RESOURCE_EXHAUSTED": "the message is too large; send smaller chunks",
 }
 
 
@@ -174,17 +177,17 @@ def map_grpc_error(err: grpc.RpcError, target: str = "") -> TransportError:
     code = err.code() if hasattr(err, "code") else None
     details = err.details() if hasattr(err, "details") else str(err)
     where = f" from {target}" if target else ""
-    hint = _CODE_HINTS.get(code, "") if code is not None else ""
-    if code == grpc.StatusCode.UNIMPLEMENTED and "unknown service tidings.protocol." in details:
+    name = code.name if code is not None else "UNKNOWN"
+    hint = _CODE_HINTS.get(name, "")
+    if name == "UNIMPLEMENTED" and "unknown service tidings.protocol." in details:
         service = details.rsplit("tidings.protocol.", 1)[1].strip()
         role = _SERVICE_ROLES.get(service, f"{service} server")
         hint = f"{target or 'it'} is not a tidings {role} (an etcd endpoint?): give a {role}'s HOST:PORT"
     elif "Failed parsing HTTP/2" in details:
         hint = f"{target or 'it'} does not speak gRPC (a web or /metrics port?): give a tidings server's HOST:PORT"
-    name = code.name if code is not None else "UNKNOWN"
     msg = f"{name}{where}: {details}" + (f"; {hint}" if hint else "")
-    unreachable = code == grpc.StatusCode.UNAVAILABLE and details.startswith(_UNREACHABLE)
-    return TransportError(msg, code, retriable=code in _RETRIABLE_CODES, unreachable=unreachable)
+    unreachable = name == "UNAVAILABLE" and details.startswith(_UNREACHABLE)
+    return TransportError(msg, code, retriable=name in _RETRIABLE_CODES, unreachable=unreachable)
 
 
 class ValidationError(TidingsError, ValueError):
