@@ -147,7 +147,7 @@ def stale_fragments() -> Iterator[None]:
     from tidings.fragment.store import store_for
     from tidings.protocol import protocol_pb2 as pb
 
-    made = not STALE.exists()
+    made = [d for d in (STALE, *STALE.parents) if not d.exists()]  # (what to remove after: only ours)
     content = b'{"greeting": "from an earlier cluster"}\n' * 3
     import hashlib
     import tempfile
@@ -164,7 +164,7 @@ def stale_fragments() -> Iterator[None]:
         if made:
             import shutil
 
-            shutil.rmtree(STALE, ignore_errors=True)
+            shutil.rmtree(made[-1], ignore_errors=True)  # (the outermost folder this test created)
 
 
 def test_every_readme_block_runs_as_written(tmp_path: Path, stale_fragments: None) -> None:
