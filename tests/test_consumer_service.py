@@ -216,15 +216,27 @@ async def test_stat_past_its_deadline_fails_rather_than_answering_ok(cluster, co
             await sc.stat("wc/0", {"wc/in/0": 10**9}, timeout=2.0)
 
 
-async def test_stat_waits_across_a_spec_change_and_ignores_journals_that_are_not_sources(cluster, consumers) -> None:
+async def test_stat_waits_across_a_spec_change_and_ignores_journals_that_are_not_sources(
+    cluster, consumers, monkeypatch
+) -> None:
     """A Stat waiting while the shard's primary restarts under a changed spec is answered by the new
     primary (the shard never moved); offsets of journals the shard does not read are ignored (Gazette)."""
+    from tidings.consumer.shard import Shard
+
     a = await two_shards_served(cluster, consumers)
+    entered = asyncio.Event()
+    wait_read_through = Shard.wait_read_through
+
+    async def observed(self, offsets, timeout=None):
+        entered.set()
+        return await wait_read_through(self, offsets, timeout)
+
+    monkeypatch.setattr(Shard, "wait_read_through", observed)
     async with cluster.client() as c:
         head = await c.write_head("wc/in/0")
     async with ShardClient(a.endpoint) as sc:
         waiting = asyncio.ensure_future(sc.stat("wc/0", {"wc/in/0": head + 1, "wc/out/1": 10**9}, timeout=30))
-        await asyncio.sleep(0.2)  # (the Stat waits on the first primary...)
+        await asyncio.wait_for(entered.wait(), 30)  # (the Stat waits on the first primary...)
         changed = shard(0, max_txn_duration="300ms")
         await sc.apply([pb.ShardApplyRequest.Change(upsert=changed, expect_mod_revision=-1)])  # (...which restarts)
         await produce(cluster, "wc/in/0", ["apple"])

@@ -176,6 +176,7 @@ class OneAtATime(Counting):
         self.unwind = unwind
         self.stuck = True
         self.holding = asyncio.Event()
+        self.unwinding = asyncio.Event()  # a primary was cancelled and is letting go
 
     def new_store(self, shard):
         store = super().new_store(shard)
@@ -197,13 +198,14 @@ class OneAtATime(Counting):
             try:
                 await asyncio.Event().wait()
             except asyncio.CancelledError:
-                await asyncio.sleep(self.unwind)  # (an application slow to let go)
+                self.unwinding.set()
+                await asyncio.sleep(self.unwind)  # (an application slow to let go: the thing under test)
                 raise
 
 
 async def test_quick_spec_changes_never_run_two_primaries_at_once(cluster, consumers, monkeypatch) -> None:
-    """Two spec changes 0.2 s apart while the primary is stuck in the application and slow to unwind
-    once cancelled: each new primary waits until the one before it has ended."""
+    """Two spec changes, the second as the first's old primary unwinds (stuck in the application,
+    slow to let go once cancelled): each new primary waits until the one before it has ended."""
     monkeypatch.setattr(consumer_service, "STOP_TIMEOUT", 1.0)
     await cluster.create_journal("relay/in", 1)
     await publish_backlog(cluster)
@@ -217,7 +219,8 @@ async def test_quick_spec_changes_never_run_two_primaries_at_once(cluster, consu
             await sc.apply(
                 [pb.ShardApplyRequest.Change(upsert=backlog_spec(max_txn_duration=duration), expect_mod_revision=-1)]
             )
-            await asyncio.sleep(0.2)  # (the second change comes while the first restart still waits)
+            # (the second change comes while the first restart still waits for the unwinding primary)
+            await asyncio.wait_for(app.unwinding.wait(), 30)
         async with cluster.client() as c:
             head = await c.write_head("relay/in")
         await sc.stat("relay/0", {"relay/in": head}, timeout=60)

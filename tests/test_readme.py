@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ import pytest
 
 from tests.support.waiting import wait_until_sync
 from tidings.cluster import free_port
-from tidings.cluster.etcd import port_free
+from tidings.cluster.etcd import port_free, stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 STALE = Path("/tmp/tidings-fragments/examples/hello")  # where examples/journals.yaml once kept fragments
@@ -126,13 +125,7 @@ class Walk:
 
     def stop(self) -> None:
         for proc in reversed(self.servers):  # (the cluster last: its clients hand off first)
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_process(proc, timeout=60)
 
 
 def _ok(r: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
