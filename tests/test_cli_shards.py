@@ -126,3 +126,13 @@ def test_shards_commands_as_a_user_runs_them(served, tmp_path: Path) -> None:
     one_line_error(shards("apply", str(tmp_path / "missing.yaml"), consumer=consumer), 2, "missing.yaml")
     one_line_error(shards("edit", "cl/nope", consumer=consumer, env={"EDITOR": "true"}), 1, "cl/nope")
     one_line_error(shards("list", consumer="127.0.0.1:1"), 1, "127.0.0.1:1")
+
+
+def test_shards_commands_say_when_no_consumer_answers(etcd) -> None:
+    """After the consumers stop (or given a wrong --consumer), one line says no consumer answers
+    there; etcd's port (gRPC, but no Shard service) is named as not a consumer."""
+    from tidings.cluster import free_port
+
+    nobody = f"127.0.0.1:{free_port()}"
+    one_line_error(shards("list", consumer=nobody), 1, f"no consumer answers at {nobody}")
+    one_line_error(shards("list", consumer=etcd.endpoint), 1, f"{etcd.endpoint} is not a tidings consumer")

@@ -56,17 +56,10 @@ class ShardClient:
             code = exc.code()
             retriable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
             where = endpoint or self.endpoint
-            err = map_grpc_error(exc, where)
-            if err.unreachable:  # (nothing listens there: say so before gRPC's words)
-                raise TransportError(
-                    f"no consumer answers at {where} (is a `tidings consumer` process running with --listen {where}?): "
-                    f"{exc.details()}",
-                    code,
-                    retriable,
-                    unreachable=True,
-                ) from None
-            if code == grpc.StatusCode.UNIMPLEMENTED or "Failed parsing HTTP/2" in (exc.details() or ""):
-                raise TransportError(str(err), code, False) from None  # (not a consumer: map_grpc_error says what)
+            err = map_grpc_error(exc, where, role="consumer")
+            if err.unreachable or code == grpc.StatusCode.UNIMPLEMENTED or "Failed parsing HTTP/2" in str(err):
+                err.retriable = retriable and err.unreachable  # (nobody there, or not a consumer: it says which)
+                raise err from None
             raise TransportError(f"consumer {where}: {exc.details() or code.name}", code, retriable) from None
 
     async def list(self, selector: pb.LabelSelector | None = None) -> pb.ShardListResponse:

@@ -172,13 +172,16 @@ _UNREACHABLE = ("failed to connect to all addresses", "DNS resolution failed")  
 _SERVICE_ROLES = {"Journal": "broker", "Shard": "consumer", "Target": "target"}  # who serves each gRPC service
 
 
-def map_grpc_error(err: grpc.RpcError, target: str = "") -> TransportError:
-    """The one place gRPC errors become TidingsErrors."""
+def map_grpc_error(err: grpc.RpcError, target: str = "", role: str = "broker") -> TransportError:
+    """The one place gRPC errors become TidingsErrors; `role`: the kind of server `target` should be
+    (broker, consumer, target), named when nothing answers there."""
     code = err.code() if hasattr(err, "code") else None
     details = err.details() if hasattr(err, "details") else str(err)
     where = f" from {target}" if target else ""
     name = code.name if code is not None else "UNKNOWN"
     hint = _CODE_HINTS.get(name, "")
+    if role != "broker" and name == "UNAVAILABLE":
+        hint = f"no {role} answers at {target} (is a tidings {role} process serving there?)"
     if name == "UNIMPLEMENTED" and "unknown service tidings.protocol." in details:
         service = details.rsplit("tidings.protocol.", 1)[1].strip()
         role = _SERVICE_ROLES.get(service, f"{service} server")
