@@ -1,5 +1,6 @@
-"""Help and version (issue 8, item 9): -h as well as --help on every command, plain help without a
-"<bool>" beside each flag or boxes cut at the terminal's width, --version, shell completion listed."""
+"""Help, version and start-up: -h as well as --help on every command, plain help without a "<bool>"
+beside each flag or boxes cut at the terminal's width, --version, shell completion listed, and a
+start that loads and builds only what the command runs (scripts call the CLI in loops)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,23 @@ def test_every_flag_of_a_long_running_command_has_help_and_its_variable(command:
             continue
         assert param.help, f"{' '.join(command)} --{param.name} has no help text"
         assert str(param.envvar or "").startswith("TIDINGS_"), f"{' '.join(command)} --{param.name} has no variable"
+
+
+def test_a_command_builds_only_its_own_group() -> None:
+    """Typer reads the signature of every command it builds, at each start: `tidings journals ...`
+    builds the journals group alone, `tidings status` the one command; no command, a misspelt one or
+    an option first builds them all (so the help and the error list every command)."""
+    from tidings.cli.app import _only
+
+    journals = _only("journals")
+    assert [g.name for g in journals.registered_groups] == ["journals"] and not journals.registered_commands
+    status = _only("status")
+    assert not status.registered_groups and [c.callback.__name__ for c in status.registered_commands] == ["status"]
+    for first in ("", "jornals", "--help", "-h"):
+        assert _only(first) is app, first
+    assert len(app.registered_groups) > 1  # (the slim copies left the application whole)
+    r = _tidings("jornals", "list")
+    assert r.returncode == 2 and "Did you mean 'journals'?" in r.stderr, r
 
 
 HEAVY = ("grpc", "typer", "asyncio", "yaml", "fsspec", "prometheus_client", "pyspark", "rich")

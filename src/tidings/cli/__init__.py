@@ -12,9 +12,9 @@ __all__ = ["main"]
 
 def main() -> None:
     if sys.argv[1:] == ["--version"]:
-        from importlib.metadata import version
+        from tidings import __version__
 
-        print(f"tidings {version('tidings')}")
+        print(f"tidings {__version__}")
         return
     from tidings.cli.app import main as run
 
