@@ -40,10 +40,13 @@ install: $(STAMP) etcd postgresql spin
 demo: install
 	$(VENV)/bin/tidings demo
 
+# The tests start hundreds of Python processes (brokers, consumers, the CLI, Spark workers): each
+# reads the project's bytecode instead of compiling it again (~0.15 s a broker), whatever
+# PYTHONDONTWRITEBYTECODE the environment sets (__pycache__ is ignored by git).
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check src tests bench examples models
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest -q -p no:cacheprovider
 
 lint: install
 	$(VENV)/bin/ruff check .
