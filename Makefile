@@ -28,7 +28,7 @@ postgresql:
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq postgresql >/dev/null; }
 
 # spin (Debian) and a C compiler for the verifier it generates: the LogPlayer model's checks
-# (models/check.py, tests/test_models.py), only when either is missing.
+# (models/check.py, tests/logplayer/test_models.py), only when either is missing.
 spin:
 	@{ command -v spin >/dev/null 2>&1 && command -v gcc >/dev/null 2>&1; } || { \
 	  echo "installing spin and gcc from Debian"; \
@@ -52,7 +52,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check src tests bench examples models
 
-# Regenerate the committed protobuf code (tests/test_protocol_generated.py checks it is current).
+# Regenerate the committed protobuf code (tests/protocol/test_protocol.py checks it is current).
 proto: $(STAMP)
 	$(PY) -m tidings.protocol.generate
 

@@ -4,7 +4,7 @@
 
 prints one JSON line per check (name, defines, errors, states, seconds) and exits 1 if a check
 did not end as expected (the correct model must pass, the broken variants must fail).
-`tests/test_models.py` runs the small set; the large set takes tens of minutes.
+`tests/logplayer/test_models.py` runs the small set; the large set takes tens of minutes.
 
 Each check runs `spin -a` in a fresh directory, compiles spin's verifier with gcc and runs it:
 safety with `-DSAFETY -DNOCLAIM` (assertions and invalid end states), liveness with the LTL

@@ -187,7 +187,7 @@ def test_every_readme_block_runs_as_written(tmp_path: Path, stale_fragments: Non
                 continue
             for line in commands(text):
                 if line.startswith("make "):
-                    continue  # (the two commands: `make test` runs this very test; tests/test_cli.py runs the demo)
+                    continue  # (the two commands: `make test` runs this very test; tests/cli/test_cli.py runs the demo)
                 _check(walk, line)
     finally:
         walk.stop()

@@ -1,0 +1,1 @@
+"""The allocator: the assignment solver, and the leader converging assignments in etcd."""

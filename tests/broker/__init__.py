@@ -1,0 +1,1 @@
+"""Brokers: spools, replication, appends, recovery, stores and processes."""

@@ -1,0 +1,1 @@
+"""The `tidings` command as users run it."""

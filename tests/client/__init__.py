@@ -1,0 +1,1 @@
+"""The client: routing, retries, readers, the append service."""

@@ -1,0 +1,1 @@
+"""Consumer shards: transactions, stores and their fences, processes."""

@@ -1,0 +1,127 @@
+"""Review 28: SQLiteStore's write lock across processes.
+
+1. `SQLiteStore.transaction()` runs BEGIN IMMEDIATE on the event loop's thread with a busy handler
+   that sleeps there (1 ms steps, for up to BUSY_TIMEOUT = 30 s): while another process holds the
+   file's write lock (a zombie's transaction, which spans its awaits on appends), the whole event
+   loop of the waiting process stands still: other shards, gRPC streams, and the consumer's etcd
+   lease keep-alive (ttl 5 s) with it.
+2. A zombie paused mid-transaction (SIGSTOP, a debugger, a VM pause: the usual zombie) holds the
+   write lock for as long as it is paused, so its successor cannot restore the checkpoint: it
+   waited 30 s and failed with BusyError. Now it waits on (the module docstring of store.py says
+   so), and takes over once the zombie dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections import Counter
+
+from tests.consumer.test_shard import WordCount, produce, spec, stored_counts
+from tests.support.waiting import wait_until
+from tidings.consumer import SQLiteStore
+from tidings.consumer.shard import serve_primary
+
+HOLD_LOCK = """
+import sys, apsw
+db = apsw.Connection(sys.argv[1])
+db.execute("BEGIN IMMEDIATE")
+print("locked", flush=True)
+sys.stdin.read()  # (holds the file's write lock until the test closes our stdin)
+db.execute("ROLLBACK")
+"""
+
+
+async def test_waiting_for_another_processs_write_lock_does_not_freeze_the_event_loop(tmp_path) -> None:
+    path = tmp_path / "shard.db"
+    store = SQLiteStore(path)
+    await store.restore_checkpoint("wc/0")
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", HOLD_LOCK, str(path), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+    )
+    beats: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    def heartbeat() -> None:
+        """The measurement: a timer the loop runs only while it is free to (a frozen loop beats never)."""
+        beats.append(time.monotonic())
+        beating[0] = loop.call_later(0.01, heartbeat)
+
+    beating = [loop.call_later(0.01, heartbeat)]
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        assert await asyncio.wait_for(holder.stdout.readline(), 30) == b"locked\n"
+
+        async def consume() -> None:  # as a shard's transaction does: begin (off the loop), then write
+            await store.begin()
+            store.transaction().execute("CREATE TABLE IF NOT EXISTS t (x INTEGER)")
+
+        consuming = asyncio.ensure_future(consume())
+        before = len(beats)
+        await wait_until(lambda: len(beats) >= before + 20, 30)  # twenty beats while it waits for the lock
+        # Still waiting (a begin on the loop's thread would have frozen the loop until its busy handler gave
+        # up after 30 s, failing the begin): the loop served timers all along.
+        assert not consuming.done(), "the lock was not held, or the begin failed: nothing was measured"
+        holder.stdin.close()  # the holder rolls back
+        await asyncio.wait_for(consuming, 30)
+    finally:
+        beating[0].cancel()
+        if holder.returncode is None:
+            holder.kill()
+        await holder.wait()
+        store.destroy()
+
+
+ZOMBIE = """
+import asyncio, os, signal, sys
+from tests.consumer.test_shard import WordCount, spec
+from tidings.client import AsyncClient
+from tidings.consumer.shard import serve_primary
+
+def pause(n):
+    if n == 30:
+        print("consumed 30", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)  # paused mid-transaction, its write lock held
+
+async def main(endpoint, path):
+    async with AsyncClient(endpoint) as c:
+        await serve_primary(c, spec(), WordCount(path, pause), asyncio.Event())
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+async def test_a_successor_takes_over_once_a_paused_zombie_dies(cluster, tmp_path) -> None:
+    """Its restore waits for the lock the paused zombie holds (a documented limit of a SQLite file
+    shared by two processes: recovery logs will give each replica its own), without failing."""
+    for name in ("wc/in", "wc/out"):
+        await cluster.create_journal(name, 3)
+    words = ["apple", "banana", "cherry"] * 20
+    await produce(cluster, words)
+    path = tmp_path / "wc-0.db"
+    zombie = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", ZOMBIE, cluster.brokers[0].endpoint, str(path), stdout=asyncio.subprocess.PIPE
+    )
+    stop = asyncio.Event()
+    successor: asyncio.Future | None = None
+    try:
+        assert zombie.stdout is not None
+        assert await asyncio.wait_for(zombie.stdout.readline(), 60) == b"consumed 30\n"
+        async with cluster.client() as c:
+            successor = asyncio.ensure_future(serve_primary(c, spec(), WordCount(path), stop))
+            try:
+                os.kill(zombie.pid, signal.SIGKILL)  # (dying releases the lock)
+                await zombie.wait()
+                await wait_until(lambda: sum(stored_counts(path).values()) == len(words) or successor.done(), 60)
+            finally:
+                stop.set()
+                await asyncio.wait([successor])
+    finally:
+        if zombie.returncode is None:
+            zombie.kill()
+            await zombie.wait()
+    assert not successor.done() or successor.exception() is None, successor.exception()
+    assert stored_counts(path) == Counter(words)

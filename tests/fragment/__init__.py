@@ -1,0 +1,1 @@
+"""Fragments: naming, the index, stores and the persister."""

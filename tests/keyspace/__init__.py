@@ -1,0 +1,1 @@
+"""The etcd client and the KeySpace mirror."""

@@ -1,0 +1,1 @@
+"""LogPlayer: TargetQueue and Dispatcher, targets, end to end, the spin model."""

@@ -1,0 +1,1 @@
+"""Messages: framing, UUIDs, the Publisher and the read-committed Sequencer."""

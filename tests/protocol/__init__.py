@@ -1,0 +1,1 @@
+"""The wire protocol: generated code, statuses, validators."""

@@ -1,0 +1,1 @@
+"""The Spark source, streaming source and sink on a real local Spark."""
