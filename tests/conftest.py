@@ -117,7 +117,7 @@ def local_cluster(request, etcd: EtcdProcess, etcd_root: str, tmp_path):
 
 @pytest.fixture
 async def consumers(cluster, etcd_root, tmp_path):
-    """Consumer processes in this process over `cluster` (tests/consumer/test_service.py's Consumers)."""
+    """Consumer processes in this process over `cluster` (tests/support/consumers.py)."""
     from tests.support.consumers import Consumers
 
     cs = Consumers(cluster, etcd_root, tmp_path)

@@ -1,8 +1,8 @@
-"""One allocator, two uses (issue 10, item 1): the allocator that places journals on brokers places
-consumer shards on consumer processes, under the consumer's own etcd root (`allocator.kind.SHARDS`).
-A shard gets a primary and its hot standbys; a replica's ReplicaStatus, written in its assignment
-value, gates removals as journal consistency does: a replica leaves only once its successor is a
-STANDBY. Real etcd; the test plays the consumers (writing each replica's status)."""
+"""The allocator that places journals on brokers places consumer shards on consumer processes, under the
+consumer's own etcd root (`allocator.kind.SHARDS`). A shard gets a primary and its hot standbys; a
+replica's ReplicaStatus, written in its assignment value, gates removals as journal consistency does
+(DESIGN.md invariant 5): a replica leaves only once its successor is a STANDBY, so a shard never goes
+without a primary. Real etcd; the test plays the consumers (writing each replica's status)."""
 
 from __future__ import annotations
 
@@ -123,6 +123,49 @@ async def test_shards_get_a_primary_and_hot_standbys_and_move_only_once_a_succes
         return {a.member for a in assigned} == {standby, newcomer} and assigned[0].member == standby
 
     await wait_until(handed_over, 15)  # the standby leads; the newcomer stands by
+
+
+async def test_a_lone_primary_hands_over_only_to_a_ready_successor(consumers) -> None:
+    """A shard with no hot standbys (R = 1) on a consumer that begins exiting: the allocator adds a
+    successor, keeps the primary while the successor is IDLE or BACKFILL (DESIGN.md invariant 5), and once
+    the successor is a STANDBY hands the shard over so that the successor holds slot 0: the shard always
+    has a slot-0 replica, never zero replicas."""
+    c = consumers
+    seen_without_primary: list[object] = []
+    for zone, suffix in (("za", "c1"), ("zb", "c2")):
+        await c.join(zone, suffix)
+    sid = "solo/part-0"
+    await c.etcd.put(item_key(c.root, sid), shard(sid, hot_standbys=0).SerializeToString())
+    await wait_until(lambda: len(c.state().assignments.get(sid, [])) == 1, 15)
+    (primary,) = (a.member for a in c.state().assignments[sid])
+    await c.report(sid, {primary: PRIMARY})
+    await wait_until(lambda: c.state().assignments[sid][0].value.code == PRIMARY, 15)
+
+    leaving = c.members[primary]
+    spec = pb.ConsumerSpec()
+    spec.CopyFrom(leaving.spec)
+    spec.exiting = True
+    await leaving.update(spec)
+
+    def check() -> list:
+        assigned = c.state().assignments.get(sid, [])
+        if not any(a.slot == 0 for a in assigned):
+            seen_without_primary.append([(a.member, a.slot, a.value.code) for a in assigned])
+        return assigned
+
+    await wait_until(lambda: len(check()) == 2, 15)
+    newcomer = next(a.member for a in check() if a.member != primary)
+    await c.report(sid, {newcomer: pb.ReplicaStatus.BACKFILL})
+    await wait_until(lambda: any(a.value.code == pb.ReplicaStatus.BACKFILL for a in check()), 15)
+    assert primary in {a.member for a in check()}  # nobody ready to take over yet
+    await c.report(sid, {newcomer: STANDBY})
+
+    def handed_over() -> bool:
+        assigned = check()
+        return [(a.member, a.slot) for a in assigned] == [(newcomer, 0)]
+
+    await wait_until(handed_over, 15)
+    assert not seen_without_primary
 
 
 @pytest.mark.parametrize(

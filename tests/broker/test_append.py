@@ -1,4 +1,6 @@
-"""Appends through real brokers at R=3 (DESIGN.md invariants 1-4)."""
+"""Appends through real brokers at R=3: disjoint spans that tile the journal, checks and sets of offsets
+and registers, aborted appends leaving nothing, and every replica validating every proposal
+(DESIGN.md invariants 1-4)."""
 
 from __future__ import annotations
 
@@ -10,15 +12,17 @@ import random
 import grpc
 import pytest
 
+from tests.broker._support import break_pipeline, peers_of, primary_of
 from tests.support.replicate import replicate_to
 from tests.support.waiting import wait_until
 from tidings.broker.transport import StreamError
+from tidings.client import AsyncClient
 from tidings.fragment.fragment import Fragment
 from tidings.fragment.store import store_for
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.protocol_pb2_grpc import JournalStub
-from tidings.protocol.status import RegisterMismatchError, WrongAppendOffsetError
+from tidings.protocol.status import RegisterMismatchError, TransportError, WrongAppendOffsetError
 
 
 async def test_concurrent_appenders_get_disjoint_spans_that_tile_the_journal(cluster) -> None:
@@ -228,3 +232,99 @@ async def test_one_message_append_commits_and_content_after_commit_rolls_back(cl
     assert two.status == pb.OK and (two.commit.begin, two.commit.end) == (5, 11)
     async with cluster.client(2) as c:
         assert await c.read_all("it/single") == b"hello world"
+
+
+# -- registers change only with appended bytes ----------------------------------------------------
+
+
+async def test_a_zero_byte_append_that_changes_registers_is_refused(cluster) -> None:
+    j = "it/empty-registers"
+    await cluster.create_journal(j, 3)
+    async with cluster.client(0) as c:
+        await c.append(j, b"x", union_registers=labels.label_set({"fence": "1"}))
+        with pytest.raises(TransportError, match="at least one appended byte"):
+            await c.append(j, b"", union_registers=labels.label_set({"fence": "2"}))
+        with pytest.raises(TransportError, match="at least one appended byte"):
+            await c.append(j, b"", subtract_registers=labels.label_set({"fence": "1"}))
+        barrier = await c.append(j, b"")  # a plain zero-byte barrier is fine
+        assert barrier.registers == {"fence": ["1"]}
+
+
+# -- synchronization, un-acknowledged proposals, the commit's SHA1 --------------------------------
+
+
+async def test_a_divergent_peer_is_not_rolled_past(cluster) -> None:
+    """A peer whose fragment ends where ours does but holds other content cannot be made consistent
+    by rolling forward (only a peer that is ahead, or rolled to our end, can): the sync fails."""
+    j = "it/divergent"
+    await cluster.create_journal(j, 3)
+    async with cluster.client(0) as c:
+        await c.append(j, b"abc")
+        await c.append(j, b"def")  # the first fragment rolled: [3, 6) is current everywhere
+    primary = primary_of(cluster, j)
+    await break_pipeline(primary.resolver.replicas[j])
+    peer = peers_of(cluster, j)[0].resolver.replicas[j]
+    spool = await peer.spool_slot.get()
+    try:
+        cur = spool.fragment
+        spool.fragment = Fragment(j, cur.begin, cur.end, hashlib.sha1(b"XYZ").digest(), cur.codec)
+    finally:
+        peer.spool_slot.put_nowait(spool)
+    async with AsyncClient(primary.endpoint, retries=0) as c:
+        with pytest.raises(TransportError, match="synchroniz"):
+            await asyncio.wait_for(c.append(j, b"ghi"), 60)
+
+
+async def test_an_unacknowledged_proposal_that_does_not_apply_ends_the_stream(cluster) -> None:
+    """Answering it would pair the answer with the primary's next proposal."""
+    j = "it/unacked"
+    await cluster.create_journal(j, 3)
+    async with cluster.client(0) as c:
+        await c.append(j, b"hello")
+    route = cluster.route(j)
+    primary = primary_of(cluster, j)
+    await break_pipeline(primary.resolver.replicas[j])
+    pipeline = await primary.resolver.replicas[j].pipeline_slot.get()  # no pulse meanwhile
+    try:
+        peer = peers_of(cluster, j)[0]
+        peer_replica = peer.resolver.replicas[j]
+        await wait_until(lambda: peer_replica.spool_slot.full(), 10)
+        current = peer_replica.spool_slot._queue[0].fragment  # type: ignore[attr-defined]
+        async with replicate_to(peer) as call:
+            header = peer.resolver.header(route)
+            await call.write(pb.ReplicateRequest(header=header, proposal=current.to_proto(), acknowledge=True))
+            assert (await call.read()).status == pb.OK
+            behind = Fragment(j, 0, 1, hashlib.sha1(b"h").digest())
+            await call.write(pb.ReplicateRequest(proposal=behind.to_proto(), acknowledge=False))
+            with pytest.raises(StreamError, match="FAILED_PRECONDITION"):
+                await call.read()
+    finally:
+        primary.resolver.replicas[j].pipeline_slot.put_nowait(pipeline)
+
+
+async def test_the_commit_carries_the_sha1_of_the_appended_content(cluster) -> None:
+    j = "it/commit-sum"
+    await cluster.create_journal(j, 3)
+    async with cluster.client(1) as c:
+        r = await c.append(j, b"checksummed content")
+    assert r.sum == hashlib.sha1(b"checksummed content").hexdigest()
+
+
+# -- a journal created again under its name --------------------------------------------------------
+
+
+async def test_a_recreated_journal_starts_fresh(cluster) -> None:
+    """A journal deleted and created again under its name inherits neither offsets nor registers from
+    the brokers' spools (its old fragments stay in the old store, as in Gazette; this one uses another)."""
+    j = "it/recreated"
+    await cluster.create_journal(j, 3)
+    async with AsyncClient(cluster.brokers[0].endpoint) as c:
+        for i in range(3):
+            await c.append(j, f"old-{i}\n".encode() * 10, union_registers=labels.label_set({"owner": "old"}))
+        item = next(x for x in (await c.list()).journals if x.spec.name == j)
+        resp = await c.apply([pb.ApplyRequest.Change(delete=j, expect_mod_revision=item.mod_revision)])
+        assert resp.status == pb.OK
+        await wait_until(lambda: all(j not in b.resolver.replicas for b in cluster.brokers), 30)
+        await cluster.create_journal(j, 3, fragment={"stores": [f"file://{cluster.data_dir / 'other-store'}/"]})
+        r = await c.append(j, b"new journal, first record\n")
+    assert (r.begin, r.registers) == (0, {})

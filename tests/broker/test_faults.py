@@ -1,4 +1,6 @@
-"""Faults with brokers as child processes: kill -9 of the primary, joins and SIGTERM leaves under load."""
+"""Faults with brokers as child processes (kill -9 of the primary, a frozen peer, joins and SIGTERM leaves
+under load) lose no acknowledged append, leave no append waiting without end, and keep journals at R
+replicas as brokers join and leave (DESIGN.md invariants 1 and 5)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Races between a replica closing or recovering and what is still in flight: an acknowledgement read
-while the spool closes, a recovery killed mid-copy, many readers at one hole (review 4)."""
+"""A replica's HEAD covers an append before its client hears OK, and recovery keeps it, whatever is in
+flight: the last append of a burst, an acknowledgement read while the spool closes, a recovery killed
+mid-copy (DESIGN.md invariant 1); and readers arriving together at a hole list the stores once."""
 
 from __future__ import annotations
 
@@ -9,24 +10,45 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cluster import TestCluster
 from tidings.broker import replica as replica_module
 from tidings.broker.pipeline import Pipeline
-from tidings.broker.replica import Replica
+from tidings.broker.replica import Replica, spool_directory
 from tidings.broker.transport import Dialer, PeerStream, ReplicationServer
 from tidings.fragment import spool as spool_module
 from tidings.fragment.fragment import EMPTY_SUM, Fragment
 from tidings.fragment.persister import Persister
-from tidings.fragment.spool import Spool, recover
+from tidings.fragment.spool import HEAD, Spool, _read_head, recover
 from tidings.protocol import protocol_pb2 as pb
+
+
+async def test_every_replica_records_an_append_before_its_client_hears_ok(etcd, etcd_root, tmp_path) -> None:
+    """A replica recovers on its own no further than its HEAD. A peer records each commit there before
+    it answers it, and the primary before it tells the client, so when the last append of a burst (no
+    append, no pulse following) returns OK, every replica's HEAD already covers it."""
+    tc = TestCluster(etcd.endpoint, etcd_root, tmp_path, pulse_interval=600.0)  # no pulse to carry it
+    try:
+        for zone in ("zone-a", "zone-b", "zone-c"):
+            await tc.add_broker(zone)
+        j = "it/ack-note"
+        await tc.create_journal(j, 3)
+        async with tc.client(0) as c:
+            await c.append(j, b"first ")
+            last = await c.append(j, b"and the last of the burst")
+        for broker in tc.brokers:
+            h = _read_head(spool_directory(broker.config.data_dir, j) / HEAD, j)
+            assert h is not None and h.committed_end == last.end, f"{broker.config.suffix}: {h}"
+    finally:
+        await tc.stop()
 
 
 async def test_an_append_acknowledged_while_its_replica_closes_is_in_no_head(tmp_path: Path) -> None:
     """Replica.aclose shuts the pipeline down and closes the primary's spool while an append's
     acknowledgements are still on their way (the FSM gave the send side back after its commit
-    proposal). The receive loop then reads every peer's OK and the client hears OK, but the closed
-    spool no longer writes HEAD (f807a8e), and the peer learns the end only from the teardown's later
-    note. At the moment the client hears OK no replica's HEAD holds the append: a kill of both
-    brokers then (the kill campaign) and a restart recover neither copy."""
+    proposal). The receive loop then reads every peer's OK and the client hears OK after the primary's
+    spool closed (a closed spool writes no HEAD). Some replica's HEAD must hold the append by then (a
+    peer records each commit before it answers it), so a kill of both brokers at that moment (the kill
+    campaign) and a restart still recover it."""
     primary_dir, peer_dir = tmp_path / "primary", tmp_path / "peer"
     peer_spool = Spool("j", peer_dir)
     release = asyncio.Event()

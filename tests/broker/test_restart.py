@@ -1,6 +1,9 @@
-"""Restarts of a whole cluster on its data dirs (item 12, DESIGN.md invariants 1 and 2).
+"""Restarts of a whole cluster on its data dirs, and the resume offset a stop leaves for the journal's next
+primary: no acknowledged append is lost or has its offsets handed out again (DESIGN.md invariants 1, 2
+and 6).
 
-Brokers run as child processes (LocalCluster) over the session etcd. A journal without `stores`
+Brokers run as child processes (LocalCluster) over the session etcd, or in this process (TestCluster)
+where a test steps a broker by hand. A journal without `stores`
 persists to the cluster's default store. After a stop (SIGTERM, or kill -9) and a start of the
 same brokers on the same data dirs, every acknowledged append reads back at its offsets and the
 next append lands after them: no committed byte lost, no offset handed out twice.
@@ -12,13 +15,16 @@ import asyncio
 
 import pytest
 
-from tests.support.cluster import FAST_BROKER_FLAGS
+from tests.support.cluster import FAST_BROKER_FLAGS, TestCluster
 from tests.support.waiting import wait_until
-from tidings.client import AsyncClient
+from tidings.allocator.keys import item_key
+from tidings.broker.service import Broker
+from tidings.client import AppendResult, AsyncClient
 from tidings.cluster import LocalCluster
+from tidings.fragment.store import store_for
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import spec_from_dict
-from tidings.protocol.status import IndexHasGreaterOffsetError
+from tidings.protocol.status import IndexHasGreaterOffsetError, TidingsError
 
 J = "restart/journal"
 
@@ -45,7 +51,6 @@ def _append_to(path, content: bytes) -> None:
 
 
 async def _spec_in_etcd(etcd, root: str) -> pb.JournalSpec:
-    from tidings.allocator.keys import item_key
     from tidings.keyspace.etcd import Etcd
 
     client = await Etcd.connect(etcd.endpoint)
@@ -160,7 +165,7 @@ async def test_a_journal_killed_with_every_replica_and_back_elsewhere_needs_rese
 
 
 async def test_a_commit_no_peer_acknowledged_does_not_come_back_over_a_later_append(etcd, etcd_root, tmp_path) -> None:
-    """The review's resurrected commit: the primary applies an append's commit to its own spool, and is
+    """A resurrected commit: the primary applies an append's commit to its own spool, and is
     killed before any peer has it. The journal goes on without it, acknowledging another append at the
     same offsets. When the killed broker returns on its data dir it must not bring its commit back."""
     from tidings.broker.replica import spool_directory
@@ -211,9 +216,7 @@ async def test_a_resume_offset_recorded_while_the_primary_still_runs_is_not_clea
     offset then would leave the journal's next primary nothing to resume at (seen under load, 3 in 25
     runs of the R3-sigterm restart). The offset goes at the next client append, before it writes there
     (left longer, every replica lost meanwhile, a new primary would roll to it and write over that
-    append: review 7)."""
-    from tests.support.cluster import TestCluster
-
+    append: the test below)."""
     tc = TestCluster(etcd.endpoint, etcd_root, tmp_path, pulse_interval=600.0)
     try:
         for zone in ("zone-a", "zone-b", "zone-c"):
@@ -226,7 +229,7 @@ async def test_a_resume_offset_recorded_while_the_primary_still_runs_is_not_clea
             spec.CopyFrom(item.spec)
             spec.suspend.offset = last.end  # what `_record_resume_offsets` writes
             await c.apply([pb.ApplyRequest.Change(upsert=spec, expect_mod_revision=item.mod_revision)])
-            await wait_until(lambda: _suspend_offset(tc) == last.end, 10)
+            await wait_until(lambda: _suspend_offset(tc.brokers[0]) == last.end, 10)
             primary = next(b for b in tc.brokers if b.resolver.replicas.get(J) and _is_primary(b))
             await primary._pulse_once(primary.resolver.replicas[J])
             assert (await _spec_in_etcd(etcd, etcd_root)).suspend.offset == last.end, "cleared by a pulse"
@@ -242,9 +245,64 @@ def _is_primary(broker) -> bool:
     return route.primary >= 0 and route.members[route.primary].suffix == broker.config.suffix
 
 
-def _suspend_offset(tc) -> int:
-    from tidings.allocator.keys import item_key
-
-    broker = tc.brokers[0]
+def _suspend_offset(broker: Broker) -> int:
     kv = broker.keyspace.get(item_key(broker.config.root, J))
     return kv.decoded.suspend.offset if kv is not None else -1
+
+
+async def test_an_append_acknowledged_past_the_resume_offset_is_not_handed_out_again_after_every_replica_is_lost(
+    etcd, etcd_root, tmp_path
+) -> None:
+    """A journal resumed at R (its spec's `suspend.offset`, as `_record_resume_offsets` writes it) takes an
+    append at R, acknowledged OK, and then loses every replica (here: the only one, R=1, stopped without
+    persisting the fragment, as kill -9 would). The journal's next primary must not roll its empty spool
+    to R and hand the acknowledged offsets out again: it refuses (INDEX_HAS_GREATER_OFFSET, DESIGN.md
+    invariant 6; the store reaches R, its spool 0), and an operator's reset-head, or `verify_unassigned`
+    on the lost broker's disk, decides. So the append at R clears the offset from the spec before it
+    streams a byte, not a later append or pulse (`spool.end > resume`)."""
+    tc = TestCluster(etcd.endpoint, etcd_root, tmp_path, pulse_interval=600.0)
+    try:
+        b0 = await tc.add_broker("zone-a")
+        await tc.create_journal(J, 1)
+        async with tc.client(0) as c:
+            first = await c.append(J, b"persisted before the stop\n")
+            resume = first.end
+            item = next(j for j in (await c.list()).journals if j.spec.name == J)
+            spec = pb.JournalSpec()
+            spec.CopyFrom(item.spec)
+            spec.suspend.offset = resume  # the journal was stopped here and resumed
+            await c.apply([pb.ApplyRequest.Change(upsert=spec, expect_mod_revision=item.mod_revision)])
+            await wait_until(lambda: _suspend_offset(b0) == resume, 10)
+            acked = await c.append(J, b"acknowledged past the resume offset\n")
+        assert acked.begin == resume
+
+        store = store_for(tc.store_url)
+        await wait_until(lambda: any(f.end == resume for f in store.list(J)), 10)  # [0, R) persisted on the roll
+        held_at_loss = _suspend_offset(b0)
+        await b0.stop(graceful=False)
+        for f in store.list(J):  # kill -9 before the primary persisted its last fragment: only [0, R) is stored
+            if f.end > resume:
+                store.remove(f)
+        b1 = await tc.add_broker("zone-b")
+
+        outcome: list[AppendResult | str] = []
+
+        async def settled() -> bool:
+            async with tc.client(1) as c1:
+                try:
+                    outcome[:] = [await asyncio.wait_for(c1.append(J, b"a new append\n"), 10)]
+                except IndexHasGreaterOffsetError:
+                    outcome[:] = ["refused"]  # refuses to guess: right
+                except (TidingsError, TimeoutError):
+                    return False  # not assigned to b1 yet: ask again
+            return True
+
+        await wait_until(settled, 60, interval=0.5)
+        got = outcome[0]
+        assert got == "refused", (
+            f"the acknowledged append [{acked.begin}, {acked.end}) was lost with its only replica, and its "
+            f"offsets were handed out again at {got} without an operator: the journal's spec still named "
+            f"resume offset {held_at_loss} when it was lost (new primary {b1.endpoint})"
+        )
+    finally:
+        await tc.stop()

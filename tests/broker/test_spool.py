@@ -1,4 +1,6 @@
-"""Spool transitions, one at a time (Invariant 4: every replica validates every proposal)."""
+"""Spool transitions, one at a time, and what `recover()` keeps after a kill: every replica validates every
+proposal (DESIGN.md invariant 4), and a restart keeps every commit it answered and nothing past it
+(invariants 1 and 2)."""
 
 from __future__ import annotations
 
@@ -151,7 +153,7 @@ def test_roll_past_content_this_replica_never_got_reports_the_gap(spool) -> None
 
 
 def test_rollback_requires_equal_registers(spool) -> None:
-    """Item 8: a re-proposal of the current fragment with other registers is a mismatch, not a rollback."""
+    """A re-proposal of the current fragment with other registers is a mismatch, not a rollback."""
     sp, _ = spool
     regs = labels.label_set({"owner": "x"})
     sp.apply_content(b"abc", 0)
@@ -185,8 +187,8 @@ def test_roll_at_the_end_completes_the_fragment_for_the_primary_flag(spool) -> N
 
 
 def test_completed_file_keeps_its_name_until_persisted_and_readers_keep_reading(spool) -> None:
-    """Item 1: a file is unlinked only when the spool is done with it and a store holds it; an open
-    reader keeps reading after that."""
+    """A file is unlinked only when the spool is done with it and a store holds it; an open reader keeps
+    reading after that."""
     sp, rec = spool
     sp.apply_content(b"hello", 0)
     sp.apply_proposal(frag(0, 5, b"hello"), pb.LabelSet())
@@ -206,9 +208,9 @@ def test_completed_file_keeps_its_name_until_persisted_and_readers_keep_reading(
 
 
 def test_recover_keeps_what_was_committed_and_nothing_past_it(tmp_path: Path) -> None:
-    """Item 12: a restarted broker recovers completed and current content up to the committed end
-    recorded in HEAD, drops the uncommitted tail, and resumes there with the registers of that point
-    (whether the journal kept those commits is checked later, by `broker.recovery`)."""
+    """A restarted broker recovers completed and current content up to the committed end recorded in
+    HEAD, drops the uncommitted tail, and resumes there with the registers of that point (whether the
+    journal kept those commits is checked later, by `broker.recovery`)."""
     r1, r2 = labels.label_set({"writer": "w1"}), labels.label_set({"writer": "w2"})
     sp = Spool("a/j", tmp_path, Recorder())
     sp.apply_content(b"first", 0)
@@ -236,10 +238,11 @@ def test_recover_keeps_what_was_committed_and_nothing_past_it(tmp_path: Path) ->
 
 
 def test_a_peer_recovers_every_commit_it_answered_whatever_the_primary_told_it(tmp_path: Path) -> None:
-    """Review 2, finding 1, at the spool: a peer answers a commit, the primary tells the client OK, and
-    both die before the primary's next request could tell the peer the acknowledged end. The peer's
-    HEAD must still cover the commit (it is written before the answer), so a restart resumes past it:
-    the append is neither lost nor its offsets handed out again."""
+    """An acknowledged append survives its replicas' deaths, at the spool: a peer answers a commit, the
+    primary tells the client OK, and both die before the primary's next request could tell the peer the
+    acknowledged end. The peer's HEAD must still cover the commit (it is written before the answer), so a
+    restart resumes past it: the append is neither lost nor its offsets handed out again (DESIGN.md
+    invariants 1 and 2)."""
     directory = tmp_path / "peer"
     sp = Spool("j", directory)
     _peer_commit(sp, b"acked by all")  # [0, 12), told to a client by the primary
@@ -287,9 +290,9 @@ def test_recover_drops_damaged_files_and_head(tmp_path: Path) -> None:
 
 
 def test_a_live_spool_keeps_its_bytes_whatever_recover_does_elsewhere(tmp_path: Path) -> None:
-    """The review's live-directory case, at the spool level: the replica never runs `recover()` on a
-    directory whose spool is live (a new replica waits for the old one's close); were it to, the
-    live spool's committed bytes must still read back (it reads through its own descriptor)."""
+    """The replica never runs `recover()` on a directory whose spool is live (a new replica waits for the
+    old one's close); were it to, the live spool's committed bytes must still read back (it reads through
+    its own descriptor)."""
     sp = Spool("a/j", tmp_path)
     sp.apply(pb.ReplicateRequest(content=b"0123456789", content_delta=0))
     sp.apply_proposal(sp.next_fragment(), pb.LabelSet())

@@ -1,6 +1,8 @@
-"""Brokers with S3 fragment stores (a real local S3 server, moto's, on loopback), and stores that
-cannot work on this machine, refused at `journals apply` with one line instead of hanging the journal;
-a fragment whose file is corrupt is DATA_LOSS, which no reader retries.
+"""How brokers use their fragment stores: what one persists (to S3 too: a real local S3 server, moto's, on
+loopback) reads back from any broker, only the primary uploads at once, and a listing never deletes a
+live spool file (DESIGN.md invariant 1); a store that cannot work is refused in one line or answered
+FRAGMENT_STORE_UNHEALTHY instead of hanging the journal, and a corrupt fragment is DATA_LOSS, which no
+reader retries.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tests.broker._support import assert_replicas_hold, peers_of, primary_of
+from tests.support.fragments import write_foreign_fragment
 from tests.support.missing import shadow_path
 from tests.support.moto_s3 import MotoS3
 from tests.support.waiting import wait_until
@@ -22,7 +26,7 @@ from tidings.fragment.store import store_for
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
 from tidings.protocol.specs import spec_from_dict
-from tidings.protocol.status import TransportError
+from tidings.protocol.status import FragmentStoreUnhealthyError, TransportError
 
 J = "s3/orders"
 
@@ -159,3 +163,83 @@ async def test_a_corrupt_fragment_is_data_loss_at_once_even_for_a_reader_that_re
                     pass
     assert caught.value.code == grpc.StatusCode.DATA_LOSS
     assert first.content_name() in str(caught.value)
+
+
+# -- a store listing never deletes a live spool file ----------------------------------------------
+
+
+async def test_a_listing_that_covers_the_live_spool_never_deletes_it(cluster) -> None:
+    """The old primary of an idle journal persists [b, e) while the new primary and its peers still
+    hold [b, e) as their current spool fragment. Their next listing covers it: the spool files must
+    survive, appends resume into them, reads of them work, and the next roll loses nothing."""
+    j = "it/live-spool"
+    await cluster.create_journal(j, 3, fragment={"length": "1KiB"})
+    async with cluster.client(0) as c:
+        first = await c.append(j, b"first")
+        second = await c.append(j, b"hello")  # the first fragment rolled: [5, 10) is the live spool fragment
+        assert (second.begin, second.end) == (5, 10)
+        write_foreign_fragment(cluster, j, 5, b"hello")  # what the old primary persists as it leaves
+        for b in cluster.brokers:
+            await b.resolver.replicas[j].refresh_now()
+        for b in cluster.brokers:
+            live = b.resolver.replicas[j]
+            spool = (
+                live.spool_slot._queue[0]
+                if live.spool_slot.full()
+                else primary_of(cluster, j).resolver.replicas[j].pipeline_slot._queue[0].spool
+            )  # type: ignore[attr-defined]
+            if spool.file is not None:
+                assert spool.file.path.exists(), f"{b.process_id.suffix}: the live spool file was deleted"
+        third = await c.append(j, b" world")
+        assert third.begin == 10
+        big = await c.append(j, b"x" * 2000)  # past the fragment length: the next append rolls
+        last = await c.append(j, b"!")
+        spans = [
+            (first.begin, first.end, b"first"),
+            (5, 10, b"hello"),
+            (10, 16, b" world"),
+            (big.begin, big.end, b"x" * 2000),
+            (last.begin, last.end, b"!"),
+        ]
+        await assert_replicas_hold(cluster, j, spans)
+
+        async def stored() -> bool:
+            return max((f.end for f in store_for(cluster.store_url).list(j)), default=0) >= big.end
+
+        await wait_until(stored, 20)
+        assert await c.read_all(j) == b"firsthello world" + b"x" * 2000 + b"!"
+
+
+# -- only the primary persists at once ------------------------------------------------------------
+
+
+async def test_only_the_primary_uploads_a_fragment(cluster) -> None:
+    j = "it/one-upload"
+    await cluster.create_journal(j, 3, fragment={"length": "1KiB"})
+    async with cluster.client(0) as c:
+        for k in range(6):
+            await c.append(j, bytes([65 + k]) * 1500)  # each append past 1 KiB rolls the fragment
+    store = store_for(cluster.store_url)
+    await wait_until(lambda: len(store.list(j)) >= 5, 20)
+    primary = primary_of(cluster, j)
+    # (its statistics count an upload once the upload's thread returns, a moment after the file appears)
+    await wait_until(lambda: primary.persister.statistics().uploaded >= 5, 20)
+    for peer in peers_of(cluster, j):
+        assert peer.persister.statistics().uploaded == 0, "a replica uploaded what the primary already had"
+        assert peer.persister.statistics().queued >= 5, "replicas keep theirs for later, in case"
+
+
+# -- a store that cannot be listed answers with a status ------------------------------------------
+
+
+async def test_an_unusable_store_answers_fragment_store_unhealthy(cluster, tmp_path) -> None:
+    """A store listing that fails (here a file:// store whose root is a plain file) answers appends and
+    reads with FRAGMENT_STORE_UNHEALTHY instead of leaving them waiting forever."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_bytes(b"in the way")
+    j = "it/bad-store"
+    spec_store = f"file://{blocker}/"
+    await cluster.create_journal(j, 3, fragment={"stores": [spec_store]})
+    async with AsyncClient(cluster.brokers[0].endpoint, retries=0) as c:
+        with pytest.raises(FragmentStoreUnhealthyError):
+            await asyncio.wait_for(c.append(j, b"x"), 30)

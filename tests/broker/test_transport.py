@@ -245,7 +245,7 @@ async def test_a_peer_that_stops_reading_stops_its_primary_with_bounded_memory()
         assert received == sent
 
 
-# -- review 3: stream lifetimes at the edges ---------------------------------------------------
+# -- stream lifetimes at the edges -------------------------------------------------------------
 
 
 async def connected(server: ReplicationServer, dialer: Dialer) -> transport._PeerConnection:

@@ -1,9 +1,9 @@
-"""The `tidings` command against a real cluster: journals apply/list/append/read/fragments/reset-head,
-and bad input that prints one clear line and exits non-zero, without a traceback."""
+"""The `tidings` command end to end: journals apply/list/append/read/fragments, publish, `cluster up` and
+the demo; appends refused after INDEX_HAS_GREATER_OFFSET until reset-head (DESIGN.md invariant 6); and
+bad input or a wrong --broker prints one clear line and exits non-zero, without a traceback."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -12,35 +12,7 @@ from pathlib import Path
 
 import pytest
 
-
-def tidings(
-    *args: str, broker: str = "", stdin: bytes = b"", cwd: Path | None = None, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    env = {**os.environ, **({"TIDINGS_BROKER": broker} if broker else {}), **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "tidings.cli", *args], input=stdin, capture_output=True, env=env, cwd=cwd, timeout=60
-    )
-
-
-async def run(*args: str, **kw) -> subprocess.CompletedProcess:
-    return await asyncio.to_thread(tidings, *args, **kw)
-
-
-@pytest.fixture
-async def spec_file(cluster, tmp_path: Path) -> Path:
-    f = tmp_path / "journals.yaml"
-    f.write_text(
-        "journals:\n"
-        "  - name: cli/hello\n"
-        "    replication: 3\n"
-        "    labels: {app: cli}\n"
-        "    fragment:\n"
-        "      length: 1MiB\n"
-        "      compression_codec: gzip\n"
-        "      refresh_interval: 1s\n"
-        f"      stores: ['{cluster.store_url}']\n"
-    )
-    return f
+from tests.cli._support import run, tidings
 
 
 async def test_apply_list_append_read_fragments(cluster, spec_file: Path) -> None:

@@ -10,7 +10,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from tests.cli.test_cli import run
+from tests.cli._support import run
 from tests.support.waiting import wait_until
 from tidings.cluster.etcd import free_port
 from tidings.logplayer.player import LogPlayer

@@ -1,7 +1,7 @@
-"""`tidings members list`, `tidings status` and /metrics (issue 8, items 6 and 7), against brokers
-run as child processes: each broker's metrics address is where it says, client appends are
-counted apart from pulses, every RPC has a series; a broker that joins receives journals; after a
-restart, primaries spread over the brokers again; status names what is unhealthy."""
+"""`tidings members list`, `tidings status` and /metrics, against brokers run as child processes: each
+broker's metrics address is where it says, client appends are counted apart from pulses, every RPC has a
+series; a broker that joins receives journals; after a restart, primaries spread over the brokers again;
+status names what is unhealthy."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 import urllib.request
 from collections import Counter
 
-from tests.cli.test_cli import tidings
+from tests.cli._support import tidings
 from tests.support.cluster import create_local_journal
 from tests.support.waiting import wait_until_sync
 

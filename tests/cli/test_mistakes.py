@@ -1,6 +1,7 @@
-"""Users' mistakes through the `tidings` command (issue 8, item 8): each is one line on stderr naming
-the input and what to do, exit code 2 (a usage error), no traceback, and nothing started: every
-one of these is refused before anything connects or listens (so no cluster is needed here)."""
+"""Users' mistakes through the `tidings` command (a bad flag, a spec or shard file of the wrong shape,
+a value out of range): each is one line on stderr naming the input and what to do, exit code 2 (a
+usage error), no traceback, and nothing started: every one of these is refused before anything
+connects or listens (so no cluster is needed here)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.cli._support import tidings
 
 SPECS = {
     "three.yaml": 'name: a/b\nreplication: "three"\n',
@@ -119,7 +122,7 @@ def test_cluster_up_on_a_taken_port_is_one_line_and_starts_nothing(tmp_path: Pat
         pytest.param(("journals", "edit", "a/b"), {"EDITOR": "", "VISUAL": ""}, "needs $EDITOR", id="edit-no-editor"),
     ],
 )
-def test_review_25_lesser_mistakes_are_one_line(tmp_path: Path, args: tuple[str, ...], env: dict, says: str) -> None:
+def test_lesser_mistakes_are_one_line(tmp_path: Path, args: tuple[str, ...], env: dict, says: str) -> None:
     (tmp_path / "empty.yaml").write_text("")
     r = subprocess.run(
         [sys.executable, "-m", "tidings.cli", *(a.format(tmp=tmp_path) for a in args)],
@@ -128,3 +131,77 @@ def test_review_25_lesser_mistakes_are_one_line(tmp_path: Path, args: tuple[str,
     )  # fmt: skip
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and says in lines[0], r
+
+
+# Values of the wrong type or past a limit, which would otherwise reach a traceback deep in parsing
+# (or, for the flush interval, pass silently).
+ODD_SPECS = {
+    # a fragment that is not a mapping: TypeError "'list' object is not a mapping"
+    "fragment-list.yaml": "name: a/b\nfragment: [1]\n",
+    # labels that are not a mapping: AttributeError "'list' object has no attribute 'items'"
+    "labels-list.yaml": "name: a/b\nlabels: [app, shop]\n",
+    # YAML's .nan and .inf as durations: ValueError / OverflowError from int()
+    "nan.yaml": "name: a/b\nfragment: {refresh_interval: .nan}\n",
+    "inf.yaml": "name: a/b\nfragment: {retention: .inf}\n",
+}
+
+ODD_VALUES = [
+    pytest.param(("journals", "apply", "{tmp}/fragment-list.yaml"), "fragment", id="fragment-not-a-mapping"),
+    pytest.param(("journals", "apply", "{tmp}/labels-list.yaml"), "labels", id="labels-not-a-mapping"),
+    pytest.param(("journals", "apply", "{tmp}/nan.yaml"), "refresh_interval", id="duration-nan"),
+    pytest.param(("journals", "apply", "{tmp}/inf.yaml"), "retention", id="duration-inf"),
+    # a spec file that is not UTF-8 (Latin-1 from an old editor): UnicodeDecodeError
+    pytest.param(("journals", "apply", "{tmp}/latin1.yaml"), "latin1.yaml", id="file-not-utf8"),
+    # a port of digits str.isdigit() accepts and int() does not: ValueError in the --broker check
+    pytest.param(("journals", "list", "--broker", "127.0.0.1:\u00b2"), "is not HOST:PORT", id="broker-superscript"),
+    # cluster up's port probe binds past 65535: OverflowError "bind(): port must be 0-65535"
+    pytest.param(("cluster", "up", "--brokers", "2", "--port", "65535"), "--port", id="ports-past-65535"),
+    pytest.param(("cluster", "up", "--port", "70000"), "--port", id="port-70000"),
+    # a negative flush interval, unchecked, would act as 0 (one append per line) without a word
+    pytest.param(("publish", "a/b", "--flush-interval", "-1"), "--flush-interval", id="flush-interval-negative"),
+]
+
+
+@pytest.mark.parametrize(("args", "says"), ODD_VALUES)
+def test_a_value_of_the_wrong_type_or_range_is_one_line_and_exit_code_2(
+    tmp_path: Path, args: tuple[str, ...], says: str
+) -> None:
+    for name, text in ODD_SPECS.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "latin1.yaml").write_bytes("name: a/b\nlabels: {owner: Ren\u00e9}\n".encode("latin-1"))
+    args = tuple(a.format(tmp=tmp_path) for a in args)
+    r = subprocess.run(
+        [sys.executable, "-m", "tidings.cli", *args],
+        input=b'{"n": 1}\n',
+        capture_output=True,
+        env={**os.environ, "TIDINGS_BROKER": "127.0.0.1:1"},  # (nothing listens there: never reached)
+        cwd=tmp_path,
+        timeout=60,
+    )
+    err = r.stderr.decode(errors="replace")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err, err
+    assert r.returncode == 2, (r.returncode, err)
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], err
+    assert not (tmp_path / "data").exists()  # (cluster up refused before it made anything)
+
+
+# ShardSpec fields given a number too large for their protobuf type (a typo'd ring_buffer_size,
+# min_offset or duration): the file is checked before any call, so no consumer is needed.
+CASES = {
+    "ring_buffer_size": "id: a\nsources: [x]\nring_buffer_size: 1099511627776\n",
+    "min_offset": "id: a\nsources: [{journal: x, min_offset: 100000000000000000000}]\n",
+    "max_txn_duration": "id: a\nsources: [x]\nmax_txn_duration: 9999999999999999h\n",
+}
+
+
+@pytest.mark.parametrize("field", sorted(CASES))
+def test_out_of_range_shard_fields_are_one_line(field: str, tmp_path: Path) -> None:
+    """`tidings shards apply` names the field in one line (exit 2), not protobuf's "Value out of range"
+    traceback from shard_from_dict."""
+    f = tmp_path / "shards.yaml"
+    f.write_text(CASES[field])
+    r = tidings("shards", "apply", str(f), env={"TIDINGS_CONSUMER": "127.0.0.1:1"})
+    err = r.stderr.decode()
+    assert r.returncode == 2, err
+    assert "Traceback" not in err and field in err and len(err.strip().splitlines()) == 1, err

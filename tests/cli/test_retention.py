@@ -1,7 +1,7 @@
-"""Retention (issue 8, item 3): `journals prune` removes the persisted fragments a journal's
-fragment.retention lets go, only ever its oldest ones (a journal starts later, never gets a hole);
-brokers do it on their own every --prune-interval; a reader of a removed offset sees the jump
-(`read` prints a warning line) instead of silence or a hang. Against real brokers and a file store."""
+"""Retention: `journals prune` removes the persisted fragments a journal's fragment.retention lets go, only
+ever its oldest ones (a journal starts later, never gets a hole); brokers do it on their own every
+--prune-interval; a reader of a removed offset sees the jump (`read` prints a warning line) instead of
+silence or a hang. Against real brokers and a file store."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.cli.test_cli import run
+from tests.cli._support import run
 from tests.support.cluster import TestCluster
 from tests.support.waiting import wait_until
 from tidings.fragment import _metrics, retention

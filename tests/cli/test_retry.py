@@ -1,14 +1,20 @@
-"""`journals append` and `publish` ride out a primary just killed (issue 8, item 11): transient
-failures are retried within --deadline, and nothing lands twice; past the deadline, one line.
-Brokers are child processes, killed with SIGKILL."""
+"""`journals append` and `publish` ride out a primary just killed (child brokers, SIGKILL) or an answer
+lost in transport: transient failures are retried within --deadline, and the content lands once (no
+acknowledged append lost, no offset handed out twice: DESIGN.md invariants 1 and 2, as a client sees
+them); past the deadline, one line."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 
-from tests.cli.test_cli import tidings
+import tidings.broker.service as service
+from tests.cli._support import tidings
 from tests.support.cluster import create_local_journal
+from tidings.broker.append_api import serve_append
 
 
 def _kill_primary(lc, journal: str) -> str:
@@ -52,3 +58,37 @@ def test_past_the_deadline_a_failure_is_one_line(local_cluster) -> None:
     assert r.returncode == 1 and len(lines) == 1 and "UNAVAILABLE" in lines[0] and "Traceback" not in lines[0], r
     r = tidings("publish", "retry/none", "--deadline", "1", broker=nobody, stdin=b'{"n": 1}\n')
     assert r.returncode == 1 and "Traceback" not in r.stderr.decode(), r
+
+
+async def test_journals_append_gives_up_or_checks_when_an_answer_is_lost(cluster, monkeypatch, tmp_path) -> None:
+    """The broker commits the content attempt and then never answers (as a frozen connection without
+    keep-alive would): `journals append` does not wait for ever (its content attempt, callable content
+    and so not `whole`, gets no per-attempt timeout from `AsyncClient.append`), but within --deadline
+    finds its content committed and reports it, appended once."""
+    await cluster.create_journal("retry/lost", 3)
+    await cluster.wait_consistent("retry/lost", 3)
+    swallowed = []
+
+    async def lossy(broker, context):
+        resp = await serve_append(broker, context)
+        if resp is not None and resp.commit.end > resp.commit.begin and not swallowed:
+            swallowed.append(resp.commit)
+            await asyncio.Event().wait()  # committed, but the answer never comes
+        return resp
+
+    monkeypatch.setattr(service, "serve_append", lossy)
+    f = tmp_path / "content"
+    f.write_bytes(b"x" * 1000)
+    env = {**os.environ, "TIDINGS_BROKER": cluster.brokers[0].endpoint}
+    cmd = [sys.executable, "-m", "tidings.cli", "journals", "append", "retry/lost"]
+    cmd += ["--file", str(f), "--deadline", "5"]
+    proc = await asyncio.create_subprocess_exec(*cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 45)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise AssertionError(f"`journals append --deadline 5` still waiting after 45s (commit {swallowed})") from None
+    assert swallowed, "the lossy hook never fired"
+    assert proc.returncode == 0, err
+    assert json.loads(out)["begin"] == swallowed[0].begin  # it found its content, appended once

@@ -1,8 +1,8 @@
-"""`tidings shards ...` as a user runs it (issue 10, item 2): against child broker processes and a
-`tidings consumer` child serving examples.wordcount. Apply (dry run, then for real), list (table,
---json, --selector, --yaml), edit through $EDITOR, unassign (--failed, --dry-run), delete through
-YAML; and the usual mistakes (a missing file, a shard that does not exist, an unreachable
-consumer) answer with one line and a non-zero exit, no traceback."""
+"""`tidings shards ...` as a user runs it: against child broker processes and a `tidings consumer` child
+serving examples.wordcount. Apply (dry run, then for real), list (table, --json, --selector, --yaml),
+edit through $EDITOR, unassign (--failed, --dry-run), delete through YAML; and the usual mistakes (a
+missing file, a shard that does not exist, an unreachable consumer) answer with one line and a non-zero
+exit, no traceback."""
 
 from __future__ import annotations
 

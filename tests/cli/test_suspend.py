@@ -1,7 +1,8 @@
-"""Suspension of idle journals (issue 8, item 4), as Gazette's: `journals suspend` (or the brokers'
---auto-suspend) takes a journal holding nothing down to no replicas, and an idle one to a single
-replica serving reads; a suspended journal costs no pipeline and no pulse; its next append resumes
-it where it stopped, with its replicas back. Against real brokers."""
+"""Suspension of idle journals, as Gazette's: `journals suspend` (or the brokers' --auto-suspend) takes a
+journal holding nothing down to no replicas, and an idle one to a single replica serving reads; a
+suspended journal costs no pipeline and no pulse; its next append resumes it where it stopped, with its
+replicas back. A journal still holding content is never taken down to no replicas (DESIGN.md
+invariant 1). Against real brokers."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections import Counter
 
 import grpc
 
-from tests.cli.test_cli import run
+from tests.cli._support import run
 from tests.support.cluster import TestCluster
 from tests.support.waiting import wait_until
 from tidings.protocol import protocol_pb2 as pb
@@ -151,8 +152,9 @@ async def test_brokers_suspend_idle_journals_on_their_own(etcd, etcd_root, tmp_p
 
 
 async def test_a_journal_with_recovered_content_still_being_checked_is_never_fully_suspended(cluster) -> None:
-    """Review 27: recovered spool fragments join the index only once checked; meanwhile the index is
-    empty, and a full suspension would remove every replica, leaving that content nobody to check against."""
+    """Recovered spool fragments join the index only once checked; meanwhile the index is empty, yet the
+    journal is not fully suspended: that would remove every replica, leaving the recovered committed
+    content nobody to check against (no committed byte lost, DESIGN.md invariant 1)."""
     ep = cluster.brokers[0].endpoint
     await cluster.create_journal("idle/recovering", 1)
     replica = next(

@@ -182,8 +182,8 @@ async def test_reader_reports_offset_jumps(cluster) -> None:
 
 
 async def test_a_read_never_skips_a_hole_that_may_still_fill(cluster) -> None:
-    """Item 3: bytes past a hole whose fragment was persisted just now may be preceded by content still
-    on its way (an upload racing a hand-off): readers wait at the hole instead of skipping it."""
+    """Bytes past a hole whose fragment was persisted just now may be preceded by content still on its
+    way (an upload racing a hand-off): readers wait at the hole instead of skipping it."""
     await cluster.create_journal("cl/hole", 3)
     async with cluster.client(0) as c:
         await c.append("cl/hole", b"abc")
@@ -204,7 +204,7 @@ async def test_a_read_never_skips_a_hole_that_may_still_fill(cluster) -> None:
 
 
 async def test_a_fixed_range_message_read_waits_at_a_hole_that_may_still_fill(cluster) -> None:
-    """Review 20: a read of [0, end) (a Spark task's) with on_jump and direct store reads waits at a
+    """A read of [0, end) (a Spark task's) with on_jump and direct store reads waits at a
     hole whose next fragment is fresh, and delivers every message in order once it fills: it
     neither skips the hole as lost nor stops short of its end."""
     import msgspec

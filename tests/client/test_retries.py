@@ -4,7 +4,7 @@ the time since the last content), a definite failure is raised at once even by a
 retries for ever, and ShardClient.stat calls only a primary's own "not read through" a timeout.
 
 These run against a scripted gRPC server on loopback playing the broker or consumer (the layer under
-test is the client); the real brokers' side is covered in test_outage.py and test_broker_stores.py."""
+test is the client); the real brokers' side is covered in test_outage.py and tests/broker/test_stores.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """A shard's store commit waits for every append its transaction made, whichever API made it
 (DESIGN.md invariant 10; gazette-exactly-once.txt: "any published messages B, derived from A, will
 be read exactly once by any downstream read-committed reader"), and a definite failure of any of
-them fails the transaction instead of committing it.
+them fails the transaction instead of committing it; a failure of the ACKs written after the commit
+fails the shard too, even with no more input.
 
 The application publishes through each path docs/shards.md offers: the hook's `publisher`
 (uncommitted or committed), `shard.publisher` (from `consume_message`, or `begin_txn`, which can
@@ -16,6 +17,7 @@ from collections import Counter
 
 import pytest
 
+from tests.consumer.test_shard import WordCount, produce, spec
 from tests.support.apps import SEEN, Relay, seen
 from tests.support.consumer_procs import ConsumerProcs
 from tests.support.waiting import wait_until
@@ -170,3 +172,44 @@ async def test_a_failed_append_fails_its_transaction_and_names_the_output(cluste
     assert "output journal 'relay/side'" in reason and "source" not in reason, reason
     # m1's transaction did not commit: a later primary consumes it again (after the journal is back).
     assert seen(consumers.data_dir / "relay%2F0.db") == {"m0": 1}
+
+
+class DeletesDownstreamAfterCommit(WordCount):
+    def __init__(self, path, client) -> None:
+        super().__init__(path)
+        self.client, self.deleted = client, False
+
+    async def finished_txn(self, shard, store, commit) -> None:
+        await commit
+        if not self.deleted:  # (an operator deleting the downstream journal at this moment)
+            self.deleted = True
+            revision = {j.spec.name: j.mod_revision for j in (await self.client.list()).journals}["wc/out"]
+            await self.client.apply([pb.ApplyRequest.Change(delete="wc/out", expect_mod_revision=revision)])
+
+
+async def test_failed_acks_fail_the_idle_shard(cluster, tmp_path) -> None:
+    """A transaction's ACKs failing for good (here: its downstream journal deleted between the store
+    commit and the ACK append) fail the shard, naming why, although no further input comes to start
+    the next transaction: it does not stay PRIMARY for ever, its progress frozen (Stat waiting out its
+    deadline) and those downstream messages never acknowledged."""
+    await cluster.create_journal("wc/in", 1)
+    await cluster.create_journal("wc/out", 1)
+    await produce(cluster, ["apple", "fig"] * 10)
+    async with cluster.client() as c:
+        app = DeletesDownstreamAfterCommit(tmp_path / "wc.db", c)
+        stop = asyncio.Event()
+        shard = Shard(spec(), c)
+        task = asyncio.ensure_future(serve_primary(c, spec(), app, stop, shard))
+        try:
+            done, _ = await asyncio.wait([task], timeout=10)
+            assert done, (
+                f"the shard runs on although its last ACKs failed (read_through {shard.read_through}, "
+                f"deleted={app.deleted})"
+            )
+            with pytest.raises(Exception):  # noqa: B017 (any failure naming the journal will do)
+                task.result()
+        finally:
+            stop.set()
+            if not task.done():
+                task.cancel()
+            await asyncio.wait([task])

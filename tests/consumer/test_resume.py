@@ -1,17 +1,34 @@
-"""A new primary reads on from its checkpoint's read-through offsets, as in Gazette: a source
-producer that began a transaction and never acknowledged it (a dead producer, a Spark sink's failed
-task attempt) does not pin where every later primary starts reading (its transaction is re-read only
-if its ACK ever comes). Real etcd and brokers; shards in this process."""
+"""A new primary reads on from where its checkpoint says, as in Gazette, and every source message
+takes effect once (DESIGN.md invariant 8): a source producer that began a transaction and never
+acknowledged it (a dead producer, a Spark sink's failed task attempt) does not pin where every later
+primary starts reading (its transaction is re-read only if its ACK ever comes); a source's raised
+`min_offset` moves the start past a range even when the checkpoint knows the journal; and an upstream
+transaction spanning many of the shard's transactions is replayed exactly once through crashes. Real
+etcd and brokers; shards in this process."""
 
 from __future__ import annotations
 
 import asyncio
+import random
+from collections import Counter
 
+from tests.consumer.test_shard import (
+    COUNTS,
+    WordCount,
+    check_downstream,
+    crash_at_random_points,
+    produce,
+    read_through,
+    spec,
+    stored_counts,
+)
 from tests.support.apps import Relay, seen
 from tests.support.waiting import wait_until
 from tidings.client import AppendService
+from tidings.consumer import SQLiteStore
 from tidings.consumer.shard import Shard, serve_primary
-from tidings.message import Publisher
+from tidings.message import Publisher, read_uncommitted
+from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import shard_from_dict
 
 SPEC = shard_from_dict({"id": "relay/0", "sources": ["relay/in"], "max_txn_duration": "1s"})
@@ -109,3 +126,99 @@ async def test_a_recovered_ack_intent_of_a_deleted_journal_is_discarded_and_the_
         await wait_until(lambda: seen(tmp_path / "shards" / "relay%2F0.db").get("m3") == 1, 30)
     finally:
         procs.stop_all()
+
+
+async def test_a_raised_min_offset_skips_what_lies_below_it(cluster, tmp_path) -> None:
+    """ShardSpec.Source.min_offset lower-bounds where a source is read, as Gazette's startReadingMessages
+    does (`if offset < src.MinOffset { offset = src.MinOffset }`), also when the checkpoint already has
+    the journal: an operator raises it to skip a range (bad data, history not wanted), and nothing of
+    that range is consumed."""
+    for name in ("wc/in", "wc/out"):
+        await cluster.create_journal(name, 3)
+    path = tmp_path / "wc-0.db"
+    setup = SQLiteStore(path)  # (the counts table, before anyone polls it)
+    setup.db.execute(COUNTS)
+    setup.destroy()
+    await produce(cluster, ["apple"] * 5)
+    async with cluster.client() as c:
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(serve_primary(c, spec(), WordCount(path), stop))
+        await wait_until(lambda: stored_counts(path) == {"apple": 5}, 20)
+        stop.set()
+        await task
+        await produce(cluster, ["poison"] * 5)  # the range the operator skips
+        head = [env.end async for env in read_uncommitted(c, "wc/in", block=False)][-1]
+        await produce(cluster, ["banana"] * 5)
+        raised = spec()
+        raised.sources[0].min_offset = head
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(serve_primary(c, raised, WordCount(path), stop))
+        await wait_until(lambda: stored_counts(path).get("banana") == 5 or task.done(), 20)
+        stop.set()
+        await asyncio.wait([task])
+    assert stored_counts(path) == Counter(apple=5, banana=5)
+
+
+WORDS = ["apple", "banana", "cherry", "date"]
+
+
+def small_ring_spec() -> pb.ShardSpec:
+    return pb.ShardSpec(
+        id="wc/0",
+        sources=[pb.ShardSpec.Source(journal="wc/in")],
+        max_txn_duration_ms=100,
+        min_txn_duration_ms=0,
+        ring_buffer_size=4,
+    )
+
+
+async def produce_interleaved(cluster, rng: random.Random, words: list[str], path) -> None:
+    """Producer A's one transaction (60 words in 12 appends), producer B's committed words between;
+    after each of B's appends, until a shard transaction read through it and committed, so that A's
+    transaction spans twelve of the shard's."""
+    async with cluster.client() as c:
+        a, b = Publisher(AppendService(c)), Publisher(AppendService(c))
+        for _ in range(12):
+            batch = [rng.choice(WORDS) for _ in range(5)]
+            words.extend(batch)
+            await (await a.publish_uncommitted("wc/in", *({"word": w} for w in batch)))
+            mine = [rng.choice(WORDS) for _ in range(3)]
+            words.extend(mine)
+            end = (await (await b.publish_committed("wc/in", *({"word": w} for w in mine))))[-1].end
+            await wait_until(lambda end=end: read_through(path) >= end, 30)
+        await (await a.write_ack_intents(a.build_ack_intents()))
+        tail = [rng.choice(WORDS) for _ in range(5)]
+        words.extend(tail)
+        await (await b.publish_committed("wc/in", *({"word": w} for w in tail)))
+        await a.service.aclose()
+        await b.service.aclose()
+
+
+async def test_an_upstream_transaction_spanning_many_shard_transactions_through_crashes(cluster, tmp_path) -> None:
+    """A source journal whose upstream transaction spans many of the shard's transactions (its messages
+    interleaved with another producer's committed ones), a small Sequencer ring (the commit is
+    replayed), and the shard crashed (cancelled) at points across it: every word counts exactly once,
+    downstream running counts once each in order."""
+    for name in ("wc/in", "wc/out"):
+        await cluster.create_journal(name, 3)
+    rng = random.Random(28)
+    words: list[str] = []
+    path = tmp_path / "wc-0.db"
+    async with cluster.client() as c:
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(serve_primary(c, small_ring_spec(), WordCount(path), stop))
+        await produce_interleaved(cluster, rng, words, path)  # (paced by the running shard's commits)
+        stop.set()
+        await task
+        await crash_at_random_points(c, small_ring_spec(), path, rng, 4, 3, 40)  # (through A's replayed commit)
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(serve_primary(c, small_ring_spec(), WordCount(path), stop))
+        try:
+            await wait_until(lambda: sum(stored_counts(path).values()) >= len(words) or task.done(), 30)
+        finally:
+            stop.set()
+            await asyncio.wait([task])
+        if task.exception() is not None:
+            raise task.exception()
+    assert stored_counts(path) == Counter(words)
+    await check_downstream(cluster, Counter(words))

@@ -1,8 +1,9 @@
-"""The consumer process (issue 10, items 1, 3 and 8): shards applied through the Shard service are
-assigned by the allocator to consumer processes, served as primaries (statuses in etcd), handed off
-when a process stops, and FAILED (with the reason, visible in List) when a source journal is
-deleted, while the process keeps serving its other shards. Real etcd and brokers; the consumers
-run in this process (tests/test_cli_consumer.py runs them as child processes)."""
+"""The consumer process serves the shards the allocator assigns it, each exactly once (DESIGN.md
+invariant 8): shards applied through the Shard service are served as primaries (statuses in etcd),
+handed off when a process stops, stopped when demoted to a standby, and FAILED (with the reason,
+visible in List) when a source journal is deleted, while the process keeps serving its other shards.
+Real etcd and brokers; the consumers run in this process (tests/cli/test_shards.py runs one as a child
+process)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from collections import Counter, defaultdict
 import grpc
 import pytest
 
-from tests.support.consumers import FAILED, PRIMARY, WORDS, Counts, counts
+from tests.support.consumers import FAILED, PRIMARY, STANDBY, WORDS, Counts, counts
 from tests.support.waiting import wait_until
 from tidings.client import AppendService
 from tidings.consumer.client import ShardClient
@@ -93,6 +94,36 @@ async def test_shards_are_served_and_handed_off_exactly_once(cluster, consumers)
         assert await downstream(cluster, f"wc/out/{i}") == expected
     listed_statuses = [(s.spec.id, [st.code for st in s.status]) for s in listed.shards]
     assert listed_statuses == [("wc/0", [PRIMARY]), ("wc/1", [PRIMARY])]
+
+
+async def test_a_demoted_primary_stops_and_stands_by(cluster, consumers) -> None:
+    """A primary demoted to a standby slot (the allocator's primary spread swaps slots 0 and 1 in one
+    etcd transaction) stops serving and stands by: it does not run on as a zombie, to be fenced by the
+    new primary and write FAILED into its standby assignment (which would stick until `shards
+    unassign`)."""
+    a = await two_shards_served(cluster, consumers, hot_standbys=1, recovery_log_prefix="wc/log")
+    async with ShardClient(a.endpoint) as sc:
+        # B joins: it gets both standbys, then the balance moves one primary to it (a slot swap).
+        await consumers.add("zone-b")
+
+        def spread() -> bool:
+            st = [consumers.statuses(f"wc/{i}") for i in range(2)]
+            return sorted(s.get("zone-b/c1", -1) for s in st) == sorted([STANDBY, PRIMARY]) and all(
+                len(s) == 2 for s in st
+            )
+
+        await wait_until(spread, 30)
+        moved = next(i for i in range(2) if consumers.statuses(f"wc/{i}")["zone-b/c1"] == PRIMARY)
+        words = ["apple", "fig", "grape"] * 20
+        await produce(cluster, f"wc/in/{moved}", words)
+        async with cluster.client() as c:
+            head = await c.write_head(f"wc/in/{moved}")
+        await sc.stat(f"wc/{moved}", {f"wc/in/{moved}": head})
+        assert counts(consumers.data_dir / f"wc%2F{moved}.db") == Counter(words)
+        # The demoted replica on A must be a plain standby: no primary task still running there.
+        replica = a.replicas[f"wc/{moved}"]
+        await wait_until(lambda: replica._primary is None or replica._primary.done(), 10)
+        assert consumers.statuses(f"wc/{moved}") == {"zone-a/c0": STANDBY, "zone-b/c1": PRIMARY}
 
 
 async def test_a_deleted_source_fails_its_shard_only(cluster, consumers) -> None:

@@ -1,15 +1,16 @@
-"""A consumer shard's transactions (issue 10, item 5, first cut): word counts in a SQLite store and
-a downstream journal of running counts, exactly once through crashes at random points of
-transactions and through a zombie primary racing its successor. Real brokers (in-process), a real
-SQLite file or a real PostgreSQL database (the crash and zombie tests run on both stores); the shard
-runs as a task, crashed by cancelling it (its store's open transaction is then lost, as in a kill -9:
-see tests/consumer/test_store.py and tests/consumer/test_store_postgres.py)."""
+"""A consumer shard's transactions commit exactly once (DESIGN.md invariant 8): word counts in its
+store and a downstream journal of running counts stay exact through crashes at random points of
+transactions, in the store's commit and between it and the ACKs, and through a zombie primary racing
+its successor. Real brokers (in-process), a real SQLite file or a real PostgreSQL database (the crash
+and zombie tests run on both stores); the shard runs as a task, crashed by cancelling it (its store's
+open transaction is then lost, as in a kill -9: see tests/consumer/test_store.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 import sys
+import threading
 from collections import Counter, defaultdict
 
 import apsw
@@ -19,7 +20,7 @@ import pytest
 from tests.support.waiting import wait_until
 from tidings.consumer import PostgresStore, SQLiteStore
 from tidings.consumer.shard import Shard, serve_primary
-from tidings.message import Publisher, read_committed
+from tidings.message import Publisher, read_committed, read_uncommitted
 from tidings.protocol import protocol_pb2 as pb
 
 COUNTS = "CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NOT NULL)"
@@ -219,6 +220,165 @@ async def test_a_zombie_primary_stops_at_its_next_commit_and_nothing_is_doubled(
         if zombie.returncode is None:
             zombie.kill()
             await zombie.wait()
+    assert stored_counts(path) == Counter(words)
+    await check_downstream(cluster, Counter(words))
+
+
+class SlowDiskStore(SQLiteStore):
+    """A SQLiteStore whose first commit waits in its worker thread until the loop thread rolled back."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.entered, self.gate, self.worker_done = threading.Event(), threading.Event(), threading.Event()
+        self.worker_error: BaseException | None = None
+        self.slow = True
+
+    def _commit(self, shard: str, raw: bytes) -> None:
+        if not self.slow:
+            return super()._commit(shard, raw)
+        self.slow = False
+        self.entered.set()
+        self.gate.wait(10)
+        try:
+            super()._commit(shard, raw)
+        except BaseException as exc:
+            self.worker_error = exc
+        finally:
+            self.worker_done.set()
+
+    def _rollback(self) -> None:
+        super()._rollback()
+        self.gate.set()
+
+
+class SlowDiskWordCount(WordCount):
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.store: SlowDiskStore | None = None
+
+    def new_store(self, shard) -> SlowDiskStore:
+        store = self.store = SlowDiskStore(self.path)
+        store.db.execute("CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NOT NULL)")
+        return store
+
+    async def finished_txn(self, shard, store, commit) -> None:
+        await asyncio.wait([commit])  # (e.g. flushing metrics once committed: an async hook awaits)
+        if commit.cancelled() or commit.exception() is not None:
+            await asyncio.to_thread(store.worker_done.wait, 10)
+
+
+async def test_cancel_during_the_store_commit_loses_nothing(cluster, tmp_path) -> None:
+    """A shard cancelled (stopped, or crashed) while its store's commit runs in the worker thread
+    loses nothing: the checkpoint (read-through, ACK intents) lands with that transaction's changes or
+    not at all. (Cancelling `asyncio.to_thread` does not stop the thread: a ROLLBACK on the loop's
+    thread under it would let the worker's UPDATE commit the checkpoint alone, and the next primary
+    would resume after inputs whose effects are not in the store while their downstream messages get
+    ACKed from the recovered intents.)
+
+    The disk is made slow for the one commit with a gate the worker waits on (fault injection widening
+    the window; the gate opens once the loop thread rolled back, if it does), and the application's
+    `finished_txn` (awaited as the commit starts, with its future) waits for the commit: an async hook
+    may await."""
+    for name in ("wc/in", "wc/out"):
+        await cluster.create_journal(name, 3)
+    words = ["apple", "banana", "cherry"] * 10
+    await produce(cluster, words)
+    async with cluster.client() as c:
+        head = [env.end async for env in read_uncommitted(c, "wc/in", block=False)][-1]
+    path = tmp_path / "wc-0.db"
+    async with cluster.client() as c:
+        app = SlowDiskWordCount(path)
+        task = asyncio.ensure_future(serve_primary(c, spec(), app, asyncio.Event()))
+        await wait_until(lambda: app.store is not None and app.store.entered.is_set(), 30)
+        task.cancel()  # the shard is stopped (or crashes) while its commit is on the disk
+        await asyncio.wait([task])
+        stop = asyncio.Event()
+        successor = asyncio.ensure_future(serve_primary(c, spec(), WordCount(path), stop))
+        try:
+            await wait_until(lambda: read_through(path) >= head or successor.done(), 30)
+        finally:
+            stop.set()
+            await asyncio.wait([successor])
+    # Whatever the first primary's commit did, every word counts exactly once.
+    assert stored_counts(path) == Counter(words), f"worker thread saw: {app.store.worker_error!r}"
+    await check_downstream(cluster, Counter(words))
+
+
+class DiesAfterCommit(SQLiteStore):
+    def __init__(self, path, committed: asyncio.Event) -> None:
+        super().__init__(path)
+        self.committed = committed
+
+    async def start_commit(self, shard, checkpoint, wait_for=()) -> None:
+        await super().start_commit(shard, checkpoint, wait_for)
+        self.committed.set()
+        await asyncio.Event().wait()  # (the process dies here: cancelled below)
+
+
+class Restored(SQLiteStore):
+    """Says when its checkpoint is restored: the shard's next step re-writes the recovered ACK intents."""
+
+    def __init__(self, path, restored: asyncio.Event) -> None:
+        super().__init__(path)
+        self.restored = restored
+
+    async def restore_checkpoint(self, shard):
+        checkpoint = await super().restore_checkpoint(shard)
+        self.restored.set()
+        return checkpoint
+
+
+class Successor(WordCount):
+    def __init__(self, path, restored: asyncio.Event) -> None:
+        super().__init__(path)
+        self.restored = restored
+
+    def new_store(self, shard) -> SQLiteStore:
+        store = Restored(self.path, self.restored)
+        store.db.execute("CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NOT NULL)")
+        return store
+
+
+class App(WordCount):
+    def __init__(self, path, committed: asyncio.Event) -> None:
+        super().__init__(path)
+        self.committed = committed
+
+    def new_store(self, shard) -> SQLiteStore:
+        store = DiesAfterCommit(self.path, self.committed)
+        store.db.execute("CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NOT NULL)")
+        return store
+
+
+async def test_crash_between_the_store_commit_and_the_acks(cluster, tmp_path) -> None:
+    """A primary that dies right after its store commit, before writing the transaction's ACKs (the
+    store's commit is followed by a wait that never ends; the task is then cancelled), and a successor
+    that dies while re-writing the recovered ACK intents: the third primary still commits every word
+    once, and downstream readers (read committed) see each running count once, in order."""
+    for name in ("wc/in", "wc/out"):
+        await cluster.create_journal(name, 3)
+    words = ["apple", "banana", "cherry", "apple"] * 10
+    await produce(cluster, words)
+    path = tmp_path / "wc-0.db"
+    async with cluster.client() as c:
+        committed = asyncio.Event()
+        task = asyncio.ensure_future(serve_primary(c, spec(), App(path, committed), asyncio.Event()))
+        await asyncio.wait([task, asyncio.ensure_future(committed.wait())], return_when=asyncio.FIRST_COMPLETED)
+        task.cancel()
+        await asyncio.wait([task])
+        # A second primary crashes mid re-write of the recovered intents (cancelled once it restored).
+        restored = asyncio.Event()
+        task = asyncio.ensure_future(serve_primary(c, spec(), Successor(path, restored), asyncio.Event()))
+        await asyncio.wait([task, asyncio.ensure_future(restored.wait())], return_when=asyncio.FIRST_COMPLETED)
+        task.cancel()
+        await asyncio.wait([task])
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(serve_primary(c, spec(), WordCount(path), stop))
+        try:
+            await wait_until(lambda: sum(stored_counts(path).values()) >= len(words) or task.done(), 30)
+        finally:
+            stop.set()
+            await asyncio.wait([task])
     assert stored_counts(path) == Counter(words)
     await check_downstream(cluster, Counter(words))
 

@@ -1,6 +1,8 @@
-"""A shard stops when told: its open transaction commits at its next chunk and nothing more is
-consumed (what was read ahead is not: the checkpoint says where the next primary starts), however
-large the backlog; and a new primary never waits without bound for the old one to stop.
+"""A shard stops when told (DESIGN.md invariant 8): its open transaction commits at its next chunk
+and nothing more is consumed (what was read ahead is not: the checkpoint says where the next primary
+starts), however large the backlog; a new primary never waits without bound for the old one to stop,
+nor runs beside it, so effects land exactly once across spec changes and an unassign that gives the
+shard straight back to its process.
 
 The operator's case: raising a source's `min_offset` to skip a poisoned range restarts the primary
 under the new spec, and the old primary must not go on to consume exactly that range. Real etcd and
@@ -9,8 +11,12 @@ brokers; shards in this process (the Consumer, or serve_primary)."""
 from __future__ import annotations
 
 import asyncio
+import random
+from collections import Counter
 
+from tests.consumer.test_service import downstream, produce, shard
 from tests.support.apps import Relay, seen
+from tests.support.consumers import PRIMARY, WORDS, counts
 from tests.support.waiting import wait_until
 from tidings.client import AppendService
 from tidings.client._base import CHUNK
@@ -241,3 +247,30 @@ async def test_a_shard_unassigned_and_assigned_back_never_runs_two_primaries_at_
             head = await c.write_head("relay/in")
         await sc.stat("relay/0", {"relay/in": head}, timeout=60)
     assert app.most == 1
+
+
+async def test_unassign_and_reassign_while_busy_is_exactly_once(cluster, consumers) -> None:
+    """`shards unassign` of a busy shard on its only process: the replica is closed (its open
+    transaction commits) while the allocator assigns the shard to the same process again at once, so
+    the next primary starts in that process on the same SQLite file. Its effects still land exactly
+    once, and the shard comes back PRIMARY."""
+    await cluster.create_journal("wc/in/0", 1)
+    await cluster.create_journal("wc/out/0", 1)
+    a = await consumers.add("zone-a")
+    rng = random.Random(29)
+    words = [rng.choice(WORDS) for _ in range(600)]
+    async with ShardClient(a.endpoint) as sc:
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=shard(0, max_txn_duration="1s"))])
+        await wait_until(lambda: consumers.statuses("wc/0") == {"zone-a/c0": PRIMARY}, 30)
+        producing = asyncio.ensure_future(produce(cluster, "wc/in/0", words))
+        for _ in range(3):
+            await wait_until(lambda: consumers.statuses("wc/0") == {"zone-a/c0": PRIMARY}, 30)
+            assert await sc.unassign(["wc/0"]) == ["wc/0"]
+        await producing
+        await wait_until(lambda: consumers.statuses("wc/0") == {"zone-a/c0": PRIMARY}, 30)
+        async with cluster.client() as c:
+            head = await c.write_head("wc/in/0")
+        await sc.stat("wc/0", {"wc/in/0": head})
+    assert counts(consumers.data_dir / "wc%2F0.db") == Counter(words)
+    expected = {w: list(range(1, n + 1)) for w, n in Counter(words).items()}
+    assert await downstream(cluster, "wc/out/0") == expected

@@ -1,75 +1,48 @@
-"""The consumer's PostgreSQL store and its fence (issue 10, item 6, PostgreSQL half), against a real
-server (the `postgres` fixture): a checkpoint commits with the application's changes or not at all;
-a zombie's transaction and its successor's restore take turns on the shard's checkpoint row, so the
-restore sees what the zombie committed and the zombie fails at its next begin; a process killed
-mid-transaction leaves nothing of it."""
+"""PostgresStore keeps many shards' stores in one database (a real server, the `postgres` fixture):
+their transactions take turns on each shard's checkpoint row, so a restore waits for a zombie's
+transaction in progress and restores what it committed; restores, schema changes and a paused zombie
+of one shard never hold up the others; a lost connection, or a begin, restore or commit cancelled
+while it waits, leaves nothing half-committed or locked (DESIGN.md invariant 8; what both stores do:
+test_store.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
-import subprocess
-import sys
-import textwrap
 
 import psycopg
 import pytest
 
+from tests.consumer._support import COUNTS, add, counts
 from tests.support.stores import checkpoint
 from tests.support.waiting import wait_until
 from tidings.consumer import FenceError, PostgresStore
 from tidings.consumer import store as store_module
 from tidings.protocol import protocol_pb2 as pb
 
-COUNTS = "CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NOT NULL)"
+INDEX = "CREATE INDEX IF NOT EXISTS counts_n ON counts (n)"
 
 
-def counts(dsn: str) -> dict[str, int]:
-    with psycopg.connect(dsn) as conn:
-        return dict(conn.execute("SELECT word, n FROM counts ORDER BY word").fetchall())  # type: ignore[arg-type]
+async def backend_pid(store: PostgresStore) -> int:
+    assert store.conn is not None
+    return store.conn.info.backend_pid
 
 
-async def add(store: PostgresStore, word: str) -> None:
-    await store.begin()
-    await store.transaction().execute(
-        "INSERT INTO counts VALUES (%s, 1) ON CONFLICT (word) DO UPDATE SET n = counts.n + 1", (word,)
-    )
+def lock_waiters(dsn: str) -> int:
+    """Backends waiting for a lock: how a test knows a store is blocked (there is nothing else to poll)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute("SELECT count(*) FROM pg_locks WHERE NOT granted").fetchone()[0]  # type: ignore[index]
 
 
-async def test_a_checkpoint_commits_with_the_applications_changes(pg_dsn) -> None:
-    a = PostgresStore(pg_dsn, schema=[COUNTS])
-    assert await a.restore_checkpoint("wc/0") == pb.Checkpoint()  # a new shard
-    await add(a, "hello")
-    await add(a, "hello")
-    await a.start_commit("wc/0", checkpoint(100))
-    a.destroy()
-
-    b = PostgresStore(pg_dsn, schema=[COUNTS])  # the next primary
-    assert await b.restore_checkpoint("wc/0") == checkpoint(100)
-    assert counts(pg_dsn) == {"hello": 2}
-    b.destroy()
+def committing(dsn: str, pid: int) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT state, query FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+    return row is not None and row[0] == "active" and row[1].strip().upper() == "COMMIT"
 
 
-async def test_a_zombie_primary_cannot_begin_or_commit_after_a_newer_one_restored(pg_dsn) -> None:
-    zombie, primary = PostgresStore(pg_dsn, schema=[COUNTS]), PostgresStore(pg_dsn, schema=[COUNTS])
-    try:
-        await zombie.restore_checkpoint("wc/0")
-        await primary.restore_checkpoint("wc/0")
-        with pytest.raises(FenceError, match="a newer primary restored it"):
-            await add(zombie, "zombie")
-        with pytest.raises(FenceError):  # (nor commit without a begin of its own)
-            await zombie.start_commit("wc/0", checkpoint(50))
-        await add(primary, "primary")
-        await primary.start_commit("wc/0", checkpoint(60))
-        assert counts(pg_dsn) == {"primary": 1}
-    finally:
-        zombie.destroy()
-        primary.destroy()
-    again = PostgresStore(pg_dsn)
-    assert await again.restore_checkpoint("wc/0") == checkpoint(60)
-    again.destroy()
+def terminate(dsn: str, pid: int) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone() == (True,)
 
 
 async def test_a_restore_waits_for_the_zombies_transaction_in_progress_and_restores_what_it_committed(
@@ -101,20 +74,32 @@ async def test_a_restore_waits_for_the_zombies_transaction_in_progress_and_resto
         successor.destroy()
 
 
-async def test_a_commit_waits_for_its_dependencies_and_rolls_back_if_one_failed(pg_dsn) -> None:
-    store = PostgresStore(pg_dsn, schema=[COUNTS])
+async def test_a_restore_keeps_warning_every_restore_wait_while_the_row_stays_locked(pg_dsn, monkeypatch, caplog):
+    """A restore waiting for a paused zombie's row warns every RESTORE_WAIT seconds for as long as it
+    waits, as store.py's docstring says, not just once (a lock_timeout set inside the transaction that
+    the first LockNotAvailable rolls back would leave every later wait silent)."""
+    monkeypatch.setattr(store_module, "RESTORE_WAIT", 0.2)
+    zombie, successor = PostgresStore(pg_dsn, schema=[COUNTS]), PostgresStore(pg_dsn, schema=[COUNTS])
     try:
-        await store.restore_checkpoint("wc/0")
-        await store.start_commit("wc/0", checkpoint(0))
-        await add(store, "lost")
-        failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        failed.set_exception(RuntimeError("the previous transaction's ACKs failed"))
-        with pytest.raises(RuntimeError, match="ACKs failed"):
-            await store.start_commit("wc/0", checkpoint(10), [failed])
-        assert counts(pg_dsn) == {}
-        assert await store.restore_checkpoint("wc/0") == checkpoint(0)
+        await zombie.restore_checkpoint("wc/0")
+        await add(zombie, "zombie")  # holds the shard's row (a paused zombie)
+        with caplog.at_level(logging.WARNING, logger=store_module.__name__):
+            restoring = asyncio.ensure_future(successor.restore_checkpoint("wc/0"))
+
+            def warnings() -> int:
+                return sum("stays locked by another primary" in r.getMessage() for r in caplog.records)
+
+            await wait_until(lambda: warnings() >= 1, 30)
+            try:
+                await wait_until(lambda: warnings() >= 3, 5)  # 25 RESTORE_WAITs
+            finally:
+                seen = warnings()
+                await zombie.start_commit("wc/0", checkpoint(1))
+                assert await asyncio.wait_for(restoring, 30) == checkpoint(1)
+            assert seen >= 3
     finally:
-        store.destroy()
+        zombie.destroy()
+        successor.destroy()
 
 
 async def test_many_shards_restore_at_once_in_one_database(pg_dsn) -> None:
@@ -132,44 +117,49 @@ async def test_many_shards_restore_at_once_in_one_database(pg_dsn) -> None:
             s.destroy()
 
 
-def test_a_transaction_outside_begin_is_refused_with_a_clear_error(pg_dsn) -> None:
-    store = PostgresStore(pg_dsn)
-    with pytest.raises(Exception, match="no transaction is open: begin"):
-        store.transaction()
-
-
-async def test_a_process_killed_mid_transaction_leaves_nothing_of_it(pg_dsn) -> None:
-    child = textwrap.dedent(
-        f"""
-        import asyncio
-        from tidings.consumer import PostgresStore
-        from tidings.protocol import protocol_pb2 as pb
-
-        async def main():
-            s = PostgresStore({pg_dsn!r}, schema=[{COUNTS!r}])
-            await s.restore_checkpoint("wc/0")
-            await s.start_commit("wc/0", pb.Checkpoint())
-            await s.begin()
-            await s.transaction().execute("INSERT INTO counts VALUES ('uncommitted', 1)")
-            print("written", flush=True)
-            await asyncio.Event().wait()
-
-        asyncio.run(main())
-        """
-    )
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", child, stdout=subprocess.PIPE)
+async def test_a_paused_zombie_of_one_shard_does_not_stop_other_shards_restoring(pg_dsn):
+    """Shard a's zombie, paused mid-transaction (rows written to the application's table), does not
+    stop shards b and c of the same database restoring, though their schema has a CREATE INDEX IF NOT
+    EXISTS on that table: run under the restores' one advisory lock, waiting for a's transaction
+    (ShareLock vs RowExclusiveLock) with no lock_timeout, it would hold every restore of the database."""
+    schema = [COUNTS, INDEX]
+    zombie_a = PostgresStore(pg_dsn, schema=schema)
+    b, c = PostgresStore(pg_dsn, schema=schema), PostgresStore(pg_dsn, schema=schema)
     try:
-        assert proc.stdout is not None
-        assert await asyncio.wait_for(proc.stdout.readline(), 60) == b"written\n"
+        await zombie_a.restore_checkpoint("wc/a")
+        await add(zombie_a, "a")  # paused here, mid-transaction
+        restoring_b = asyncio.ensure_future(b.restore_checkpoint("wc/b"))
+        restoring_c = asyncio.ensure_future(c.restore_checkpoint("wc/c"))
+        done, _ = await asyncio.wait([restoring_b, restoring_c], timeout=5)
+        stuck = [name for name, f in (("b", restoring_b), ("c", restoring_c)) if f not in done]
+        await zombie_a.start_commit("wc/a", checkpoint(1))  # the zombie resumes: all restores go on
+        await asyncio.wait_for(asyncio.gather(restoring_b, restoring_c), 30)
+        assert stuck == [], f"shards {stuck} could not restore while another shard's zombie was paused"
     finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        await proc.wait()
-    store = PostgresStore(pg_dsn, schema=[COUNTS])
-    try:  # (the server notices the dead connection and rolls back; the restore waits for its row lock)
-        assert await asyncio.wait_for(store.restore_checkpoint("wc/0"), 60) == pb.Checkpoint()
+        for s in (zombie_a, b, c):
+            s.destroy()
+
+
+async def test_a_paused_zombie_of_one_shard_and_a_restore_of_another_do_not_stall_running_shards(pg_dsn):
+    """Nor do they stall the running primary of shard c: were b's CREATE INDEX to wait in the table's
+    lock queue for a's zombie, c's INSERT (RowExclusiveLock) would queue behind b's ShareLock."""
+    schema = [COUNTS, INDEX]
+    zombie_a, b, c = (PostgresStore(pg_dsn, schema=schema) for _ in range(3))
+    try:
+        await zombie_a.restore_checkpoint("wc/a")
+        await c.restore_checkpoint("wc/c")  # c runs
+        await add(zombie_a, "a")  # a's zombie pauses mid-transaction
+        restoring_b = asyncio.ensure_future(b.restore_checkpoint("wc/b"))
+        await wait_until(lambda: restoring_b.done() or lock_waiters(pg_dsn) > 0, 10)  # (b reaches its schema)
+        writing_c = asyncio.ensure_future(add(c, "c"))
+        done, _ = await asyncio.wait([writing_c], timeout=5)
+        await zombie_a.start_commit("wc/a", checkpoint(1))
+        await asyncio.wait_for(asyncio.gather(restoring_b, writing_c), 30)
+        await c.start_commit("wc/c", checkpoint(1))
+        assert writing_c in done, "a running shard's write stalled behind another shard's restore"
     finally:
-        store.destroy()
-    assert counts(pg_dsn) == {}
+        for s in (zombie_a, b, c):
+            s.destroy()
 
 
 async def test_a_new_index_waits_for_a_writers_transaction_without_holding_up_others(
@@ -202,3 +192,140 @@ async def test_a_new_index_waits_for_a_writers_transaction_without_holding_up_ot
     finally:
         for s in (running, migrating, other):
             s.destroy()
+
+
+def test_a_transaction_outside_begin_is_refused_with_a_clear_error(pg_dsn) -> None:
+    store = PostgresStore(pg_dsn)
+    with pytest.raises(Exception, match="no transaction is open: begin"):
+        store.transaction()
+
+
+async def test_a_connection_terminated_mid_transaction_commits_nothing_and_fails_clearly(pg_dsn):
+    store = PostgresStore(pg_dsn, schema=[COUNTS])
+    try:
+        await store.restore_checkpoint("wc/0")
+        await add(store, "kept")
+        await store.start_commit("wc/0", checkpoint(1))
+        await add(store, "lost")
+        terminate(pg_dsn, await backend_pid(store))
+        with pytest.raises(psycopg.OperationalError):
+            await store.start_commit("wc/0", checkpoint(2))
+    finally:
+        store.destroy()
+    assert counts(pg_dsn) == {"kept": 1}
+    again = PostgresStore(pg_dsn)
+    try:
+        assert await asyncio.wait_for(again.restore_checkpoint("wc/0"), 30) == checkpoint(1)
+    finally:
+        again.destroy()
+
+
+async def test_a_connection_terminated_between_transactions_fails_the_next_begin(pg_dsn):
+    store = PostgresStore(pg_dsn, schema=[COUNTS])
+    try:
+        await store.restore_checkpoint("wc/0")
+        terminate(pg_dsn, await backend_pid(store))
+        with pytest.raises(psycopg.OperationalError):
+            await add(store, "x")
+    finally:
+        store.destroy()
+
+
+async def test_a_begin_cancelled_while_waiting_for_the_row_leaves_no_lock_or_transaction(pg_dsn):
+    a, b = PostgresStore(pg_dsn, schema=[COUNTS]), PostgresStore(pg_dsn, schema=[COUNTS])
+    try:
+        await a.restore_checkpoint("wc/0")
+        async with await psycopg.AsyncConnection.connect(pg_dsn) as holder:
+            await holder.execute("SELECT 1 FROM tidings_checkpoints WHERE shard = 'wc/0' FOR UPDATE")
+            beginning = asyncio.ensure_future(a.begin())
+            await wait_until(lambda: lock_waiters(pg_dsn) > 0, 10)
+            assert not beginning.done()
+            beginning.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await beginning
+            await holder.rollback()
+        assert a.conn is not None and a.conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        # the next primary restores at once, and the cancelled one is fenced
+        assert await asyncio.wait_for(b.restore_checkpoint("wc/0"), 10) == pb.Checkpoint()
+        with pytest.raises(FenceError):
+            await a.begin()
+    finally:
+        a.destroy()
+        b.destroy()
+
+
+async def test_a_restore_cancelled_while_waiting_for_the_row_leaves_nothing_locked(pg_dsn):
+    zombie, cancelled, successor = (PostgresStore(pg_dsn, schema=[COUNTS]) for _ in range(3))
+    try:
+        await zombie.restore_checkpoint("wc/0")
+        await add(zombie, "z")
+        restoring = asyncio.ensure_future(cancelled.restore_checkpoint("wc/0"))
+        await wait_until(lambda: lock_waiters(pg_dsn) > 0, 10)  # (waiting for the zombie's row lock)
+        assert not restoring.done()
+        restoring.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await restoring
+        await zombie.start_commit("wc/0", checkpoint(5))
+        assert await asyncio.wait_for(successor.restore_checkpoint("wc/0"), 10) == checkpoint(5)
+        assert counts(pg_dsn) == {"z": 1}
+    finally:
+        for s in (zombie, cancelled, successor):
+            s.destroy()
+
+
+async def test_a_commit_cancelled_while_waiting_for_dependencies_rolls_back_and_unlocks(pg_dsn):
+    store, successor = PostgresStore(pg_dsn, schema=[COUNTS]), PostgresStore(pg_dsn, schema=[COUNTS])
+    try:
+        await store.restore_checkpoint("wc/0")
+        await add(store, "lost")
+        dep: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        awaited = asyncio.Event()
+
+        async def dependency() -> None:  # (says when the commit waits on it)
+            awaited.set()
+            await dep
+
+        commit = asyncio.ensure_future(store.start_commit("wc/0", checkpoint(3), [dependency()]))
+        await asyncio.wait_for(awaited.wait(), 10)
+        assert not commit.done()
+        commit.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await commit
+        assert await asyncio.wait_for(successor.restore_checkpoint("wc/0"), 10) == pb.Checkpoint()
+        assert counts(pg_dsn) == {}
+    finally:
+        store.destroy()
+        successor.destroy()
+
+
+SLOW_COMMIT = [
+    COUNTS,
+    "CREATE TABLE IF NOT EXISTS slow (id INTEGER)",
+    """CREATE OR REPLACE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS
+       $$ BEGIN PERFORM pg_sleep(0.6); RETURN NULL; END $$""",
+    """DO $$ BEGIN CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON slow DEFERRABLE INITIALLY DEFERRED
+       FOR EACH ROW EXECUTE FUNCTION slow_commit(); EXCEPTION WHEN duplicate_object THEN NULL; END $$""",
+]
+
+
+async def test_a_commit_cancelled_mid_commit_finishes_before_raising(pg_dsn):
+    store = PostgresStore(pg_dsn, schema=SLOW_COMMIT)
+    try:
+        await store.restore_checkpoint("wc/0")
+        await add(store, "committed")
+        await store.transaction().execute("INSERT INTO slow VALUES (1)")  # COMMIT takes 0.6 s
+        pid = await backend_pid(store)
+        commit = asyncio.ensure_future(store.start_commit("wc/0", checkpoint(9)))
+        await wait_until(lambda: committing(pg_dsn, pid), 10)
+        commit.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await commit
+        assert counts(pg_dsn) == {"committed": 1}  # the outcome is known on return: committed
+        assert store.conn is not None and store.conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    finally:
+        store.destroy()
+    again = PostgresStore(pg_dsn)
+    try:
+        assert await again.restore_checkpoint("wc/0") == checkpoint(9)
+    finally:
+        again.destroy()

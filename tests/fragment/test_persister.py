@@ -93,7 +93,7 @@ async def test_drain_before_start_times_out_and_closed_persister_refuses(tmp_pat
 
 
 async def test_a_replicas_delayed_fragment_is_not_uploaded_again(tmp_path: Path) -> None:
-    """Item 10: the primary uploads at once; a replica waits, then finds it in the store and skips it."""
+    """Only the primary uploads at once; a replica waits, then finds it in the store and skips it."""
     url = f"file://{tmp_path / 'store'}/"
     done: list[Fragment] = []
     primary = Persister(lambda f, p: done.append(f))

@@ -1,4 +1,6 @@
-"""keyspace: the etcd client and the KeySpace mirror, against a real etcd."""
+"""The etcd client and the KeySpace mirror, against a real etcd: the mirror loads then follows the watch,
+shows each transaction whole at its revision, never claims a revision it has not reached, and rides out
+compactions and etcd restarts."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """LogPlayer and targets as processes, killed (-9) at random points under load, stopped (SIGSTOP),
-and doubled by mistake (issue 11's tests). Real etcd and brokers (in this process; the WAL journal
+and doubled by mistake, still deliver every WAL entry to each target once, in order (DESIGN.md
+invariant 9). Real etcd and brokers (in this process; the WAL journal
 R=3), `tidings target serve` and `tidings logplayer run` children stopped by PID whatever happens,
 and a transaction manager (WalWriter) that also re-appends some transactions as a retry would.
 Each target's apply log must equal its entries of the WAL read committed: once each, in order.

@@ -1,7 +1,7 @@
 """LogPlayer end to end in one process: real etcd and brokers (the WAL journal, R=3), real Target
 gRPC servers with SQLite files, the LogPlayer, and a WalWriter. Each test checks every target's
-apply log against the WAL read committed: each of its entries exactly once, in order.
-(Process kills and SIGSTOP: tests/logplayer/test_kill.py.)"""
+apply log against the WAL read committed: each of its entries exactly once, in order (DESIGN.md
+invariant 9). (Process kills and SIGSTOP: tests/logplayer/test_kill.py.)"""
 
 from __future__ import annotations
 
@@ -265,8 +265,8 @@ def wipe(rig: Rig, target: str) -> None:
 
 
 async def test_a_target_wiped_while_the_player_was_down_gets_everything(rig: Rig) -> None:
-    """Review 33: a target whose file went back in time, opening before the restarted main stream
-    dispatched anything, was taken for up to date and lost the entries before the state position."""
+    """A target whose file went back in time, opening before the restarted main stream dispatched
+    anything, is not taken for up to date: it gets the entries before the state position too."""
     await rig.start_targets()
     player = rig.start_player(checkpoint_every=5)
     writer = rig.writer
@@ -317,8 +317,8 @@ async def test_an_entry_naming_an_undeclared_target_stops_the_player_before_queu
 
 
 async def test_concurrent_appends_of_one_writer_are_all_applied(rig: Rig) -> None:
-    """Review 35: a fresh writer's concurrent appends took their clocks before waiting (for the WAL's
-    framing), so one could land after a newer one and be read as its duplicate: lost."""
+    """A fresh writer's concurrent appends queue in clock order, each taking its clock once it is its turn
+    (after the WAL's framing is known): none lands after a newer one to be read as its duplicate and lost."""
     await rig.start_targets()
     rig.start_player()
     writer = rig.writer
@@ -343,7 +343,7 @@ async def test_prepared_transactions_are_appended_in_their_order_and_retried_fre
 async def test_a_transaction_committed_late_is_skipped_by_the_main_and_the_recovery_streams(rig: Rig, caplog) -> None:
     """A transactional producer's entry committed (ACK) after newer entries reads with an index below
     the current one: not a WalWriter's way, so both streams report and skip it by the same rule, and
-    delivery goes on (review 34: the recovery stream sent it, the target refused it for ever)."""
+    delivery goes on (were the recovery stream to send it, the target would refuse it for ever)."""
     await rig.start_targets()
     rig.start_player(checkpoint_every=2)
     writer = rig.writer
@@ -374,8 +374,9 @@ async def test_a_transaction_committed_late_is_skipped_by_the_main_and_the_recov
 
 
 async def test_a_target_failing_its_apply_is_retried_and_holds_no_other_back(rig: Rig) -> None:
-    """Review 37: a target ending the stream (a failing apply) while the writer had batches in flight
-    made grpc raise InvalidStateError in the write, which ended the whole LogPlayer."""
+    """A target ending the stream (a failing apply) while the writer has batches in flight fails that
+    target's connection only (grpc raises InvalidStateError in the write): the LogPlayer retries it and
+    delivers to the others."""
     failures = 0
 
     def poisoned(db, entry) -> None:
@@ -401,8 +402,8 @@ async def test_a_target_failing_its_apply_is_retried_and_holds_no_other_back(rig
 
 
 async def test_entries_of_megabytes_go_in_batches_a_target_accepts(rig: Rig) -> None:
-    """Review 37: batches were bounded by entries only and targets took gRPC's default 4 MiB
-    messages, so a backlog of large entries (or one entry over 4 MiB) was refused for ever."""
+    """Batches are bounded in bytes as well as entries, and targets take messages past gRPC's default
+    4 MiB, so a backlog of large entries (or one entry over 4 MiB) is delivered, not refused for ever."""
     big = "x" * 1_000_000
     for i in range(8):
         await rig.writer.append([{"key": f"k{j}-{i}", "value": big} for j in range(3)])
@@ -413,9 +414,9 @@ async def test_entries_of_megabytes_go_in_batches_a_target_accepts(rig: Rig) -> 
 
 
 async def test_a_returning_target_gets_a_transactional_entry_at_the_current_index(rig: Rig) -> None:
-    """Review 37: the recovery of a returning target read up to the end of the entry at the current
-    index; a transactional producer's entry is delivered at its ACK, after that end, so a recovery
-    never yielded it and the target lost it silently."""
+    """A transactional producer's entry is delivered at its ACK, after the end of the entry at the
+    current index: the recovery of a returning target reads past that end, so it yields the entry and
+    the target does not lose it silently."""
     await rig.start_targets()
     player = rig.start_player()
     await rig.append(range(3))

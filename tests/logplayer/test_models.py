@@ -46,7 +46,7 @@ def test_a_verifier_stopped_by_its_bounds_is_no_pass() -> None:
 
 
 def test_an_interrupted_verifier_is_no_pass() -> None:
-    """Review 32: pan stopped by SIGINT or a time limit prints "errors: 0" and exits 0."""
+    """pan stopped by SIGINT or a time limit prints "errors: 0" and exits 0: that is no pass."""
     output = (
         "Interrupted\nWarning: Search not completed\n"
         "State-vector 96 byte, depth reached 9, errors: 0\n  3600000 states, stored\n"

@@ -1,7 +1,7 @@
 """TargetQueue (Algorithms 1-2) and Dispatcher (Algorithm 3, dummy entries), case by case, and a
 simulation that drives both as LogPlayer's streams, fetchers and health checker do, with target
 failures, returns and LogPlayer restarts at random points (hypothesis): every target applies
-each of its entries once, in order."""
+each of its entries once, in order (DESIGN.md invariant 9)."""
 
 from __future__ import annotations
 
@@ -327,7 +327,7 @@ def test_an_entry_naming_an_unknown_target_queues_nothing() -> None:
 
 
 def test_a_bad_part_queues_nothing_and_a_retry_queues_once() -> None:
-    """Review 32: any part that cannot be built refuses the whole entry before a push."""
+    """Any part that cannot be built refuses the whole entry before a push."""
     d = Dispatcher(["a", "b"], lambda t: None)
     with pytest.raises(TypeError):
         d.dispatch(10, {"a": ("x",), "b": None})  # type: ignore[dict-item]

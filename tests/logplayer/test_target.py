@@ -161,8 +161,8 @@ class Gate:
 
 
 async def test_a_reopened_stream_waits_for_the_apply_of_a_cancelled_one(tmp_path: Path) -> None:
-    """Review 33: a stream cancelled mid-apply released the lock while its thread applied on; the
-    next Open was answered the old index, and the resent batch was applied twice."""
+    """A stream cancelled mid-apply keeps the lock while its thread applies on: the next Open is answered
+    only once the apply ended, with the new index, and a resent batch is not applied twice."""
     endpoint, gate = f"127.0.0.1:{free_port()}", Gate()
     server = await TargetServer("t0", tmp_path / "t0.sqlite", endpoint, apply=gate, log_applied=True).start()
     try:
@@ -188,7 +188,7 @@ async def test_a_reopened_stream_waits_for_the_apply_of_a_cancelled_one(tmp_path
 
 
 async def test_a_stream_superseded_by_the_same_player_is_aborted_not_fenced(target) -> None:
-    """Review 33: two streams of one LogPlayer (a reconnect whose earlier Open arrived late): the
+    """Two streams of one LogPlayer (a reconnect whose earlier Open arrived late): the
     superseded one must not read TARGET_FENCED, which stops a LogPlayer."""
     _server, stub = target
     first, second = stub.Deliver(), stub.Deliver()
@@ -203,8 +203,8 @@ async def test_a_stream_superseded_by_the_same_player_is_aborted_not_fenced(targ
 
 
 async def test_first_opens_of_two_wals_at_once_bind_the_target_to_one(target) -> None:
-    """Review 37: the WAL check ran before the lock, so two players of different WALs opening a
-    fresh target together both passed it, and the later one rebound the target's WAL."""
+    """The WAL check runs under the lock: of two players of different WALs opening a fresh target
+    together, one binds the target to its WAL and the other is refused (it never rebinds it)."""
     server, stub = target
 
     async def open_(epoch: int, wal: str) -> pb.DeliverResponse:

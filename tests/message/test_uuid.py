@@ -31,6 +31,7 @@ from tidings.message.uuid import (
     parse,
     unix_ns_from_clock,
     uuid_from_str,
+    uuid_strs,
     uuid_to_str,
 )
 
@@ -262,3 +263,18 @@ def test_the_batch_strings_refuse_what_build_uuid_refuses() -> None:
     ]:
         with pytest.raises(ValueError):
             muuid.uuid_strs(producer, clocks, flags)
+
+
+def test_uuid_strs_accepts_any_producer_build_uuid_accepts() -> None:
+    """uuid_strs' cache of UUID tails does not change what producers it accepts."""
+    producer = bytearray(b"\x01\x02\x03\x04\x05\x06")  # build_uuid takes it; the lru_cache key cannot be
+    assert uuid_strs(producer, range(5, 7), 0) == [str(build_uuid(producer, c, 0)) for c in range(5, 7)]
+
+
+def test_uuid_strs_is_keyed_by_producer_and_flags() -> None:
+    """uuid_strs' cache of UUID tails never answers one producer's or flags' strings for another's."""
+    a, b = b"\x01" * 6, b"\x03" * 6
+    for producer in (a, b, a):
+        for flags in (0, 1, 2, 0):
+            want = [str(build_uuid(producer, c, flags)) for c in range(16, 40)]
+            assert uuid_strs(producer, range(16, 40), flags) == want

@@ -1,4 +1,5 @@
-"""Protocol: generated code is current, every Status has one error class, validators name the field."""
+"""The wire protocol: the generated code is current, every Status has one error class that names the next
+step, and validators refuse a bad name, spec or chunk naming the field."""
 
 from __future__ import annotations
 

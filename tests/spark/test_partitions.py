@@ -1,4 +1,5 @@
-"""Batch partitions (review 19): a split read against one sequential ReadCommitted over the same range.
+"""Batch partitions: a read split into many partitions yields exactly the rows one sequential
+ReadCommitted over the same range does (DESIGN.md invariant 7), whatever the cuts separate.
 
 No Spark session: the planner (TidingsBatchReader.partitions) and the task body (read_partition)
 are called in-process, as Spark would call them on the driver and the executors.
@@ -7,10 +8,13 @@ are called in-process, as Spark would call them on the driver and the executors.
 from __future__ import annotations
 
 import asyncio
+import json
+import random
 
+import pytest
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 
-from tests.spark.test_source import ndjson_journal
+from tests.spark._support import ndjson_journal
 from tests.support.waiting import wait_until
 from tidings.client import Client
 from tidings.fragment.store import store_for
@@ -72,7 +76,7 @@ def test_a_cut_prunes_a_producer_that_a_single_reader_keeps(local_cluster) -> No
     """Producer A opens a transaction (and publishes id 3); producer B publishes a day and a half
     later (by its clock); then A's recovered instance writes its ACK, and a duplicate of id 3 is
     re-appended. A single reader delivers 1, 2, 3 once each; the split read must too."""
-    journal = "review/prune"
+    journal = "spark/split-prune"
     ndjson_journal(local_cluster, journal, fragment={"length": "1KiB"})
     appends = [
         line(PA, T0, CONTINUE_TXN, id=1, pad=PAD) + line(PC, T0, OUTSIDE_TXN, id=3),
@@ -91,7 +95,7 @@ def test_a_cut_prunes_a_producer_that_a_single_reader_keeps(local_cluster) -> No
     assert (whole_parts, whole) == (1, [1, 2, 3])
     parts, split = split_rows(ep, journal, minPartitions="100")
     assert parts >= 3
-    assert split == [1, 2, 3]  # fails: [2, 3, 3] -- id 1 lost, id 3 twice
+    assert split == [1, 2, 3]  # (a cut that pruned A gave [2, 3, 3]: id 1 lost, id 3 twice)
 
 
 def test_a_partition_count_beyond_the_fragments_is_capped_at_them() -> None:
@@ -172,7 +176,7 @@ def appends_of(lines: list[bytes], size: int) -> list[bytes]:
 
 
 def test_a_mixed_journal_split_equals_a_single_reader(local_cluster) -> None:
-    journal = "review/mixed"
+    journal = "spark/split-mixed"
     ndjson_journal(local_cluster, journal, fragment={"length": "1KiB"})
     appends = _mixed_appends()
     with Client(local_cluster.endpoints[0]) as c:
@@ -225,3 +229,105 @@ def test_uuid_and_producer_columns_for_mixed_uuid_forms() -> None:
 
 def pa_rows(batches) -> list[dict]:
     return [r for b in batches for r in b.to_pylist()]
+
+
+ODD_PRODUCERS = [bytes([0x0C, 0, 0, 0, 0, n]) for n in range(4)]
+
+
+def _line(text: str | None, ident: int, odd: bool = False) -> bytes:
+    fields: dict = {"id": ident, "pad": "q" * 40}
+    if odd:
+        fields["uuid"] = text  # (as given: None, "", numbers...)
+    elif text is not None:
+        fields["uuid"] = text
+    return json.dumps(fields).encode() + b"\n"
+
+
+def _journal_lines(seed: int, odd: float) -> list[bytes]:
+    """Lines of four producers' transactions (committed and rolled back) and outside messages, with
+    duplicates; `odd` scales how often a UUID is in braces, urn form or upper case (4% at 1.0) and
+    how often a line is odd (3% at 1.0: null, "", a number, an invalid text, a v4 UUID, a blank or
+    garbage line)."""
+    rnd = random.Random(seed)
+    clocks = [0, 0, 0, 0]
+    acked = [0, 0, 0, 0]
+    nid = iter(range(1, 10**6))
+    sent: list[bytes] = []
+    out: list[bytes] = []
+
+    def text(p: int, clock: int, flags: int) -> str:
+        s = uuid_to_str(build_uuid(ODD_PRODUCERS[p], clock_from_unix_ns(T0) + clock, flags))
+        r = rnd.random() / odd if odd else 1.0
+        if r < 0.01:
+            return "{" + s + "}"
+        if r < 0.02:
+            return "urn:uuid:" + s
+        if r < 0.04:
+            return s.upper()
+        return s
+
+    for _ in range(4000):
+        p = rnd.choice([0, 0, 1, 1, 2, 3])
+        r = rnd.random()
+        if r < 0.45:
+            clocks[p] += 1
+            x = _line(text(p, clocks[p], CONTINUE_TXN), next(nid))
+        elif r < 0.55:
+            if rnd.random() < 0.25 and acked[p]:
+                x = _line(text(p, acked[p], ACK_TXN), next(nid))  # roll back the open ones
+            else:
+                x = _line(text(p, clocks[p] or 1, ACK_TXN), next(nid))
+                acked[p] = clocks[p]
+        elif r < 0.75:
+            clocks[p] += 1
+            x = _line(text(p, clocks[p], OUTSIDE_TXN), next(nid))
+        elif r < 0.85 and sent:
+            x = rnd.choice(sent)  # a duplicate, maybe many fragments later
+        elif r < 0.85 + 0.03 * odd:
+            x = rnd.choice(
+                [
+                    _line(None, next(nid), odd=True),
+                    _line("", next(nid), odd=True),
+                    _line(None, next(nid)),
+                    _line(uuid_to_str(build_uuid(ODD_PRODUCERS[p], 0, OUTSIDE_TXN)), next(nid)),  # clock 0
+                    b'{"id": %d, "uuid": 5}\n' % next(nid),
+                    b'{"id": %d, "uuid": "not-a-uuid"}\n' % next(nid),
+                    b'{"id": %d, "uuid": "12345678-1234-4234-8234-123456789abc"}\n' % next(nid),  # v4
+                    b"\n",
+                    b"   \n",
+                    b"not json at all\n",
+                    b"[1, 2]\n",
+                ]
+            )
+        else:
+            continue
+        out.append(x)
+        sent.append(x)
+    for p in range(4):
+        out.append(_line(text(p, clocks[p] or 1, ACK_TXN), next(nid)))
+    return out
+
+
+@pytest.mark.parametrize(("seed", "odd"), [(1, 1.0), (2, 0.02), (3, 0.0)])
+def test_a_split_read_of_odd_uuids_in_big_chunks_equals_one_reader(local_cluster, seed, odd) -> None:
+    """The driver's scan folds canonical UUID texts per producer (`Sequencer.advance`) while the tasks
+    decode each message: on content they might decode differently (UUIDs in braces, urn form, upper
+    case, null, "", numbers, invalid texts, v4 UUIDs, blank and garbage lines, transactions and
+    duplicates spanning the cuts, in chunks big enough to take the fold: few producers per chunk),
+    a read in many partitions still equals one sequential reader."""
+    journal = f"spark/split-odd-{seed}"
+    ndjson_journal(local_cluster, journal, fragment={"length": "16KiB"})
+    appends = appends_of(_journal_lines(seed, odd), 6000)
+    with Client(local_cluster.endpoints[0]) as c:
+        for content in appends:
+            c.append(journal, content)
+    ep = local_cluster.endpoints[0]
+    single = single_rows(ep, journal)
+    assert len(single) > 500
+    parts, split = split_rows(ep, journal, minPartitions="30")
+    assert parts >= 5
+    assert split == single
+    store = store_for(local_cluster.store_url)
+    asyncio.run(wait_until(lambda: len(store.list(journal)) >= 3, 60))
+    parts, split = split_rows(ep, journal, minPartitions="30")
+    assert split == single

@@ -1,6 +1,6 @@
-"""Journals retention emptied (review 21): an idle journal whose every fragment was removed keeps
-its write head where its next append lands, so a stream that read all of it goes on, and a journal
-a selector finds while emptied is read from its next byte, not from 0 as if bytes were lost."""
+"""Journals retention emptied: an idle journal whose every fragment was removed keeps its write head
+where its next append lands, so a stream that read all of it goes on, cheaply, and a journal a
+selector finds while emptied is read from its next byte, not from 0 as if bytes were lost."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 
-from tests.spark.test_source import NDJSON, P1, P4, line, ndjson_journal
+from tests.spark._support import NDJSON, P1, P4, line, ndjson_journal
 from tests.support.waiting import wait_until
 from tidings.client import Client
 from tidings.fragment.store import store_for
@@ -186,3 +186,41 @@ def test_starting_offsets_below_what_retention_left_fail_or_start_at_the_first_b
     with Client(local_cluster.endpoints[0]) as c:
         c.append(gone, line(P1, 3, OUTSIDE_TXN, id=13))
     assert count(failOnDataLoss="false") == 1
+
+
+def test_an_idle_query_with_a_journal_retention_emptied_asks_no_more_than_its_cached_heads(
+    local_cluster, monkeypatch
+) -> None:
+    """latestOffset runs about every 13 ms while idle; write heads are asked for at most every
+    HEAD_TTL per journal so an idle query costs little, and a journal whose bytes at the query's
+    offset retention removed (it waits, `_readable`) is probed no more often: uncached, it cost an
+    RPC per poll per such journal for as long as it waits (hours, until its next bytes are
+    persisted), and on a broker whose index has a hole below the head, a store listing each time
+    (read_api). The reader's clock is frozen here, so the counts do not depend on this machine's speed."""
+    from tidings.spark import stream  # (its clock frozen below)
+
+    gone = "spark/r24-gone"
+    emptied_journal(local_cluster, gone, {})
+    now = [1000.0]
+    monkeypatch.setattr(stream.time, "monotonic", lambda: now[0])
+    reader = reader_of(local_cluster, journal=gone)
+    calls = {"probe": 0, "write_head": 0}
+    try:
+        aio = reader.client.aio
+        for name in calls:
+            real = getattr(aio, name)
+
+            async def counted(*args, _real=real, _name=name):
+                calls[_name] += _name != "probe" or args[-1] >= 0  # (write_head probes at -1)
+                return await _real(*args)
+
+            setattr(aio, name, counted)
+        start = {"journals": {gone: {"read_through": 0}}}
+        for _ in range(40):
+            assert reader.latestOffset(start, ReadAllAvailable()) == start  # (waiting: nothing to read)
+        assert calls == {"probe": 1, "write_head": 1}, calls
+        now[0] += stream.WAIT_RECHECK  # (then asked again, in case its next bytes came)
+        assert reader.latestOffset(start, ReadAllAvailable()) == start
+        assert calls == {"probe": 2, "write_head": 2}, calls
+    finally:
+        reader.stop()

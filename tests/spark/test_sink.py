@@ -1,6 +1,6 @@
-"""The tidings sink on a real local Spark against real brokers: rows become committed messages,
-a batch committed twice (Spark re-running it after a crash) is acknowledged once, and rows of
-attempts that never commit are never read committed."""
+"""The tidings sink on a real local Spark against real brokers: rows become committed messages that a
+read committed yields once, a batch committed twice (Spark re-running it after a crash) acknowledged
+once and rows of attempts that never commit never (DESIGN.md invariant 7); misuse fails in one line."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pyspark.sql import Row
 
-from tests.spark.test_source import NDJSON, P1, cli_committed, line
+from tests.spark._support import NDJSON, P1, cli_committed, error_message, line
 from tests.support.cluster import create_local_journal
 from tidings.client import Client
 from tidings.message.uuid import OUTSIDE_TXN
@@ -38,6 +38,39 @@ def test_batch_write_publishes_each_row_as_a_committed_message(spark, local_clus
     assert sorted(m["id"] for m in a + b) == list(range(1000))
     assert all(m["id"] % 3 for m in a) and not any(m["id"] % 3 for m in b)
     assert set(a[0]) == {"id", "name", "uuid"}  # the routing column is not part of the message
+
+
+def test_sink_unknown_journal_or_broker_fails_with_one_line_naming_it(spark, local_cluster) -> None:
+    """An unknown journal or an unreachable broker fails the write in one line naming the option, as
+    the source does on the driver: not in every task, deep in the Publisher (a 30-line traceback of
+    client internals, hints for the CLI's --broker flag), after a retry cycle per task."""
+    asyncio.run(create_local_journal(local_cluster, "spark/r22-out", 1, **NDJSON))
+    df = spark.createDataFrame([(1, "a")], "id BIGINT, name STRING")
+
+    def write(**opts: str) -> None:
+        w = df.write.format("tidings").mode("append").option("broker", local_cluster.endpoints[0])
+        for k, v in opts.items():
+            w = w.option(k, v)
+        w.save()
+
+    for opts, names in (
+        ({"journal": "spark/r22-nope"}, "spark/r22-nope"),
+        ({"journal": "spark/r22-out", "broker": "127.0.0.1:9"}, "127.0.0.1:9"),
+    ):
+        msg = error_message(lambda opts=opts: write(**opts))
+        assert names in msg
+        assert msg.count('File "') <= 1, f"a traceback reaches the user:\n{msg[:1500]}"
+        assert "option '" in msg, f"the error does not name the option to fix:\n{msg[:1500]}"
+
+
+def test_overwrite_mode_is_refused_not_silently_appended(spark, local_cluster) -> None:
+    """`mode("overwrite")` cannot truncate a journal: it is refused, as Kafka's sink refuses it, not
+    taken for an append."""
+    asyncio.run(create_local_journal(local_cluster, "spark/r22-ow", 1, **NDJSON))
+    df = spark.createDataFrame([(1,)], "id BIGINT")
+    w = df.write.format("tidings").option("broker", local_cluster.endpoints[0]).option("journal", "spark/r22-ow")
+    msg = error_message(lambda: w.mode("overwrite").save())
+    assert "overwrite" in msg.lower()
 
 
 def test_a_batch_committed_again_acknowledges_the_first_commits_rows_only(local_cluster, tmp_path) -> None:
@@ -134,7 +167,7 @@ def test_a_commit_racing_between_the_existence_check_and_the_record_keeps_the_fi
 
 
 def test_intents_are_recorded_where_the_filesystem_has_no_hard_links(tmp_path, monkeypatch) -> None:
-    """Review 21: a local path whose file system refuses hard links (FUSE mounts such as /dbfs or
+    """A local path whose file system refuses hard links (FUSE mounts such as /dbfs or
     s3fs-fuse, SMB, exFAT) still records the intents (by rename, after a last existence check),
     instead of failing every commit; os.link fails here as on such a file system."""
     import errno

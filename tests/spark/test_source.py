@@ -1,58 +1,23 @@
-"""The tidings Spark source on a real local Spark (local[2]) against real brokers (child processes).
-
-Journals hold hand-made JSON lines with UUIDs built for each case (duplicates, a committed and a
-rolled-back transaction, one left open), then many messages from a Publisher, so the committed
-read is checked against `tidings journals read --committed` (the CLI) over several chunks.
-"""
+"""The tidings Spark source read in batches: a read committed yields each committed message once, in
+journal order, and never a rolled-back or unacknowledged one (DESIGN.md invariants 3 and 7), as the
+CLI's `tidings journals read --committed` does over hand-made lines (duplicates, committed, rolled-back
+and open transactions) and a Publisher's many; bad options and schemas fail the query in one line."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import uuid
 
 import pytest
 
+from tests.spark._support import CASES, NDJSON, P1, P2, P3, P4, cli_committed, error_message, line, ndjson_journal
 from tests.support.cluster import create_local_journal
 from tidings.client import AppendService, AsyncClient, Client
 from tidings.message import Publisher
 from tidings.message.uuid import ACK_TXN, CONTINUE_TXN, OUTSIDE_TXN, build_uuid, uuid_to_str
 
 SHARE_CLUSTER = True  # one local cluster for the module's tests (conftest.local_cluster)
-
-NDJSON = {"labels": {"content-type": "application/x-ndjson"}}
-P1, P2, P3, P4 = (bytes([0x01, 0, 0, 0, 0, n]) for n in (1, 2, 3, 4))
-
-
-def ndjson_journal(lc, name: str, content: bytes = b"", replication: int = 1, **fields) -> None:
-    """Create an ndjson journal on the cluster (extra `labels` merged in) and append `content` to it."""
-    labels = {**NDJSON["labels"], **fields.pop("labels", {})}
-    asyncio.run(create_local_journal(lc, name, replication, labels=labels, **fields))
-    if content:
-        with Client(lc.endpoints[0]) as c:
-            c.append(name, content)
-
-
-def line(producer: bytes, clock: int, flags: int, **fields: object) -> bytes:
-    return json.dumps({**fields, "uuid": uuid_to_str(build_uuid(producer, clock, flags))}).encode() + b"\n"
-
-
-CASES = b"".join(
-    [
-        line(P1, 1, OUTSIDE_TXN, id=1, name="one"),
-        line(P1, 1, OUTSIDE_TXN, id=1, name="one"),  # a duplicate: delivered once
-        line(P3, 2, OUTSIDE_TXN, id=7, name="seven"),
-        line(P2, 1, CONTINUE_TXN, id=2, name="two"),
-        line(P3, 5, CONTINUE_TXN, id=4, name="rolled back"),
-        line(P2, 2, CONTINUE_TXN, id=3, name="three"),
-        line(P2, 2, ACK_TXN),  # commits ids 2 and 3
-        line(P3, 3, ACK_TXN),  # P3 restarted from its checkpoint (clock 3): id 4 rolls back
-        line(P4, 1, CONTINUE_TXN, id=5, name="open"),  # never acknowledged: not delivered
-        line(P1, 2, OUTSIDE_TXN, id=6, name="six"),
-    ]
-)
 
 
 async def fill(endpoint: str, journal: str, published: int) -> None:
@@ -71,16 +36,6 @@ def read_df(spark, lc, journal: str, schema: str = "id BIGINT, name STRING", **o
     for k, v in options.items():
         reader = reader.option(k, v)
     return reader.schema(schema).load() if schema else reader.load()
-
-
-def cli_committed(endpoint: str, journal: str) -> list[dict]:
-    out = subprocess.run(
-        [sys.executable, "-m", "tidings.cli", "journals", "read", journal, "--committed", "--broker", endpoint],
-        capture_output=True,
-        check=True,
-        timeout=120,
-    ).stdout
-    return [json.loads(x) for x in out.splitlines()]
 
 
 def test_batch_read_committed_equals_the_cli(spark, local_cluster) -> None:
@@ -225,6 +180,63 @@ def test_json_without_a_schema_says_how_to_give_one(spark, local_cluster) -> Non
     with pytest.raises(Exception) as err:
         spark.read.format("tidings").option("broker", local_cluster.endpoints[0]).option("journal", "x").load()
     assert "format json needs the messages' fields" in str(err.value)
+
+
+def test_a_metadata_column_of_the_wrong_type_is_refused_in_one_line(spark, local_cluster) -> None:
+    """`.schema("offset STRING, ...")` is refused by check_schema in one line naming the column, not
+    let through for every task to die with pyarrow's 'ArrowTypeError: Expected bytes, got a 'int'
+    object' (building the corrupt batch)."""
+    ndjson_journal(local_cluster, "spark/r22-meta", line(P1, 1, OUTSIDE_TXN, id=1))
+    df = (
+        spark.read.format("tidings")
+        .option("broker", local_cluster.endpoints[0])
+        .option("journal", "spark/r22-meta")
+        .schema("offset STRING, id BIGINT")
+    )
+    msg = error_message(lambda: df.load().collect())
+    assert "ArrowTypeError" not in msg and "column 'offset'" in msg, msg[:1500]
+
+
+def test_offsets_naming_a_journal_the_query_does_not_read_are_refused(spark, local_cluster) -> None:
+    """As Kafka's connector refuses specific offsets for partitions it was not asked to read, a typo
+    in startingOffsets is refused naming it, not ignored with the whole journal read from earliest."""
+    ndjson_journal(local_cluster, "spark/r22-typo", line(P1, 1, OUTSIDE_TXN, id=1))
+    r = (
+        spark.read.format("tidings")
+        .option("broker", local_cluster.endpoints[0])
+        .option("journal", "spark/r22-typo")
+        .option("startingOffsets", json.dumps({"spark/r22-tpyo": 5}))
+        .schema("id BIGINT")
+    )
+    msg = error_message(lambda: r.load().collect())
+    assert "spark/r22-tpyo" in msg
+
+
+def test_a_typo_in_option_schema_is_reported_at_the_typo(spark, local_cluster) -> None:
+    """A typo in option('schema') is reported at the typo, not (the metadata columns' DDL glued before
+    the user's and parsed as a table schema) as "Syntax error at or near 'STRING'" at our first column."""
+    ndjson_journal(local_cluster, "spark/r22-ddl", line(P1, 1, OUTSIDE_TXN, id=1))
+
+    def load(ddl: str) -> None:
+        r = spark.read.format("tidings").option("broker", local_cluster.endpoints[0])
+        r.option("journal", "spark/r22-ddl").option("schema", ddl).load().collect()
+
+    for ddl, says in (("id BIGNT", '"BIGNT"'), ("id BIGINT name STRING", "near 'name'")):
+        msg = error_message(lambda ddl=ddl: load(ddl))
+        assert says in msg and "near 'STRING'" not in msg, msg[:1500]
+
+
+def test_option_schema_takes_spark_struct_ddl_as_schema_does(spark, local_cluster) -> None:
+    """option('schema') takes Spark's own DDL of a struct type (what `df.schema.simpleString()`
+    prints, and what `.schema()` and `StructType.fromDDL` accept): it goes inside struct<...>, so
+    it is not refused with a parse error pointing into the source's metadata columns."""
+    journal = "spark/r24-struct-ddl"
+    ndjson_journal(local_cluster, journal, line(P1, 1, OUTSIDE_TXN, id=1, name="one"))
+    ddl = "struct<id:bigint,name:string>"
+    assert spark.createDataFrame([], ddl).schema.simpleString() == ddl  # (what Spark prints and takes)
+    r = spark.read.format("tidings").option("broker", local_cluster.endpoints[0]).option("journal", journal)
+    rows = r.option("schema", ddl).load().select("id", "name").collect()
+    assert [(row.id, row.name) for row in rows] == [(1, "one")]
 
 
 def test_a_value_arrow_refuses_makes_a_corrupt_row_not_a_failed_task(spark, local_cluster) -> None:
@@ -398,7 +410,7 @@ def test_bytes_removed_by_retention_fail_the_read_or_are_skipped(spark, local_cl
 
 
 def test_an_ending_offset_past_the_write_head_reads_to_it(spark, local_cluster) -> None:
-    """Review 20: tasks wait for every byte of their range, so planning caps an explicit end at the
+    """Tasks wait for every byte of their range, so planning caps an explicit end at the
     write head (rather than a task waiting for bytes nobody wrote, or calling them lost)."""
     journal = "spark/past-head"
     ndjson_journal(local_cluster, journal, CASES)
@@ -456,7 +468,7 @@ def test_a_task_whose_journal_was_reset_below_its_range_fails_or_skips_instead_o
 
 
 def test_a_delivered_message_without_a_v1_uuid_keeps_its_fields_and_has_no_clock() -> None:
-    """Review 21: a message whose UUID is not v1 is delivered at-least-once; it has no clock (null),
+    """A message whose UUID is not v1 is delivered at-least-once; it has no clock (null),
     and its row keeps its fields (the clock of a v4 UUID's bits overflowed int64: a corrupt row)."""
     import uuid
 

@@ -1,6 +1,7 @@
-"""The tidings streaming source on a real local Spark against real brokers: transactions across
-micro-batches delivered once in the batch of their ACK, restarts from Spark's checkpoint, and a
-selector that picks up a journal created while the query runs."""
+"""The tidings streaming source on a real local Spark against real brokers: each committed message
+is delivered once, in the micro-batch of its ACK, across restarts from Spark's checkpoint, journals
+a selector finds later and appends that end mid-message (DESIGN.md invariant 7); bad stream options
+fail the query in one line naming them."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ from typing import Any
 
 import pytest
 
-from tests.spark.test_source import CASES, NDJSON, P1, P4, line, ndjson_journal
+from tests.spark._support import CASES, NDJSON, P1, P2, P4, error_message, line, ndjson_journal
 from tests.support.waiting import wait_until_sync
 from tidings.client import Client
-from tidings.message.uuid import ACK_TXN, OUTSIDE_TXN
+from tidings.message.uuid import ACK_TXN, CONTINUE_TXN, OUTSIDE_TXN
 
 SHARE_CLUSTER = True  # one local cluster for the module's tests (conftest.local_cluster)
+
+MINUTE = 60 * 10_000_000 << 4  # a minute of UUID clock: 100 ns ticks, 4 sequence bits
 
 
 def run_available_now(
@@ -43,6 +46,30 @@ def run_available_now(
         query.stop()
     assert query.exception() is None
     return got
+
+
+def split_across_appends(spark, lc, journal: str, tmp_path, labels: dict | None = None, **options: str) -> list:
+    """Two Trigger.AvailableNow runs over an ndjson journal whose first append ends 10 bytes into
+    message 2 and whose second append finishes it and adds message 3: the rows of both runs."""
+    second = line(P1, 2, OUTSIDE_TXN, id=2)
+    ndjson_journal(lc, journal, line(P1, 1, OUTSIDE_TXN, id=1) + second[:10], **({"labels": labels} if labels else {}))
+    cp, raw = str(tmp_path / "cp"), options.get("format") == "raw"
+    first = run_available_now(spark, lc, journal, cp, raw=raw, **options)
+    with Client(lc.endpoints[0]) as c:
+        c.append(journal, second[10:] + line(P1, 3, OUTSIDE_TXN, id=3))
+    return first + run_available_now(spark, lc, journal, cp, raw=raw, **options)
+
+
+def stream_error(df, tmp_path) -> str:
+    """What a streaming query over `df` fails with (a noop sink; it must fail within a minute)."""
+    query = df.writeStream.format("noop").option("checkpointLocation", str(tmp_path / "cp")).start()
+    try:
+        query.awaitTermination(60)
+    except Exception:
+        pass  # (the failure is read below, from the query)
+    finally:
+        query.stop()
+    return str(query.exception())
 
 
 def test_a_transaction_across_micro_batches_is_delivered_once_in_the_batch_of_its_ack(
@@ -215,3 +242,152 @@ def test_producer_horizon_bounds_the_producers_an_offset_keeps(spark, local_clus
 
     assert producers(str(tmp_path / "default")) == {P1.hex(), P4.hex()}
     assert producers(str(tmp_path / "short"), producerHorizon="1h") == {P4.hex()}
+
+
+@pytest.mark.parametrize("horizon", ["1h", None])
+def test_a_horizon_longer_than_a_sink_batch_keeps_its_early_tasks_rows(spark, local_cluster, tmp_path, horizon) -> None:
+    """A sink task's producer has its transaction open from its first rows until the driver's commit
+    writes its ACK; a micro-batch boundary in between must not forget it, or its ACK commits nothing
+    (as in Gazette). A horizon must exceed the longest batch (the docs say so; 10m is shorter than
+    a batch whose last task starts 11 minutes after its first: skew, a retry, a driver re-running a
+    commit). Here one that does (1h), and the 24 h default."""
+    journal = f"spark/r23-horizon-{horizon}"
+    early, late = 1, 1 + 11 * MINUTE
+    ndjson_journal(
+        local_cluster,
+        journal,
+        line(P1, early, CONTINUE_TXN, id=1) + line(P2, late, CONTINUE_TXN, id=2),  # two tasks' rows, uncommitted
+    )
+    cp = str(tmp_path / "cp")
+    options = {"producerHorizon": horizon} if horizon else {}
+    assert run_available_now(spark, local_cluster, journal, cp, **options) == []  # (nothing committed yet)
+    with Client(local_cluster.endpoints[0]) as c:  # the driver's commit: both tasks' ACKs
+        c.append(journal, line(P1, early, ACK_TXN) + line(P2, late, ACK_TXN))
+    again = run_available_now(spark, local_cluster, journal, cp, **options)
+    assert sorted(i for _, i in again) == [1, 2]
+
+
+def test_a_message_split_across_appends_at_a_micro_batch_end_is_delivered(spark, local_cluster, tmp_path) -> None:
+    """A micro-batch ends at the write head, taken as a message boundary; a raw append that ended
+    mid-line must not split its message into two corrupt rows (the batch planner guards against
+    exactly this)."""
+    got = split_across_appends(spark, local_cluster, "spark/r22-split", tmp_path)
+    assert [i for _, i in got] == [1, 2, 3]
+
+
+def test_a_raw_stream_waits_for_a_line_a_raw_append_left_unfinished(spark, local_cluster, tmp_path) -> None:
+    """Read uncommitted (offsets straight to the write heads, no scan), the same: a line is one row."""
+    got = split_across_appends(
+        spark, local_cluster, "spark/r22-split-raw", tmp_path, format="raw", readCommitted="false"
+    )
+    assert [json.loads(v)["id"] for _, v in got] == [1, 2, 3]
+
+
+def test_a_raw_stream_waits_at_a_torn_head_of_an_ndjson_journal_with_a_charset(spark, local_cluster, tmp_path) -> None:
+    """framing_for reads 'application/x-ndjson; charset=utf-8' as ndjson (parameters ignored), and so
+    must the torn-head guard (and _read_raw and scan): comparing the label to NDJSON exactly turned
+    the guard off, and a line split by a raw append that ended mid-line became two rows (or a raw
+    read of such a journal died in a TypeError traceback)."""
+    labels = {"content-type": "application/x-ndjson; charset=utf-8"}
+    got = split_across_appends(
+        spark, local_cluster, "spark/r23-charset", tmp_path, labels, format="raw", readCommitted="false"
+    )
+    values = [v for _, v in got]
+    assert [json.loads(v)["id"] for v in values] == [1, 2, 3], values
+
+
+def test_a_raw_stream_waits_at_a_torn_head_of_a_protobuf_journal(spark, local_cluster, tmp_path) -> None:
+    """The guard covers fixed protobuf frames as it does ndjson lines: a raw append that ended inside
+    a frame (a frame written by two appends) ends a micro-batch mid-frame; unguarded, the first half
+    is skipped as garbage, the second half (no magic at its start) too, and the payload is never
+    delivered. Gazette's fixed-framing reader waits for the rest of the frame, as its ndjson one does."""
+    import asyncio
+
+    from tests.support.cluster import create_local_journal
+
+    journal = "spark/r23-torn-frames"
+    labels = {"content-type": "application/x-protobuf-fixed"}
+    asyncio.run(create_local_journal(local_cluster, journal, 1, labels=labels))
+    payloads = [bytes([i]) * (10 + i) for i in range(1, 4)]
+    frames = b"".join(b"\x66\x33\x93\x36" + len(p).to_bytes(4, "little") + p for p in payloads)
+    cut = len(frames) - 5  # inside the last frame's payload
+    cp = str(tmp_path / "cp")
+    opts = {"format": "raw", "readCommitted": "false"}
+    with Client(local_cluster.endpoints[0]) as c:
+        c.append(journal, frames[:cut])
+    first = run_available_now(spark, local_cluster, journal, cp, raw=True, **opts)
+    with Client(local_cluster.endpoints[0]) as c:
+        c.append(journal, frames[cut:])
+    again = run_available_now(spark, local_cluster, journal, cp, raw=True, **opts)
+    assert [v for _, v in first + again] == payloads
+
+
+def test_a_stream_starting_offset_past_the_head_names_starting_offsets(spark, local_cluster, tmp_path) -> None:
+    """A startingOffsets beyond the write head (a user's mistake) is reported naming the option, not
+    as the journal having been 'reset or created again' (which advises failOnDataLoss=false)."""
+    ndjson_journal(local_cluster, "spark/r22-start", line(P1, 1, OUTSIDE_TXN, id=1))
+    msg = error_message(
+        lambda: run_available_now(
+            spark, local_cluster, "spark/r22-start", str(tmp_path / "cp"),
+            startingOffsets=json.dumps({"spark/r22-start": 10**9}),
+        )
+    )  # fmt: skip
+    assert "startingOffsets" in msg and "reset or created again" not in msg, msg[:1500]
+
+
+def test_a_stream_refuses_ending_offsets_instead_of_ignoring_them(spark, local_cluster, tmp_path) -> None:
+    """`endingOffsets` on readStream is refused, as Kafka's source refuses it for streams, pointing
+    at Trigger.AvailableNow, not silently ignored with the stream reading on past it (refused from
+    the reader's first call: PySpark's stream runner buries an error raised in streamReader())."""
+    ndjson_journal(local_cluster, "spark/r22-end", line(P1, 1, OUTSIDE_TXN, id=1))
+    msg = error_message(
+        lambda: run_available_now(
+            spark, local_cluster, "spark/r22-end", str(tmp_path / "cp"),
+            endingOffsets=json.dumps({"spark/r22-end": 0}),
+        )
+    )  # fmt: skip
+    assert "endingOffsets" in msg and "availableNow" in msg, msg[:1500]
+    assert "UnboundLocalError" not in msg, msg[:1500]  # (PySpark's runner on an error in streamReader())
+
+
+def test_a_stream_with_a_wrong_metadata_column_type_fails_with_our_line(spark, local_cluster, tmp_path) -> None:
+    """check_schema's refusal reaches the user as our one line, not raised in streamReader() where
+    PySpark's own UnboundLocalError and two tracebacks wrap it."""
+    ndjson_journal(local_cluster, "spark/r22-stream-meta", line(P1, 1, OUTSIDE_TXN, id=1))
+    df = (
+        spark.readStream.format("tidings")
+        .option("broker", local_cluster.endpoints[0])
+        .option("journal", "spark/r22-stream-meta")
+        .schema("offset STRING, id BIGINT")
+        .load()
+    )
+    msg = stream_error(df, tmp_path)
+    assert "column 'offset'" in msg and "UnboundLocalError" not in msg, msg[:1500]
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("maxBytesPerTrigger", "lots"), ("producerHorizon", "forever"), ("failOnDataLoss", "maybe")],
+)
+def test_a_bad_stream_option_with_an_explicit_schema_fails_with_our_one_line(
+    spark, local_cluster, tmp_path, option, value
+) -> None:
+    """A bad stream option fails with our one line naming it when .schema() is given too: Spark then
+    never calls DataSource.schema() (which parses the options under _one_line); the options are
+    first parsed in streamReader(), and an OptionError raised there would reach the user inside
+    PySpark 4.3's stream runner's UnboundLocalError with two tracebacks -- the very failure
+    `_usable` defers check_schema's and endingOffsets' errors to avoid."""
+    journal = f"spark/r24-opt-{option}"  # (one per case: the module shares its cluster)
+    ndjson_journal(local_cluster, journal, line(P1, 1, OUTSIDE_TXN, id=1))
+    df = (
+        spark.readStream.format("tidings")
+        .option("broker", local_cluster.endpoints[0])
+        .option("journal", journal)
+        .option(option, value)
+        .schema("id BIGINT")
+        .load()
+    )
+    msg = stream_error(df, tmp_path)
+    assert option in msg and "UnboundLocalError" not in msg, msg[:2000]
+    ours = [ln for ln in msg.splitlines() if 'File "' in ln and "pyspark" not in ln]
+    assert len(ours) <= 1, msg[:2000]  # (PySpark's stream runner adds its own frames to any error)

@@ -1,6 +1,7 @@
-"""Review 22: a sink task that fails after publishing part of its rows, retried by real Spark
-(local[2,3]: up to 3 attempts), batch and streaming; the journal read committed holds each row once.
-The job runs in a process of its own (its own master), stopped by PID."""
+"""Sink task retries: a task that fails after publishing part of its rows, retried by real Spark
+(local[2,3]: up to 3 attempts), batch and streaming, leaves the journal read committed holding each
+row once and nothing of the failed attempt (DESIGN.md invariant 7). The job runs in a process of its
+own (its own master), stopped by PID."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.spark.test_source import NDJSON, cli_committed
+from tests.spark._support import NDJSON, cli_committed
 from tests.support.cluster import create_local_journal
 from tidings.client import Client
 

@@ -1,9 +1,12 @@
-"""Sequencer.sequence() (the readers' batch path) does exactly what queue() then step() do, per message.
+"""The Sequencer's fast paths against its per-message path (queue() then step()): sequence(), the readers'
+batch path, delivers the same envelopes, and advance(), the Spark driver's scan, reaches the same
+checkpoint, so either reads committed exactly as the per-message path does (DESIGN.md invariant 7).
 
-A differential property test: random envelopes over two journals (interleaved in one batch),
-odd UUIDs (nil, v4, v1 with clock 0, unknown flags), duplicates and clocks going backwards,
-optionally after a restore; the per-message path and the batch path must deliver the same
-envelopes and end with the same checkpoint and statistics.
+Differential property tests: random envelopes over two journals (interleaved in one batch), odd UUIDs
+(nil, v4, v1 with clock 0, unknown flags), duplicates and clocks going backwards, optionally after a
+restore; the paths must end with the same checkpoint (and, for sequence(), the same deliveries and
+statistics). For advance() also what those do not draw: many producers, clocks across the whole 64 bits,
+arbitrary restored producer states and chunk cuts anywhere.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidings.message import ACK_TXN, CONTINUE_TXN, OUTSIDE_TXN, Checkpoint, Envelope, Sequencer, _advance, build_uuid
+from tidings.message.sequencer import JournalCheckpoint, ProducerState
 
 PRODUCERS = [b"\x01\x00\x00\x00\x00\x01", b"\x01\x00\x00\x00\x00\x02"]
 BASE = 0x01EE_0000_0000_0000
@@ -162,3 +166,64 @@ def _advance_case(prefix, spec, ring, restore, reread, cuts, horizon, packed) ->
             uuids = np.array([(x >> 64, x & (1 << 64) - 1) for x in ints], dtype=np.uint64).reshape(-1, 2)
             got.advance(journal, [e.begin for e in part], [e.end for e in part], uuids if packed else ints)
     assert msgspec.to_builtins(got.checkpoint()) == msgspec.to_builtins(want.checkpoint())  # (any journal order)
+
+
+TOP = (1 << 64) - 1
+clock_bases = st.sampled_from([1, 1 << 40, (1 << 63) - 8, 1 << 63, TOP - 40])
+
+
+@st.composite
+def cases(draw):
+    base = draw(clock_bases)
+    nprod = draw(st.sampled_from([1, 2, 3, 40]))
+    n = draw(st.integers(0, 120))
+    msgs = []
+    for _ in range(n):
+        p = draw(st.integers(0, nprod - 1))
+        kind = draw(st.sampled_from(["v1"] * 10 + ["none"]))
+        clock = min(TOP, base + draw(st.integers(0, 30)))
+        flags = draw(st.sampled_from([OUTSIDE_TXN] * 3 + [CONTINUE_TXN] * 3 + [ACK_TXN] * 2 + [0x7]))
+        msgs.append((p, kind, clock, flags))
+    restored = {}
+    for p in draw(st.lists(st.integers(0, nprod - 1), max_size=4, unique=True)):
+        last_ack = min(TOP, base + draw(st.integers(0, 30)))
+        begin = draw(st.sampled_from([-1, 0, 5]))
+        restored[p] = (last_ack, begin, draw(st.sampled_from([-1, min(TOP, last_ack + 3)])))
+    cuts = sorted(draw(st.lists(st.integers(0, n), max_size=4)))
+    return msgs, restored, cuts
+
+
+def _pid(p: int) -> bytes:
+    return bytes([1, 0, 0, 0, 0, p + 1])
+
+
+@settings(max_examples=400, deadline=None)
+@given(case=cases(), horizon=st.sampled_from([None, 1e-6]))
+def test_advance_checkpoint_equals_read_committed(case, horizon) -> None:
+    """advance() against queue-then-step on what the property test above does not draw: many producers
+    (the MANY_PRODUCERS fallback and the fold side by side), clocks across the whole 64 bits (above
+    2**63), arbitrary restored producer states (pending `begin`s, `newest`), and chunk cuts anywhere."""
+    msgs, restored, cuts = case
+    read_through = 10
+    envs, at = [], read_through
+    for n, (p, kind, clock, flags) in enumerate(msgs):
+        u = None if kind == "none" else build_uuid(_pid(p), clock, flags)
+        envs.append(Envelope("j", at, at + 2 + n % 3, u, n))
+        at = envs[-1].end
+    cp = None
+    if restored:
+        producers = {_pid(p).hex(): ProducerState(la, -1 if b < 0 else b, nw) for p, (la, b, nw) in restored.items()}
+        cp = Checkpoint({"j": JournalCheckpoint(read_through, producers)})
+    logs = {"j": envs}
+    want = Sequencer(64, producer_horizon=horizon, checkpoint=cp)
+    _one_by_one(want, envs, logs)
+    for packed in (False, True):
+        got = Sequencer(64, producer_horizon=horizon, checkpoint=cp)
+        for lo, hi in zip([0, *cuts], [*cuts, len(envs)], strict=True):
+            part = envs[lo:hi]
+            if not part:
+                continue
+            ints = [0 if e.uuid is None else e.uuid.int for e in part]
+            arr = np.array([(x >> 64, x & TOP) for x in ints], dtype=np.uint64).reshape(-1, 2)
+            got.advance("j", [e.begin for e in part], [e.end for e in part], arr if packed else ints)
+        assert msgspec.to_builtins(got.checkpoint()) == msgspec.to_builtins(want.checkpoint()), packed

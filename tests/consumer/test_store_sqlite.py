@@ -1,15 +1,7 @@
-"""Review 28: SQLiteStore's write lock across processes.
-
-1. `SQLiteStore.transaction()` runs BEGIN IMMEDIATE on the event loop's thread with a busy handler
-   that sleeps there (1 ms steps, for up to BUSY_TIMEOUT = 30 s): while another process holds the
-   file's write lock (a zombie's transaction, which spans its awaits on appends), the whole event
-   loop of the waiting process stands still: other shards, gRPC streams, and the consumer's etcd
-   lease keep-alive (ttl 5 s) with it.
-2. A zombie paused mid-transaction (SIGSTOP, a debugger, a VM pause: the usual zombie) holds the
-   write lock for as long as it is paused, so its successor cannot restore the checkpoint: it
-   waited 30 s and failed with BusyError. Now it waits on (the module docstring of store.py says
-   so), and takes over once the zombie dies.
-"""
+"""SQLiteStore's write lock on a shard's file, which a zombie and its successor (other processes on one
+host) share: waiting for it never stops the event loop, a cancelled wait leaves nobody holding it, and
+a successor's restore waits on (without failing) for a paused zombie holding it, then takes over once
+the zombie dies (DESIGN.md invariant 8; what both stores do: test_store.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +11,8 @@ import signal
 import sys
 import time
 from collections import Counter
+
+import pytest
 
 from tests.consumer.test_shard import WordCount, produce, spec, stored_counts
 from tests.support.waiting import wait_until
@@ -36,6 +30,9 @@ db.execute("ROLLBACK")
 
 
 async def test_waiting_for_another_processs_write_lock_does_not_freeze_the_event_loop(tmp_path) -> None:
+    """A transaction waiting for the file's write lock held by another process (a zombie's transaction,
+    which spans its awaits on appends) waits off the event loop: the process's other shards, its gRPC
+    streams and its consumer's etcd lease keep-alive run on meanwhile."""
     path = tmp_path / "shard.db"
     store = SQLiteStore(path)
     await store.restore_checkpoint("wc/0")
@@ -75,6 +72,37 @@ async def test_waiting_for_another_processs_write_lock_does_not_freeze_the_event
         store.destroy()
 
 
+@pytest.mark.parametrize("waiting_in", ["begin", "restore"])
+async def test_a_cancelled_wait_for_the_files_lock_leaves_nothing_holding_it(tmp_path, waiting_in) -> None:
+    """A primary cancelled (a spec change, a stop) while its store waits in a worker thread for the
+    file's write lock (held by another connection: a zombie on the same host) stops waiting and can be
+    closed: no thread is left that would take the lock once it is free and keep it for good."""
+    import apsw
+
+    path = tmp_path / "shard.db"
+    store = SQLiteStore(path)
+    await store.restore_checkpoint("wc/0")
+    if waiting_in == "restore":
+        store.destroy()
+        store = SQLiteStore(path)
+    zombie = apsw.Connection(str(path))
+    zombie.execute("BEGIN IMMEDIATE")  # holds the write lock
+    waiting = asyncio.ensure_future(store.begin() if waiting_in == "begin" else store.restore_checkpoint("wc/0"))
+    done, _ = await asyncio.wait([waiting], timeout=0.3)
+    assert not done  # (it waits for the lock)
+    waiting.cancel()
+    done, _ = await asyncio.wait([waiting], timeout=5)
+    assert done and waiting.cancelled()
+    store.destroy()  # (no thread is busy with its connection)
+    zombie.execute("ROLLBACK")
+    probe = apsw.Connection(str(path))
+    probe.set_busy_timeout(2000)
+    probe.execute("BEGIN IMMEDIATE")  # the lock is free: nobody took it behind our back
+    probe.execute("ROLLBACK")
+    probe.close()
+    zombie.close()
+
+
 ZOMBIE = """
 import asyncio, os, signal, sys
 from tests.consumer.test_shard import WordCount, spec
@@ -95,8 +123,10 @@ asyncio.run(main(sys.argv[1], sys.argv[2]))
 
 
 async def test_a_successor_takes_over_once_a_paused_zombie_dies(cluster, tmp_path) -> None:
-    """Its restore waits for the lock the paused zombie holds (a documented limit of a SQLite file
-    shared by two processes: recovery logs will give each replica its own), without failing."""
+    """A zombie paused mid-transaction (SIGSTOP, a debugger, a VM pause) holds the file's write lock
+    while it is paused: its successor's restore waits for it (a documented limit of a SQLite file shared
+    by two processes: recovery logs will give each replica its own), without failing, and takes over
+    once the zombie dies."""
     for name in ("wc/in", "wc/out"):
         await cluster.create_journal(name, 3)
     words = ["apple", "banana", "cherry"] * 20

@@ -1,4 +1,6 @@
-"""Fragment stores as the journal's memory: empty-disk restarts, and refusing to guess (Invariant 6)."""
+"""When a broker cannot tell whether a lost replica held more (every disk lost, a fragment in the store past
+its write head), it refuses to guess (INDEX_HAS_GREATER_OFFSET) until an operator resets the head, and
+serves what the fragment store holds meanwhile (DESIGN.md invariant 6)."""
 
 from __future__ import annotations
 
@@ -74,3 +76,18 @@ async def test_index_has_greater_offset_until_reset_head(cluster) -> None:
         after = await c.append("it/greater", b"xyz")
         assert (after.begin, after.end) == (110, 113)
         assert await c.read_all("it/greater", offset=100) == foreign + b"xyz"
+
+
+async def test_the_first_fragment_is_persisted_at_the_next_append(cluster) -> None:
+    """The spool holding the journal's first write rolls at the next append, so the store shows the
+    journal was written: a broker that lost every replica cannot take it for a new one, and refuses."""
+    j = "it/first-roll"
+    await cluster.create_journal(j, 3, fragment={"length": "64MiB"})
+    async with cluster.client(0) as c:
+        await c.append(j, b"first write")
+        await c.append(j, b"second")
+
+    def persisted() -> bool:
+        return any(f.begin == 0 and f.end == 11 for f in store_for(cluster.store_url).list(j))
+
+    await wait_until(persisted, 20)
