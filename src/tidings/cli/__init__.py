@@ -1,7 +1,8 @@
 """The `tidings` command (typer + rich). Errors print one line: what, status, next step.
 
 `main` answers `--version` before importing the commands (scripts call it in loops); the
-commands and the Typer application are in `tidings.cli.app` (`tidings.cli.app.app`)."""
+Typer application is assembled in `tidings.cli.app` from its rooms (`journals`, `publish`, `processes`,
+`shards`, `logplayer`; shared flags and helpers in `_common`), each command importing only its own."""
 
 from __future__ import annotations
 

@@ -15,35 +15,38 @@ from typing import Annotated
 
 import typer
 
-from tidings.cli.app import (
-    _PLAIN,
+from tidings.cli._common import (
     DEFAULT_BROKER,
     BrokerOpt,
     JournalArg,
     MetricsOpt,
-    _at_least,
-    _client,
-    _endpoint,
-    _log_level,
-    _run,
-    app,
+    at_least,
+    broker_client,
+    check_endpoint,
+    check_log_level,
     err,
+    group,
     out,
     plural,
+    run_async,
     serve_until_signalled,
     usage,
 )
 from tidings.protocol import labels
 from tidings.protocol.status import JournalNotFoundError, TidingsError, UsageError, ValidationError
 
-target = typer.Typer(help="Run a LogPlayer target (a storage shard).", no_args_is_help=True, **_PLAIN)  # type: ignore[arg-type]
-targets_cmd = typer.Typer(help="The targets of targets.yaml.", no_args_is_help=True, **_PLAIN)  # type: ignore[arg-type]
-logplayer = typer.Typer(help="Deliver a WAL journal to its targets.", no_args_is_help=True, **_PLAIN)  # type: ignore[arg-type]
-wal = typer.Typer(help="Append transactions to a WAL journal.", no_args_is_help=True, **_PLAIN)  # type: ignore[arg-type]
-app.add_typer(target, name="target")
-app.add_typer(targets_cmd, name="targets")
-app.add_typer(logplayer, name="logplayer")
-app.add_typer(wal, name="wal")
+target = group("Run a LogPlayer target (a storage shard).")
+targets_cmd = group("The targets of targets.yaml.")
+logplayer = group("Deliver a WAL journal to its targets.")
+wal = group("Append transactions to a WAL journal.")
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(target, name="target")
+    root.add_typer(targets_cmd, name="targets")
+    root.add_typer(logplayer, name="logplayer")
+    root.add_typer(wal, name="wal")
+
 
 TargetsOpt = Annotated[
     Path,
@@ -69,7 +72,7 @@ def target_serve(
         typer.Option(
             envvar="TIDINGS_LISTEN",
             help="HOST:PORT of the Target service (port 0: any free one).",
-            callback=_endpoint("--listen", any_port=True),
+            callback=check_endpoint("--listen", any_port=True),
         ),
     ] = "127.0.0.1:7000",
     apply: Annotated[
@@ -79,7 +82,7 @@ def target_serve(
         bool, typer.Option(help="Keep an apply log (table `applied`: index and timestamps of each entry).")
     ] = False,
     metrics: MetricsOpt = "",
-    log_level: Annotated[str, typer.Option(envvar="TIDINGS_LOG_LEVEL", callback=_log_level)] = "info",
+    log_level: Annotated[str, typer.Option(envvar="TIDINGS_LOG_LEVEL", callback=check_log_level)] = "info",
 ) -> None:
     """Serve a target: apply what a LogPlayer delivers, each batch with its last index in one SQLite
     transaction. Prints `READY HOST:PORT` once it serves; SIGTERM stops it."""
@@ -105,14 +108,14 @@ def logplayer_run(
         Path | None,
         typer.Option(envvar="TIDINGS_STATE", help="The state file (default: data/logplayer/<wal>.state)."),
     ] = None,
-    max_batch: Annotated[int, typer.Option(callback=_at_least("--max-batch", 1), help="Entries per batch.")] = 256,
+    max_batch: Annotated[int, typer.Option(callback=at_least("--max-batch", 1), help="Entries per batch.")] = 256,
     dummy_every: Annotated[
         int, typer.Option(help="Send idle targets a dummy entry every this many entries (0: never).")
     ] = 1000,
     checkpoint_every: Annotated[
         int,
         typer.Option(
-            callback=_at_least("--checkpoint-every", 1),
+            callback=at_least("--checkpoint-every", 1),
             help="Entries between the main stream's read checkpoints (where a restart or a recovery resumes).",
         ),
     ] = 1000,
@@ -125,10 +128,10 @@ def logplayer_run(
         typer.Option(
             envvar="TIDINGS_METRICS",
             help="HOST:PORT serving Prometheus /metrics; '' off.",
-            callback=_endpoint("--metrics", True),
+            callback=check_endpoint("--metrics", True),
         ),
     ] = "",
-    log_level: Annotated[str, typer.Option(envvar="TIDINGS_LOG_LEVEL", callback=_log_level)] = "info",
+    log_level: Annotated[str, typer.Option(envvar="TIDINGS_LOG_LEVEL", callback=check_log_level)] = "info",
 ) -> None:
     """Deliver the WAL journal to every target of targets.yaml, in order, exactly once, until SIGTERM.
     Prints `READY` once the main stream started, then progress lines (current index, targets up,
@@ -186,7 +189,7 @@ def logplayer_run(
             if not stopping.done():
                 running.result()  # (what ended it: fenced, a target the WAL names and the file does not)
 
-    _run(go())
+    run_async(go())
 
 
 async def _progress(player, every: float) -> None:
@@ -228,7 +231,7 @@ def wal_append(
     async def go() -> None:
         from tidings.logplayer.wal import WalWriter
 
-        async with _client(broker, 30.0) as client:
+        async with broker_client(broker, 30.0) as client:
             if not (await client.list(labels.parse_selector(f"name={journal}"))).journals:
                 raise TidingsError(f"journal {journal!r} does not exist: nothing was appended; create it with "
                                    "`tidings journals apply` (README: LogPlayer)")  # fmt: skip
@@ -272,7 +275,7 @@ def wal_append(
             finally:
                 await writer.aclose()
 
-    _run(go())
+    run_async(go())
 
 
 def _or_unknown(value: object) -> str:
@@ -328,7 +331,7 @@ def targets_status(
         answers = await last_acks(declared)
         head, after = None, {}
         if wal_journal:
-            async with _client(broker) as client:
+            async with broker_client(broker) as client:
                 head = await client.write_head(wal_journal)
                 for t in declared.targets:
                     a = answers[t.id]
@@ -336,7 +339,7 @@ def targets_status(
                         after[t.id] = await pending(client, t.id, a.last_applied, head)
         return answers, head, after
 
-    answers, head, after = _run(go())
+    answers, head, after = run_async(go())
     rows = []
     for t in declared.targets:
         a = answers[t.id]

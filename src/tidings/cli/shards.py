@@ -10,21 +10,20 @@ from typing import Annotated
 
 import typer
 
-from tidings.cli.app import (
-    _PLAIN,
+from tidings.cli._common import (
     DEFAULT_BROKER,
     BrokerOpt,
     MetricsOpt,
-    _at_least,
-    _client,
-    _endpoint,
-    _log_level,
-    _run,
-    app,
+    at_least,
+    broker_client,
+    check_endpoint,
+    check_log_level,
     edit_then_apply,
     editor,
+    group,
     load_yaml,
     out,
+    run_async,
     serve_until_signalled,
     usage,
 )
@@ -33,8 +32,13 @@ from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import documents, shard_from_dict, shard_to_dict
 from tidings.protocol.status import TidingsError, ValidationError
 
-shards = typer.Typer(help="A consumer's shards (through any of its processes).", no_args_is_help=True, **_PLAIN)  # type: ignore[arg-type]
-app.add_typer(shards, name="shards")
+shards = group("A consumer's shards (through any of its processes).")
+
+
+def register(root: typer.Typer) -> None:
+    root.command()(consumer)
+    root.add_typer(shards, name="shards")
+
 
 ConsumerOpt = Annotated[
     str,
@@ -42,7 +46,7 @@ ConsumerOpt = Annotated[
         "--consumer",
         envvar="TIDINGS_CONSUMER",
         help="Any consumer process of the application, HOST:PORT (its --listen).",
-        callback=_endpoint("--consumer (TIDINGS_CONSUMER)"),
+        callback=check_endpoint("--consumer (TIDINGS_CONSUMER)"),
     ),
 ]
 DEFAULT_CONSUMER = "127.0.0.1:9090"
@@ -64,14 +68,13 @@ def _shard_client(consumer: str):
     return ShardClient(consumer)
 
 
-@app.command()
 def consumer(
     app_ref: Annotated[
         str,
         typer.Option("--app", envvar="TIDINGS_APP", help="The application: module:factory (called with no arguments)."),
     ],
     etcd: Annotated[
-        str, typer.Option(envvar="TIDINGS_ETCD", help="etcd endpoint HOST:PORT.", callback=_endpoint("--etcd"))
+        str, typer.Option(envvar="TIDINGS_ETCD", help="etcd endpoint HOST:PORT.", callback=check_endpoint("--etcd"))
     ],
     broker: BrokerOpt = DEFAULT_BROKER,
     zone: Annotated[str, typer.Option(envvar="TIDINGS_ZONE", help="Failure zone.")] = "local",
@@ -81,7 +84,7 @@ def consumer(
         typer.Option(
             envvar="TIDINGS_LISTEN",
             help="HOST:PORT of the Shard service (port 0: any free one).",
-            callback=_endpoint("--listen", any_port=True),
+            callback=check_endpoint("--listen", any_port=True),
         ),
     ] = DEFAULT_CONSUMER,
     root: Annotated[
@@ -98,11 +101,11 @@ def consumer(
         int, typer.Option(envvar="TIDINGS_SHARD_LIMIT", help="Most shard replicas this process takes.")
     ] = 1024,
     metrics: MetricsOpt = "auto",
-    lease_ttl: Annotated[int, typer.Option(envvar="TIDINGS_LEASE_TTL", callback=_at_least("--lease-ttl", 1))] = 5,
+    lease_ttl: Annotated[int, typer.Option(envvar="TIDINGS_LEASE_TTL", callback=at_least("--lease-ttl", 1))] = 5,
     exit_timeout: Annotated[
         float, typer.Option(envvar="TIDINGS_EXIT_TIMEOUT", help="On SIGTERM, seconds to wait for shards to move away.")
     ] = 60.0,
-    log_level: Annotated[str, typer.Option(envvar="TIDINGS_LOG_LEVEL", callback=_log_level)] = "info",
+    log_level: Annotated[str, typer.Option(envvar="TIDINGS_LOG_LEVEL", callback=check_log_level)] = "info",
 ) -> None:
     """Run a consumer process in the foreground: it serves the shards the allocator gives it. Prints
     `READY HOST:PORT` once it serves (then `METRICS HOST:PORT`); SIGTERM hands its shards to other
@@ -183,7 +186,7 @@ def _apply_file(file: Path, consumer: str, dry_run: bool = False) -> None:
             if dry_run:
                 out.print("dry run: nothing applied", style="bold")
 
-    _run(go())
+    run_async(go())
 
 
 async def _listed(consumer: str, broker: str, selector: str, progress: bool) -> list[dict]:
@@ -194,7 +197,7 @@ async def _listed(consumer: str, broker: str, selector: str, progress: bool) -> 
         resp = await sc.list(labels.parse_selector(selector) if selector else None)
         heads: dict[str, int] = {}
         if progress and resp.shards:
-            async with _client(broker) as c:
+            async with broker_client(broker) as c:
                 for journal in sorted({src.journal for s in resp.shards for src in s.spec.sources}):
                     try:
                         heads[journal] = await c.write_head(journal)
@@ -230,7 +233,7 @@ def shards_list(
 ) -> None:
     """List shards: status of each replica, the primary, read-through offsets and lag in bytes behind
     each source's write head (asked of the primary, and of --broker)."""
-    rows = _run(_listed(consumer, broker, selector, progress=not as_yaml))
+    rows = run_async(_listed(consumer, broker, selector, progress=not as_yaml))
     if as_json:
         for row in rows:
             print(json.dumps(row))
@@ -272,7 +275,7 @@ def shards_unassign(
         async with _shard_client(consumer) as sc:
             return await sc.unassign(ids, only_failed=failed, dry_run=dry_run)
 
-    done = _run(go())
+    done = run_async(go())
     verb = "would unassign" if dry_run else "unassigned"
     out.print(f"{verb} {' '.join(done)}" if done else "nothing to unassign", highlight=False)
 
@@ -288,7 +291,7 @@ def shards_edit(
     if bool(id) == bool(selector):
         usage("give a shard ID or --selector S (one of them)")
     chosen = editor("shards edit")
-    rows = _run(_listed(consumer, "", f"id={id}" if id else selector, progress=False))
+    rows = run_async(_listed(consumer, "", f"id={id}" if id else selector, progress=False))
     if not rows:
         raise TidingsError(f"no shard matches {id or selector!r} (see `tidings shards list`)")
     keep = [{k: v for k, v in r.items() if k not in ("primary", "status", "errors")} for r in rows]

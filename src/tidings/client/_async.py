@@ -9,6 +9,7 @@ written twice: appends are at-least-once, and message UUIDs (`tidings.message`) 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
@@ -227,6 +228,59 @@ class AsyncClient:
                     raise
             await self.backoff(attempt)
             attempt += 1
+
+    async def append_once(
+        self,
+        journal: str,
+        content: Callable[[], Content],
+        size: int,
+        *,
+        offset: int = 0,
+        timeout: float | None = None,
+    ) -> AppendResult:
+        """Append `content` (`size` bytes; a function giving a fresh iteration of them per attempt) into
+        the journal once, even when an attempt's answer is lost in transport, for a writer that is the
+        journal's only one while it appends (as `tidings journals append`).
+
+        A zero-byte append first takes the write head. After a lost answer (a transport failure, or
+        none within `timeout`) another tells what happened: the journal did not move (nothing landed:
+        tried again, within the retry policy), it moved by exactly `size` bytes holding this content
+        (it landed: that span is returned), or anything else (a TidingsError: whether it landed
+        cannot be told). Refusals, which leave nothing written, are retried as by `append`. The
+        AppendService finds a lost batch of messages by their UUIDs instead (`_find_committed`).
+        """
+        head = (await self.append(journal, b"")).end
+        attempt, failing_since = 0, 0.0
+        while True:
+            try:
+                return await self.append(journal, content, offset=offset, retry_unknown=False, timeout=timeout)
+            except TransportError as exc:
+                failing_since = failing_since or time.monotonic()
+                lost = exc.retriable or exc.code == grpc.StatusCode.DEADLINE_EXCEEDED
+                if not lost or self.retry.gives_up(attempt, failing_since):
+                    raise
+                await self.backoff(attempt)
+                attempt += 1
+                now = (await self.append(journal, b"")).end
+                if now == head:
+                    continue
+                if now == head + size and (sha1 := await self._holds(journal, head, content())):
+                    return AppendResult(journal, head, now, {}, sha1)
+                raise TidingsError(
+                    f"journal {journal!r}: an attempt's answer was lost ({exc}) and the journal moved from {head} "
+                    f"to {now} meanwhile: whether the content landed is unknown; read the journal from offset "
+                    f"{head} to check before appending it again"
+                ) from None
+
+    async def _holds(self, journal: str, begin: int, content: Content) -> str:
+        """The content's SHA1 (hex) if the journal holds exactly it from `begin`, else ""."""
+        ours, theirs, size = hashlib.sha1(), hashlib.sha1(), 0
+        async for chunk in chunks(content):
+            ours.update(chunk)
+            size += len(chunk)
+        async for part in self.read(journal, begin, end_offset=begin + size):
+            theirs.update(part.content)
+        return ours.hexdigest() if ours.digest() == theirs.digest() else ""
 
     async def _append_once(
         self, endpoint: str, first: pb.AppendRequest, content: Content, timeout: float | None = None

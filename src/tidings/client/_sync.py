@@ -111,6 +111,9 @@ class Client:
     def append(self, journal: str, content: Content = b"", **expect: Any) -> AppendResult:
         return self.run(self.aio.append(journal, content, **expect))
 
+    def append_once(self, journal: str, content: Callable[[], Content], size: int, **options: Any) -> AppendResult:
+        return self.run(self.aio.append_once(journal, content, size, **options))
+
     def appender(self, journal: str, **expect: Any) -> SyncAppender:
         return SyncAppender(self, self.aio.appender(journal, **expect))
 

@@ -15,6 +15,8 @@ still pending or were rolled back. This package gives messages the means to be r
 * :mod:`~tidings.message.publisher` - the :class:`Publisher`: committed (OUTSIDE_TXN) and transactional (CONTINUE_TXN,
   then ACK intents) publishing through an AppendService, with mappings that pick a journal of a label selector
   by key (modulo, rendezvous hashing) or at random.
+* :mod:`~tidings.message.lines` - the :class:`LinePublisher`: lines of JSON objects published as committed
+  messages as they come, batched, saying exactly which lines were published when something fails.
 * :mod:`~tidings.message.iterators` - :func:`read_uncommitted` and :func:`read_committed` over one or more journals,
   async with an AsyncClient and sync with a Client.
 
@@ -45,6 +47,7 @@ from tidings.message.framing import (
     uuid_setter,
 )
 from tidings.message.iterators import ReadCommitted, ReadUncommitted, read_committed, read_uncommitted
+from tidings.message.lines import LinePublisher
 from tidings.message.publisher import (
     AckIntent,
     JournalList,
@@ -109,6 +112,7 @@ __all__ = [
     "Garbage",
     "JournalCheckpoint",
     "JournalList",
+    "LinePublisher",
     "Mapping",
     "NDJSON",
     "OUTSIDE_TXN",

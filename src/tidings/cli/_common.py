@@ -1,0 +1,330 @@
+"""What every `tidings` command shares: its consoles, one-line usage errors, the flags' checks and
+shared options, running a coroutine, a client of --broker, YAML files of specs edited in $EDITOR,
+stdin read off the event loop, and a server process run in the foreground until signalled."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from tidings.protocol.status import TidingsError
+
+# Plain help (rich_markup_mode=None): no boxes cut to the terminal, no "<bool>" beside every flag;
+# -h as well as --help; shell completion (--install-completion).
+PLAIN = {"rich_markup_mode": None, "context_settings": {"help_option_names": ["-h", "--help"]}}
+
+
+def group(help: str) -> typer.Typer:
+    """A command group (`tidings journals ...`): plain help, and its help when called alone."""
+    return typer.Typer(help=help, no_args_is_help=True, **PLAIN)  # type: ignore[arg-type]
+
+
+# Client commands say what went wrong in one line of their own; the library's log records (an
+# AppendService's retry advice, say) would add lines naming APIs. `broker` configures logging.
+logging.getLogger("tidings").addHandler(logging.NullHandler())
+err = Console(stderr=True, soft_wrap=True)  # (a line is not cut at 80 columns when piped)
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 100_000)  # (piped: tables not cut at 80)
+
+
+def usage(message: str) -> NoReturn:
+    """A user's mistake in a flag or argument: one line on stderr, exit code 2 (as for any usage error)."""
+    err.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def plural(n: int, noun: str) -> str:
+    """'1 message', '2 messages'."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def check_endpoint(
+    flag: str, optional: bool = False, also: tuple[str, ...] = (), any_port: bool = False
+) -> Callable[[str], str]:
+    """A flag's check that its value is HOST:PORT ('' too when `optional`, or one of `also`), before
+    anything connects (`localhost` alone went to port 443, `foo:bar` to a resolver error)."""
+
+    def check(value: str) -> str:
+        if (optional and value == "") or value in also:
+            return value
+        host, colon, port = value.rpartition(":")
+        least = 0 if any_port else 1  # (port 0: any free one, printed once serving)
+        if not colon or not host or not (port.isascii() and port.isdigit()) or not least <= int(port) < 65536:
+            forms = ["HOST:PORT", *(repr(w) for w in (*also, *([""] if optional else [])))]
+            said = forms[0] if len(forms) == 1 else ", ".join(forms[:-1]) + " or " + forms[-1]
+            usage(f"{flag} {value!r} is not {said}: give a host and a port from {least} to 65535, e.g. 127.0.0.1:8080")
+        return value
+
+    return check
+
+
+def at_least(flag: str, least: int) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        if value < least:
+            usage(f"{flag} is {value}: give {least} or more")
+        return value
+
+    return check
+
+
+def check_log_level(value: str) -> str:
+    if value.upper() not in logging.getLevelNamesMapping():
+        usage(f"--log-level (TIDINGS_LOG_LEVEL) {value!r} is not a level: give debug, info, warning or error")
+    return value
+
+
+def check_journal_name(value: str) -> str:
+    """A journal argument's name checked before anything connects (a usage error, not a broker's refusal)."""
+    from tidings.protocol import validate
+    from tidings.protocol.status import ValidationError
+
+    if value:
+        try:
+            validate.journal_name(value, "journal")
+        except ValidationError as exc:
+            usage(str(exc))
+    return value
+
+
+JournalArg = Annotated[str, typer.Argument(help="A journal name, e.g. shop/orders.", callback=check_journal_name)]
+
+
+BrokerOpt = Annotated[
+    str,
+    typer.Option(
+        "--broker",
+        envvar="TIDINGS_BROKER",
+        help="Any broker, HOST:PORT.",
+        callback=check_endpoint("--broker (TIDINGS_BROKER)"),
+    ),
+]
+
+
+DEFAULT_BROKER = "127.0.0.1:8080"
+
+
+MetricsOpt = Annotated[
+    str,
+    typer.Option(
+        envvar="TIDINGS_METRICS",
+        help="HOST:PORT serving Prometheus /metrics; auto: --listen's port + 1000; '' off.",
+        callback=check_endpoint("--metrics", True, also=("auto",)),
+    ),
+]
+
+
+DeadlineOpt = Annotated[
+    float,
+    typer.Option(
+        "--deadline",
+        help="Seconds to go on retrying transient failures (a primary just killed, a broker restarting) after "
+        "the first one, before giving up.",
+        callback=at_least("--deadline", 0),
+    ),
+]
+
+
+def run_async(coro):
+    import asyncio
+
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        return asyncio.run(coro)
+
+
+def broker_client(broker: str, deadline: float = 0.0):
+    """A client of `broker`: with a `deadline`, retrying transient failures for that many seconds."""
+    from tidings.client import AsyncClient
+
+    return AsyncClient(broker, retries=1_000_000 if deadline else 8, deadline=deadline, fail_fast=True)
+
+
+def load_yaml(file: Path, what: str, doc: str) -> Any:
+    """A YAML file of specs (`what`: "journal", "shard"), its every mistake one usage line."""
+    import yaml
+
+    try:
+        with file.open() as f:  # (a stream: YAML's errors then name the file, not "<unicode string>")
+            loaded = yaml.safe_load(f)
+    except OSError as exc:
+        usage(f"cannot read {file}: {exc.strerror or exc}")
+    except UnicodeDecodeError as exc:
+        usage(f"{file} is not UTF-8 text ({exc.reason} at byte {exc.start}): save it as UTF-8")
+    except yaml.YAMLError as exc:
+        usage(f"{file} is not valid YAML: {' '.join(str(exc).split())}")
+    if loaded is None:
+        usage(f"{file} is empty: give a {what} spec, a list of them, or {what}s: [...] (see {doc})")
+    return loaded
+
+
+def editor(command: str) -> str:
+    """The user's editor ($VISUAL, $EDITOR, else vi on a terminal), checked before anything connects."""
+    chosen = os.environ.get("VISUAL") or os.environ.get("EDITOR") or ""
+    if not chosen:
+        if not sys.stdin.isatty():
+            usage(f"{command} needs $EDITOR (or $VISUAL) when no terminal can run vi")
+        chosen = "vi"
+    return chosen
+
+
+def edit_then_apply(text: str, editor: str, apply: Callable[[Path], None], again: str) -> None:
+    """Open `text` in `editor` and `apply` the file it is saved to, if changed; a failed apply keeps
+    the file and says so (`again`: the command that applies it)."""
+    import shlex
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", prefix="tidings-edit-", suffix=".yaml", delete=False) as f:
+        f.write(text)
+    path = Path(f.name)
+    try:
+        code = subprocess.call([*shlex.split(editor), str(path)])
+    except (OSError, ValueError) as exc:  # (not found, not runnable, unbalanced quotes)
+        path.unlink()
+        usage(f"cannot run the editor {editor!r} ({exc}): set $EDITOR (or $VISUAL) to one, e.g. EDITOR=nano")
+    if code != 0:
+        raise TidingsError(f"{editor} exited with {code}: nothing applied (your edit is in {path})")
+    if path.read_text() == text:
+        path.unlink()
+        out.print("no changes")
+        return
+    try:
+        apply(path)
+    except (TidingsError, typer.Exit):
+        err.print(f"your edit is in {path}: fix it, then `{again} {path}`", highlight=False, soft_wrap=True)
+        raise
+    path.unlink()
+
+
+class Stdin:
+    """stdin as a reader thread gets it, a line (or with `lines` False a read of up to 64 KiB) per
+    `get()`, None at its end: the event loop never waits on a terminal or a pipe, so Ctrl-C stops a
+    command at once. The thread (a daemon) hands items over with call_soon_threadsafe, at most
+    `slots` waiting, and gives up quietly once `stop()`ped or the loop is gone."""
+
+    def __init__(self, lines: bool = True, slots: int = 10_000) -> None:
+        import asyncio
+        import threading
+
+        self.lines = lines
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.slots = threading.Semaphore(slots)
+        self.stopped = threading.Event()
+        threading.Thread(target=self._pump, name="stdin", daemon=True).start()
+
+    async def get(self) -> bytes | None:
+        item = await self.queue.get()
+        self.slots.release()
+        return item
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _put(self, item: bytes | None) -> bool:
+        while not self.slots.acquire(timeout=0.1):
+            if self.stopped.is_set():
+                return False
+        if self.stopped.is_set():
+            return False
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # (the loop is closed: the command is over)
+            return False
+        return True
+
+    def _pump(self) -> None:  # (os.read: no lock of sys.stdin's held by a thread still reading at exit)
+        fd, rest = sys.stdin.fileno(), b""
+        while chunk := os.read(fd, 1 << 16):
+            if not self.lines:
+                if not self._put(chunk):
+                    return
+                continue
+            *whole, rest = (rest + chunk).split(b"\n")
+            for line in whole:
+                if not self._put(line + b"\n"):
+                    return
+        if rest and not self._put(rest):
+            return
+        self._put(None)
+
+
+def serve_until_signalled(start: Callable[[], Any], who: str, exit_timeout: float) -> None:
+    """Run a server process in the foreground: start it, print `READY HOST:PORT [METRICS HOST:PORT]`,
+    stop it gracefully on SIGTERM or SIGINT (exit code 0), or without hand-off once its etcd lease is
+    lost (exit code 1). A signal during start (which may wait for a previous process's member key to
+    expire) cancels it; start then undoes what it began."""
+    import asyncio
+
+    log = logging.getLogger("tidings.cli")
+
+    async def run() -> int:
+        from tidings._tasks import dump_tasks_on_sigusr1
+
+        dump_tasks_on_sigusr1()  # `kill -USR1 PID` logs where every task waits
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        signalled = asyncio.ensure_future(stop.wait())
+        starting = asyncio.ensure_future(start())
+        await asyncio.wait([starting, signalled], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            await asyncio.wait([starting])
+            log.info("%s: stopped by a signal before it was ready", who)
+            return 0
+        try:
+            server = starting.result()
+        except OSError as exc:
+            raise TidingsError(f"{who} could not start: {exc}") from None
+        metrics_at = f" METRICS {server.metrics_endpoint}" if server.metrics_endpoint else ""
+        print(f"READY {server.endpoint}{metrics_at}", flush=True)
+        if server.metrics_endpoint:
+            log.info("%s: metrics on http://%s/metrics", who, server.metrics_endpoint)
+        announcement = getattr(server, "announcement", None)  # (a server without an etcd lease cannot lose one)
+        lost = asyncio.ensure_future(announcement.lost.wait() if announcement is not None else asyncio.Event().wait())
+        await asyncio.wait([signalled, lost], return_when=asyncio.FIRST_COMPLETED)
+        graceful = not lost.done()
+        if not graceful:
+            log.error("%s: its etcd lease is lost; stopping without hand-off", who)
+        # Every step of stop() is bounded; this is the backstop should one of them still hang.
+        watchdog = _exit_unless_stopped_within(exit_timeout + 60, who)
+        try:
+            await server.stop(graceful=graceful)
+        finally:
+            watchdog.cancel()
+        return 0 if graceful else 1
+
+    code = run_async(run())
+    if code:
+        raise typer.Exit(code)
+
+
+def _exit_unless_stopped_within(seconds: float, who: str):  # -> threading.Timer
+    """Start a timer that ends the process (exit code 2) if a stop has not finished by then.
+
+    A thread, so it fires even if the event loop is stuck.
+    """
+    import threading
+
+    def fire() -> None:
+        logging.getLogger("tidings.cli").error("%s: stop did not finish within %.0fs; exiting now", who, seconds)
+        logging.shutdown()
+        os._exit(2)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
