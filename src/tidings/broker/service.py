@@ -1,17 +1,14 @@
-"""Broker: one `tidings broker` process's services, wired together.
+"""Broker: one `tidings broker` process's services, wired together: a member process
+(`tidings.member`: etcd, KeySpace, gRPC server, /metrics, leased announcement, allocator, hand-off)
+whose items are journals.
 
-Start order: etcd client -> KeySpace (load + watch) -> persister -> resolver -> gRPC server ->
-member announcement (leased) -> allocator. `start()` returns once the server serves and the
-member key is in etcd; if any step fails (or start is cancelled) the steps already taken are
-undone, so nothing is left running. The announcement waits while a previous process's member
-key of the same id is still alive (see `allocator.announce`).
-
-Graceful stop (SIGTERM): mark the member exiting so the allocator moves its journals away, wait
-for that (at most `exit_timeout`, saying what it waits for and, when no other broker can take a
-journal, that too), then stop serving, complete and persist spools, and revoke the lease so the
-member key goes at once. Every etcd step of a stop is bounded by `ETCD_STOP_TIMEOUT`, and the
-hand-off wait ends as soon as etcd stops answering (nothing can move then), so a broker whose
-etcd is gone still exits within a few seconds; its key then goes when its lease expires.
+Its own steps: before it serves, the persister and the spools recovered from --data-dir, then the
+resolver (journal -> Replica); beside the gRPC server, the replication transport's listener (the
+peers' pipelines) and its dialer; once announced, the gauges, the retention loop and the checks of
+recovered journals assigned elsewhere. At a stop, after the hand-off: stop serving (cancelled
+replication streams give their spools back), close the replicas, complete and persist the spools,
+and record where each journal held to the end resumes (its spec's suspend offset), so that its next
+primary, on whichever broker, appends after it instead of refusing to guess.
 
 etcd outages shorter than the lease do not stop a broker: it keeps serving the routes it has
 while the keep-alive and the KeySpace watch retry; it stops (without hand-off) only once its
@@ -31,11 +28,9 @@ from pathlib import Path
 
 import grpc
 
-from tidings._serving import check_listen, counted, serve_metrics, stop_metrics
 from tidings.allocator import keys
-from tidings.allocator.announce import Announcement, announce
-from tidings.allocator.converge import Allocator
-from tidings.allocator.handoff import ETCD_STOP_TIMEOUT, wait_handed_off
+from tidings.allocator.handoff import ETCD_STOP_TIMEOUT
+from tidings.allocator.kind import JOURNALS
 from tidings.allocator.state import State
 from tidings.broker import _metrics as metrics
 from tidings.broker.append_api import serve_append
@@ -50,9 +45,8 @@ from tidings.fragment.fragment import Fragment
 from tidings.fragment.persister import Persister
 from tidings.fragment.spool import Recovered, SpoolFile, recover
 from tidings.fragment.store import check_store_url, store_for
-from tidings.keyspace import KeySpace
-from tidings.keyspace.decode import decoder
-from tidings.keyspace.etcd import Etcd, mod_revision_is, put_op
+from tidings.keyspace.etcd import mod_revision_is, put_op
+from tidings.member import MemberProcess, counted
 from tidings.protocol import labels, validate
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
@@ -113,107 +107,87 @@ class BrokerConfig:
     auto_suspend: bool = False  # suspend idle journals (Gazette's AutoSuspend; see Broker._pulse)
 
 
-class Broker:
-    """A journal broker (Gazette's broker), serving the Journal gRPC service."""
+class Broker(MemberProcess):
+    """A journal broker (Gazette's broker), serving the Journal gRPC service: a member process whose
+    items are journals (`tidings.member`), with its spools, replication and fragment persistence."""
+
+    kind = JOURNALS
+    server_options = SERVER_OPTIONS
 
     def __init__(self, config: BrokerConfig) -> None:
-        self.config = config
-        self.process_id = pb.ProcessId(zone=config.zone, suffix=config.suffix)
-        self.endpoint = ""
+        super().__init__(config)
+        self.config: BrokerConfig = config
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._tasks: list[asyncio.Task[None]] = []
         self._unassigned: dict[str, asyncio.Task[None]] = {}  # checks of journals recovered but not assigned here
         self.recovery = RecoveryChecks(self)
-        self.stopped = asyncio.Event()
-        self._metrics_server = None
 
-    # -- lifecycle -------------------------------------------------------------------------
+    # -- the member process's steps (tidings.member.process) -----------------------------------
 
-    async def start(self) -> Broker:
+    async def _prepare(self, undo: contextlib.AsyncExitStack) -> None:
         cfg = self.config
-        validate.process_id(self.process_id, "broker")
-        async with contextlib.AsyncExitStack() as undo:  # undoes the steps taken if a later one fails
-            self.etcd = await Etcd.connect(cfg.etcd)
-            undo.push_async_callback(self.etcd.aclose)
-            self.keyspace = KeySpace(cfg.root, decoder(cfg.root))
-            await self.keyspace.start(self.etcd)
-            undo.push_async_callback(self.keyspace.aclose)
-            self.persister = Persister(self._on_persisted)
-            await self.persister.start()
-            undo.push_async_callback(self.persister.aclose)
-            revisions = {j: it.create_revision for j, it in State.from_keyspace(self.keyspace).items.items()}
-            self._recovered = await asyncio.to_thread(_recover_all, Path(cfg.data_dir), revisions)
-            self.resolver = Resolver(self.keyspace, self.process_id, self._new_replica, self._pulse)
-            undo.push_async_callback(self.resolver.aclose)
-            self.server = grpc.aio.server(options=SERVER_OPTIONS)
-            pb_grpc.add_JournalServicer_to_server(_Servicer(self), self.server)
-            host = cfg.listen.rsplit(":", 1)[0]
-            try:
-                check_listen(cfg.listen)  # gRPC would fail too, but first print its own error line
-                port = self.server.add_insecure_port(cfg.listen)
-            except (OSError, RuntimeError) as err:
-                raise UsageError(f"broker cannot listen on {cfg.listen} ({err}); pass another --listen") from None
-            self.endpoint = f"{host}:{port}"
-            await self.server.start()
-            undo.push_async_callback(self.server.stop, 0)
-            self.dialer = Dialer()
-            undo.push_async_callback(self.dialer.aclose)
-            self.replication = ReplicationServer(functools.partial(serve_replicate, self), f"{cfg.zone}/{cfg.suffix}")
-            listen = cfg.replication_listen or f"{host}:0"
-            try:
-                await self.replication.start(listen)
-            except (OSError, ValueError) as err:
-                raise UsageError(
-                    f"broker cannot listen for replication on {listen} ({err}); pass another --replication-listen"
-                ) from None
-            undo.push_async_callback(self.replication.aclose)
-            self.metrics_endpoint = ""
-            if cfg.metrics_listen:
-                self._metrics_server, self.metrics_endpoint = serve_metrics(cfg.metrics_listen, host, port, "broker")
-                undo.callback(stop_metrics, self._metrics_server)
-            self.spec = spec = pb.BrokerSpec(
-                id=self.process_id,
-                endpoint=self.endpoint,
-                journal_limit=cfg.journal_limit,
-                replication_endpoint=self.replication.endpoint,
-                metrics_endpoint=self.metrics_endpoint,
-            )
-            self.announcement: Announcement = await announce(self.etcd, cfg.root, spec, ttl=cfg.lease_ttl)
-            undo.push_async_callback(self.announcement.aclose, ETCD_STOP_TIMEOUT)
-            self.allocator = Allocator(self.etcd, self.keyspace, cfg.root, (cfg.zone, cfg.suffix))
-            self._tasks.append(asyncio.create_task(self.allocator.run(), name=f"allocator:{cfg.suffix}"))
-            self._tasks.append(asyncio.create_task(self._gauge_loop(), name=f"gauges:{cfg.suffix}"))
-            if cfg.prune_interval > 0:
-                self._tasks.append(asyncio.create_task(self._prune_loop(), name=f"retention:{cfg.suffix}"))
-            self._verify_unassigned()
-            undo.pop_all()  # started: stop() undoes it all from here on
-        log.info("broker %s/%s serving on %s", cfg.zone, cfg.suffix, self.endpoint)
-        return self
+        self.persister = Persister(self._on_persisted)
+        await self.persister.start()
+        undo.push_async_callback(self.persister.aclose)
+        revisions = {j: it.create_revision for j, it in State.from_keyspace(self.keyspace).items.items()}
+        self._recovered = await asyncio.to_thread(_recover_all, Path(cfg.data_dir), revisions)
+        self.resolver = Resolver(self.keyspace, self.process_id, self._new_replica, self._pulse)
+        undo.push_async_callback(self.resolver.aclose)
 
-    async def stop(self, graceful: bool = True) -> None:
-        """Graceful: hand journals off first (bounded). Either way: stop serving and release everything.
+    def _add_servicer(self, server: grpc.aio.Server) -> None:
+        pb_grpc.add_JournalServicer_to_server(_Servicer(self), server)
 
-        Bounded even when etcd is gone: each etcd call waits at most ``ETCD_STOP_TIMEOUT``.
-        """
+    async def _serve_more(self, undo: contextlib.AsyncExitStack, host: str) -> None:
         cfg = self.config
-        who = f"broker {cfg.zone}/{cfg.suffix}"
-        lost = self.announcement.lost.is_set()
-        log.info("%s stopping (%s)", who, "handing its journals off first" if graceful and not lost else "no hand-off")
-        if graceful and not lost:
-            await self._hand_off(cfg.exit_timeout)
-        for task in [*self._tasks, *self._unassigned.values()]:
+        self.dialer = Dialer()
+        undo.push_async_callback(self.dialer.aclose)
+        self.replication = ReplicationServer(functools.partial(serve_replicate, self), f"{cfg.zone}/{cfg.suffix}")
+        listen = cfg.replication_listen or f"{host}:0"
+        try:
+            await self.replication.start(listen)
+        except (OSError, ValueError) as err:
+            raise UsageError(
+                f"{self.who} cannot listen for replication on {listen} ({err}); pass another --replication-listen"
+            ) from None
+        undo.push_async_callback(self.replication.aclose)
+
+    def _member_spec(self) -> pb.BrokerSpec:
+        return pb.BrokerSpec(
+            id=self.process_id,
+            endpoint=self.endpoint,
+            journal_limit=self.config.journal_limit,
+            replication_endpoint=self.replication.endpoint,
+            metrics_endpoint=self.metrics_endpoint,
+        )
+
+    def _exiting_spec(self) -> pb.BrokerSpec:
+        spec = pb.BrokerSpec()
+        spec.CopyFrom(self.spec)  # still replicating while its journals move: keep every endpoint
+        spec.journal_limit, spec.exiting = 0, True
+        return spec
+
+    def _state(self) -> State:
+        return self.resolver.state
+
+    def _started(self) -> None:
+        cfg = self.config
+        self._tasks.append(asyncio.create_task(self._gauge_loop(), name=f"gauges:{cfg.suffix}"))
+        if cfg.prune_interval > 0:
+            self._tasks.append(asyncio.create_task(self._prune_loop(), name=f"retention:{cfg.suffix}"))
+        self._verify_unassigned()
+
+    async def _release(self, graceful: bool) -> None:
+        """Stop serving first (cancelled replication streams give their spools back), close the
+        replicas, and (graceful) persist what they held and record where each journal resumes."""
+        for task in self._unassigned.values():
             task.cancel()
-        with contextlib.suppress(Exception):
-            await self.allocator.aclose()
         held = list(self.resolver.replicas.values())  # journals we could not hand off
-        # Stop serving first: cancelled replication streams give their spools back.
         await self.server.stop(grace=1.0 if graceful else 0)
         await self.replication.aclose()
         try:
             async with asyncio.timeout(CLOSE_TIMEOUT):
                 await self.resolver.aclose()
         except TimeoutError:
-            log.warning("%s: its replicas did not close within %.0fs; stopping anyway", who, CLOSE_TIMEOUT)
+            log.warning("%s: its replicas did not close within %.0fs; stopping anyway", self.who, CLOSE_TIMEOUT)
         if graceful:
             drained = False
             with contextlib.suppress(Exception):
@@ -221,16 +195,11 @@ class Broker:
             if drained and not self.announcement.lost.is_set():
                 await self._record_resume_offsets(held)
         await self.persister.aclose()
-        await self.announcement.aclose(timeout=ETCD_STOP_TIMEOUT)
-        await self.keyspace.aclose()
+
+    async def _close_clients(self) -> None:
         for ch in self._channels.values():
             await ch.close()
         await self.dialer.aclose()
-        await self.etcd.aclose()
-        stop_metrics(self._metrics_server)
-        self._metrics_server = None
-        self.stopped.set()
-        log.info("%s stopped", who)
 
     async def _record_resume_offsets(self, held: list[Replica]) -> None:
         """For each journal we still held, with every byte persisted: record its end in its spec
@@ -261,27 +230,6 @@ class Broker:
                 if ok:
                     log.info("journal %s: appends resume at offset %d on its next primary", replica.journal, end)
                     break
-
-    async def _hand_off(self, timeout: float) -> None:
-        """Mark the member exiting, then wait (at most ``timeout`` seconds) for its journals to move away."""
-        cfg = self.config
-        spec = pb.BrokerSpec()
-        spec.CopyFrom(self.spec)  # still replicating while its journals move: keep every endpoint
-        spec.journal_limit, spec.exiting = 0, True
-        try:
-            await self.announcement.update(spec, timeout=ETCD_STOP_TIMEOUT)
-        except TidingsError as err:
-            log.warning(
-                "broker %s/%s: cannot mark itself exiting in etcd (%s); stopping without handing its journals off",
-                cfg.zone,
-                cfg.suffix,
-                err,
-            )
-            return
-        await wait_handed_off(
-            self.keyspace, self.etcd, self.announcement, lambda: self.resolver.state, f"broker {cfg.zone}/{cfg.suffix}",
-            timeout,
-        )  # fmt: skip
 
     def channel(self, endpoint: str) -> grpc.aio.Channel:
         ch = self._channels.get(endpoint)

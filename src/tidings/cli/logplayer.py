@@ -139,8 +139,8 @@ def logplayer_run(
     import asyncio
     import signal
 
-    from tidings._serving import serve_metrics, stop_metrics
     from tidings.logplayer.player import LogPlayer
+    from tidings.member.serving import serve_metrics, stop_metrics
     from tidings.protocol import validate
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

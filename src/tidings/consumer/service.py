@@ -2,9 +2,10 @@
 consumer.Service). Shards are items and consumer processes members of the same allocator that
 places journals on brokers (`allocator.kind.SHARDS`), under the consumer's own etcd root.
 
-Start order: etcd -> KeySpace of the consumer root -> broker client -> gRPC Shard service ->
-member announcement (leased ConsumerSpec) -> allocator -> assignments followed. Each assignment of
-this process is a `ShardReplica`:
+A member process (`tidings.member`: etcd, KeySpace of the consumer root, gRPC Shard service,
+/metrics, leased ConsumerSpec, allocator, hand-off) whose items are shards; before it serves it checks
+--broker and opens the shards' client, and once announced it follows its assignments. Each
+assignment of this process is a `ShardReplica`:
 
 - at slot 0 (primary): `serve_primary` (restore the store, which fences off any earlier primary,
   re-write its ACK intents, run transactions). Its status (the assignment's value) goes IDLE ->
@@ -38,11 +39,7 @@ from typing import Any
 
 import grpc
 
-from tidings._serving import check_listen, counted, serve_metrics, stop_metrics
 from tidings.allocator import keys
-from tidings.allocator.announce import Announcement, announce
-from tidings.allocator.converge import Allocator
-from tidings.allocator.handoff import ETCD_STOP_TIMEOUT, wait_handed_off
 from tidings.allocator.kind import SHARDS
 from tidings.allocator.state import Assignment, State
 from tidings.client import AsyncClient
@@ -50,9 +47,8 @@ from tidings.consumer import _metrics as metrics
 from tidings.consumer.client import STAT_MARGIN
 from tidings.consumer.shard import Application, OutputFailedError, Shard, TxnStats, serve_primary
 from tidings.consumer.store import FenceError
-from tidings.keyspace import KeySpace
-from tidings.keyspace.decode import decoder
-from tidings.keyspace.etcd import Etcd, delete_op, mod_revision_is, put_op
+from tidings.keyspace.etcd import delete_op, mod_revision_is, put_op
+from tidings.member import MemberProcess, counted
 from tidings.protocol import labels, validate
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
@@ -294,62 +290,55 @@ class ShardReplica:
         await asyncio.wait([self._writer])
 
 
-class Consumer:
-    """A consumer process (see the module docstring)."""
+class Consumer(MemberProcess):
+    """A consumer process (see the module docstring): a member process whose items are shards
+    (`tidings.member`)."""
+
+    kind = SHARDS
 
     def __init__(self, config: ConsumerConfig) -> None:
-        self.config = config
-        self.process_id = pb.ProcessId(zone=config.zone, suffix=config.suffix)
+        super().__init__(config)
+        self.config: ConsumerConfig = config
         self.app: Application = load_app(config.app) if isinstance(config.app, str) else config.app
         self.replicas: dict[str, ShardReplica] = {}
         self._closing: dict[str, asyncio.Task[None]] = {}  # replicas being closed, by shard
-        self._tasks: list[asyncio.Task[None]] = []
-        self._metrics_server: Any = None
-        self.endpoint = self.metrics_endpoint = ""
-        self.stopped = asyncio.Event()
 
-    @property
-    def who(self) -> str:
-        return f"consumer {self.config.zone}/{self.config.suffix}"
+    # -- the member process's steps (tidings.member.process) -----------------------------------
 
-    async def start(self) -> Consumer:
-        cfg = self.config
-        validate.process_id(self.process_id, "consumer")
-        async with contextlib.AsyncExitStack() as undo:
-            self.etcd = await Etcd.connect(cfg.etcd)
-            undo.push_async_callback(self.etcd.aclose)
-            self.keyspace = KeySpace(cfg.root, decoder(cfg.root, SHARDS))
-            await self.keyspace.start(self.etcd)
-            undo.push_async_callback(self.keyspace.aclose)
-            await self._check_broker()
-            self.client = AsyncClient(cfg.broker, retries=None)  # (shards wait out broker outages of any length)
-            undo.push_async_callback(self.client.aclose)
-            self.state = State.from_keyspace(self.keyspace, SHARDS)
-            self.server = grpc.aio.server()
-            pb_grpc.add_ShardServicer_to_server(_Servicer(self), self.server)
-            host = cfg.listen.rsplit(":", 1)[0]
-            try:
-                check_listen(cfg.listen)
-                port = self.server.add_insecure_port(cfg.listen)
-            except (OSError, RuntimeError) as err:
-                raise UsageError(f"{self.who} cannot listen on {cfg.listen} ({err}); pass another --listen") from None
-            self.endpoint = f"{host}:{port}"
-            await self.server.start()
-            undo.push_async_callback(self.server.stop, 0)
-            if cfg.metrics_listen:
-                self._metrics_server, self.metrics_endpoint = serve_metrics(cfg.metrics_listen, host, port, self.who)
-                undo.callback(stop_metrics, self._metrics_server)
-            self.spec = pb.ConsumerSpec(id=self.process_id, endpoint=self.endpoint, shard_limit=cfg.shard_limit)
-            self.announcement: Announcement = await announce(self.etcd, cfg.root, self.spec, ttl=cfg.lease_ttl)
-            undo.push_async_callback(self.announcement.aclose, ETCD_STOP_TIMEOUT)
-            self.allocator = Allocator(self.etcd, self.keyspace, cfg.root, (cfg.zone, cfg.suffix), SHARDS)
-            self._tasks.append(asyncio.create_task(self.allocator.run(), name=f"allocator:{cfg.suffix}"))
-            self._tasks.append(asyncio.create_task(self._lag_loop(), name=f"lag:{cfg.suffix}"))
-            self.keyspace.add_observer(self._on_keyspace_update)
-            self._on_keyspace_update()
-            undo.pop_all()
-        log.info("%s serving on %s (root %s)", self.who, self.endpoint, cfg.root)
-        return self
+    async def _prepare(self, undo: contextlib.AsyncExitStack) -> None:
+        await self._check_broker()
+        self.client = AsyncClient(self.config.broker, retries=None)  # (shards wait out broker outages of any length)
+        undo.push_async_callback(self.client.aclose)
+        self.state = State.from_keyspace(self.keyspace, SHARDS)
+
+    def _add_servicer(self, server: grpc.aio.Server) -> None:
+        pb_grpc.add_ShardServicer_to_server(_Servicer(self), server)
+
+    def _member_spec(self) -> pb.ConsumerSpec:
+        return pb.ConsumerSpec(id=self.process_id, endpoint=self.endpoint, shard_limit=self.config.shard_limit)
+
+    def _exiting_spec(self) -> pb.ConsumerSpec:
+        spec = pb.ConsumerSpec()
+        spec.CopyFrom(self.spec)
+        spec.shard_limit, spec.exiting = 0, True
+        return spec
+
+    def _state(self) -> State:
+        return self.state
+
+    def _started(self) -> None:
+        self._tasks.append(asyncio.create_task(self._lag_loop(), name=f"lag:{self.config.suffix}"))
+        self.keyspace.add_observer(self._on_keyspace_update)
+        self._on_keyspace_update()
+
+    async def _release(self, graceful: bool) -> None:
+        """Stop every shard (its open transaction commits, bounded), then serving."""
+        replicas, self.replicas = self.replicas, {}
+        await asyncio.gather(*(r.aclose() for r in replicas.values()), *self._closing.values(), return_exceptions=True)
+        await self.server.stop(grace=1.0 if graceful else 0)
+
+    async def _close_clients(self) -> None:
+        await self.client.aclose()
 
     async def _check_broker(self) -> None:
         """Fail at start, in seconds, when --broker is wrong: the shards' client then waits out outages
@@ -365,7 +354,7 @@ class Consumer:
 
     def _on_keyspace_update(self) -> None:
         """Atomically with a KeySpace update: rebuild State and follow this process's assignments."""
-        if self.stopped.is_set():
+        if self.stopping:
             return
         self.state = state = State.from_keyspace(self.keyspace, SHARDS)
         mine = {a.journal: a for a in state.assignments_of(self.config.zone, self.config.suffix)}
@@ -395,43 +384,6 @@ class Consumer:
             process_id=self.process_id,
             route=route if route is not None else pb.Route(primary=-1),
             etcd=pb.Header.Etcd(revision=self.keyspace.revision),
-        )
-
-    async def stop(self, graceful: bool = True) -> None:
-        """Graceful: hand the shards off first (bounded). Either way: stop them and release everything."""
-        lost = self.announcement.lost.is_set()
-        log.info(
-            "%s stopping (%s)", self.who, "handing its shards off first" if graceful and not lost else "no hand-off"
-        )
-        if graceful and not lost:
-            await self._hand_off()
-        self.stopped.set()
-        for task in self._tasks:
-            task.cancel()
-        with contextlib.suppress(Exception):
-            await self.allocator.aclose()
-        replicas, self.replicas = self.replicas, {}
-        await asyncio.gather(*(r.aclose() for r in replicas.values()), *self._closing.values(), return_exceptions=True)
-        await self.server.stop(grace=1.0 if graceful else 0)
-        await self.announcement.aclose(timeout=ETCD_STOP_TIMEOUT)
-        await self.keyspace.aclose()
-        await self.client.aclose()
-        await self.etcd.aclose()
-        stop_metrics(self._metrics_server)
-        self._metrics_server = None
-        log.info("%s stopped", self.who)
-
-    async def _hand_off(self) -> None:
-        spec = pb.ConsumerSpec()
-        spec.CopyFrom(self.spec)
-        spec.shard_limit, spec.exiting = 0, True
-        try:
-            await self.announcement.update(spec, timeout=ETCD_STOP_TIMEOUT)
-        except TidingsError as err:
-            log.warning("%s: cannot mark itself exiting in etcd (%s); stopping without handing off", self.who, err)
-            return
-        await wait_handed_off(
-            self.keyspace, self.etcd, self.announcement, lambda: self.state, self.who, self.config.exit_timeout
         )
 
     async def _lag_loop(self) -> None:

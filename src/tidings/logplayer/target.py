@@ -42,10 +42,10 @@ import apsw
 import grpc
 from prometheus_client import Counter, Gauge
 
-from tidings._serving import check_listen, serve_metrics, stop_metrics
 from tidings._tasks import to_the_end
 from tidings.logplayer.dispatcher import NOTHING
 from tidings.logplayer.stream import MESSAGE_OPTIONS
+from tidings.member.serving import listen_grpc, serve_metrics, stop_metrics
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
 from tidings.protocol.status import UsageError
@@ -300,20 +300,13 @@ class TargetServer:
             undo.callback(self.store.close)
             self._server = grpc.aio.server(options=MESSAGE_OPTIONS)  # (a batch of one 64 MiB entry fits)
             pb_grpc.add_TargetServicer_to_server(TargetService(self.target, self.store), self._server)
-            host = self.listen.rsplit(":", 1)[0]
-            try:
-                check_listen(self.listen)
-                port = self._server.add_insecure_port(self.listen)
-            except (OSError, RuntimeError) as err:
-                raise UsageError(
-                    f"target {self.target} cannot listen on {self.listen} ({err}); pass another --listen"
-                ) from None
-            self.endpoint = f"{host}:{port}"
+            self.endpoint = listen_grpc(self._server, self.listen, f"target {self.target}")
+            host, port = self.endpoint.rsplit(":", 1)
             await self._server.start()
             undo.push_async_callback(self._server.stop, 0)
             if self.metrics_listen:
                 self._metrics, self.metrics_endpoint = serve_metrics(
-                    self.metrics_listen, host, port, f"target {self.target}"
+                    self.metrics_listen, host, int(port), f"target {self.target}"
                 )
             undo.pop_all()
         log.info("target %s serving on %s (%s, last applied %d)", self.target, self.endpoint, self.db,

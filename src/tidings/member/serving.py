@@ -1,5 +1,5 @@
-"""What every tidings server process shares: checking a listen address before gRPC binds it,
-serving Prometheus /metrics, and counting RPCs by outcome."""
+"""What every tidings server process shares: its gRPC server bound to --listen (the address checked
+first, so a taken port is one line), Prometheus /metrics, and RPCs counted by outcome."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from prometheus_client import Counter
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import UsageError
 
-__all__ = ["check_listen", "counted", "serve_metrics", "stop_metrics"]
+__all__ = ["check_listen", "counted", "listen_grpc", "serve_metrics", "stop_metrics"]
 
 
 def check_listen(listen: str) -> None:
@@ -28,6 +28,17 @@ def check_listen(listen: str) -> None:
         with socket.socket(family, kind, proto) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no conflict
             s.bind(addr)
+
+
+def listen_grpc(server: grpc.aio.Server, listen: str, who: str) -> str:
+    """Bind `server` to `listen` (HOST:PORT, port 0: any free one) and return the endpoint it serves
+    on; an address this process cannot take is a UsageError naming `who` and --listen."""
+    try:
+        check_listen(listen)  # gRPC would fail too, but first print its own error line
+        port = server.add_insecure_port(listen)
+    except (OSError, RuntimeError) as err:
+        raise UsageError(f"{who} cannot listen on {listen} ({err}); pass another --listen") from None
+    return f"{listen.rsplit(':', 1)[0]}:{port}"
 
 
 def serve_metrics(listen: str, host: str, port: int, who: str) -> tuple[Any, str]:
