@@ -61,7 +61,9 @@ def test_a_command_builds_only_its_own_group() -> None:
     """Typer reads the signature of every command it builds, at each start: `tidings journals ...`
     builds the journals group alone, `tidings status` the one command; no command, a misspelt one or
     an option first builds them all (so the help and the error list every command)."""
-    from tidings.cli.app import application
+    from tidings.cli.app import HELP_ORDER, ROOMS, application
+
+    assert sorted(HELP_ORDER) == sorted(set(ROOMS.values()))  # (the help lists every room's commands)
 
     journals = application("journals")
     assert [g.name for g in journals.registered_groups] == ["journals"] and not journals.registered_commands

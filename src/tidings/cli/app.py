@@ -36,6 +36,8 @@ ROOMS = {
     "wal": "logplayer",
 }
 
+HELP_ORDER = ("processes", "publish", "shards", "journals", "logplayer")  # (typer lists commands as registered)
+
 
 def _version(value: bool) -> None:
     if value:
@@ -59,7 +61,7 @@ def application(only: str = "") -> typer.Typer:
     error list every command."""
     root = typer.Typer(help=__doc__, no_args_is_help=True, pretty_exceptions_enable=False, **PLAIN)  # type: ignore[arg-type]
     root.callback()(_root)
-    rooms = [ROOMS[only]] if only in ROOMS else dict.fromkeys(ROOMS.values())
+    rooms = [ROOMS[only]] if only in ROOMS else HELP_ORDER
     for room in rooms:
         importlib.import_module(f"tidings.cli.{room}").register(root)
     if only in ROOMS:
@@ -81,7 +83,7 @@ def _only(root: typer.Typer, name: str) -> typer.Typer:
 
 
 def __getattr__(name: str) -> typer.Typer:
-    if name == "app":  # (the whole application, for typer's tools and tests; `main` builds only what it runs)
+    if name == "app":  # (the whole application, built at each use; `main` builds only what it runs)
         return application()
     raise AttributeError(name)
 

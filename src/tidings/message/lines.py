@@ -129,9 +129,15 @@ class LinePublisher:
         for msg in batch:
             name = self.mapping if isinstance(self.mapping, str) else self.mapping(msg)
             groups.setdefault(name, []).append(msg)
-        futures = [await self.publisher.publish_committed(name, *msgs) for name, msgs in groups.items()]
-        outcomes = await asyncio.gather(*futures, return_exceptions=True)
-        failed = {n: o for n, o in zip(groups, outcomes, strict=True) if isinstance(o, BaseException)}
+        pending: dict[str, Awaitable[object]] = {}
+        failed: dict[str, BaseException] = {}
+        for name, msgs in groups.items():
+            try:  # (a journal refused at once, e.g. gone: the others' appends are out already)
+                pending[name] = await self.publisher.publish_committed(name, *msgs)
+            except TidingsError as exc:
+                failed[name] = exc
+        outcomes = await asyncio.gather(*pending.values(), return_exceptions=True)
+        failed |= {n: o for n, o in zip(pending, outcomes, strict=True) if isinstance(o, BaseException)}
         ok = [n for n in groups if n not in failed]
         self.written.update(ok)
         if not failed:
