@@ -76,6 +76,19 @@ async def test_appends_go_to_the_primary_once_the_route_is_known(cluster) -> Non
         assert await c.read_all("cl/route") == b"onetwo"
 
 
+async def test_a_journal_is_described_by_its_exact_name(cluster) -> None:
+    """`describe` and `spec` name one journal, not every journal a selector would match."""
+    await cluster.create_journal("cl/spec", 3, labels={"app": "a"})
+    await cluster.create_journal("cl/spec/more", 1)
+    async with cluster.client(0) as c:
+        found = await c.describe("cl/spec")
+        assert found is not None and found.spec.name == "cl/spec" and found.mod_revision > 0
+        assert (await c.spec("cl/spec")).replication == 3
+        assert await c.describe("cl/none") is None
+        with pytest.raises(JournalNotFoundError, match="journal 'cl/none'"):
+            await c.spec("cl/none")
+
+
 async def test_definite_refusals_raise_their_error_without_retry(cluster) -> None:
     await cluster.create_journal("cl/refuse", 3)
     async with cluster.client(0) as c:

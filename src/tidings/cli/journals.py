@@ -148,8 +148,7 @@ def journals_delete(
 
     async def lookup() -> pb.ListResponse.Journal | None:
         async with broker_client(broker) as c:
-            resp = await c.list(labels.parse_selector(f"name={journal}"))
-            return next((j for j in resp.journals if j.spec.name == journal), None)
+            return await c.describe(journal)
 
     found = run_async(lookup())
     if found is None:
@@ -438,8 +437,8 @@ def journals_suspend(
                 done = await c.suspend(j.spec.name, force)
                 level = ""
                 if done:
-                    after = await c.list(labels.parse_selector(f"name={j.spec.name}"))
-                    spec = next((k.spec for k in after.journals if k.spec.name == j.spec.name), j.spec)
+                    after = await c.describe(j.spec.name)
+                    spec = after.spec if after is not None else j.spec
                     level = pb.JournalSpec.Suspend.Level.Name(spec.suspend.level).lower()
                 if as_json:
                     print(json.dumps({"journal": j.spec.name, "suspended": done, "level": level}), flush=True)

@@ -32,7 +32,6 @@ from tidings.cli._common import (
     serve_until_signalled,
     usage,
 )
-from tidings.protocol import labels
 from tidings.protocol.status import JournalNotFoundError, TidingsError, UsageError, ValidationError
 
 target = group("Run a LogPlayer target (a storage shard).")
@@ -232,7 +231,7 @@ def wal_append(
         from tidings.logplayer.wal import WalWriter
 
         async with broker_client(broker, 30.0) as client:
-            if not (await client.list(labels.parse_selector(f"name={journal}"))).journals:
+            if await client.describe(journal) is None:
                 raise TidingsError(f"journal {journal!r} does not exist: nothing was appended; create it with "
                                    "`tidings journals apply` (README: LogPlayer)")  # fmt: skip
             writer = WalWriter(client, journal, declared)

@@ -19,7 +19,6 @@ from tidings.cli._common import (
     run_async,
     usage,
 )
-from tidings.protocol import labels
 from tidings.protocol.status import TidingsError
 
 
@@ -64,7 +63,7 @@ def publish(
         nonlocal publishing
         lines = Stdin()
         async with broker_client(broker, retry_deadline) as c:
-            if not is_selector and not (await c.list(labels.parse_selector(f"name={target}"))).journals:
+            if not is_selector and await c.describe(target) is None:
                 raise TidingsError(f"journal {target!r} does not exist: nothing was published; check the name with "
                                    "`tidings journals list`, or create it with `tidings journals apply`")  # fmt: skip
             journals = await JournalList(c, target).start() if is_selector else None

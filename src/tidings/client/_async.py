@@ -34,6 +34,7 @@ from tidings.fragment.fragment import Fragment
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.protocol_pb2_grpc import JournalStub
 from tidings.protocol.status import (
+    JournalNotFoundError,
     StatusError,
     SuspendedError,
     TidingsError,
@@ -392,6 +393,18 @@ class AsyncClient:
         resp = await self._unary("", lambda stub: _first_response(stub.List(pb.ListRequest(selector=selector))))
         self._learn_routes(resp)
         return resp
+
+    async def describe(self, journal: str) -> pb.ListResponse.Journal | None:
+        """The journal as List gives it (spec, mod revision, Route), or None if it does not exist."""
+        resp = await self.list(pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name="name", value=journal)])))
+        return next((j for j in resp.journals if j.spec.name == journal), None)
+
+    async def spec(self, journal: str) -> pb.JournalSpec:
+        """The journal's spec; JournalNotFoundError if it does not exist."""
+        found = await self.describe(journal)
+        if found is None:
+            raise JournalNotFoundError(journal)
+        return found.spec
 
     def _learn_routes(self, resp: pb.ListResponse) -> None:
         for j in resp.journals:

@@ -135,6 +135,12 @@ class Client:
     def list(self, selector: pb.LabelSelector | None = None) -> pb.ListResponse:
         return self.run(self.aio.list(selector))
 
+    def describe(self, journal: str) -> pb.ListResponse.Journal | None:
+        return self.run(self.aio.describe(journal))
+
+    def spec(self, journal: str) -> pb.JournalSpec:
+        return self.run(self.aio.spec(journal))
+
     def watch(self, selector: pb.LabelSelector | None = None) -> Iterator[pb.ListResponse]:
         return self.iterate(lambda: self.aio.watch(selector))
 

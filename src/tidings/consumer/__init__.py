@@ -10,7 +10,9 @@ consumer framework; seed: gazette-exactly-once.txt, "Consumer Shard Transaction 
 - `service`: the consumer process (`tidings consumer`): shards assigned by the allocator, the
   Shard gRPC service, metrics; `client`: ShardClient.
 
-Recovery logs and hot-standby playback are the next issue.
+Stores are not recorded: a shard's SQLite file lives in the process's --data-dir (the processes of
+one host share it) or its state in PostgreSQL, so a standby has nothing to tail and a failover
+restores from the store itself.
 
 The shards themselves are items of the same allocator that places journals on brokers
 (`tidings.allocator.kind.SHARDS`).

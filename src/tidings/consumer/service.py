@@ -13,8 +13,8 @@ assignment of this process is a `ShardReplica`:
   writes FAILED with the reason: a deleted source journal, a fenced store, the application's own
   error. A failed shard stays so until `tidings shards unassign ID` (Gazette's choice: a fault
   that repeats would otherwise move from process to process).
-- at another slot (standby): STANDBY at once. Without recovery logs (next issue) a standby has
-  nothing to tail: the store is remote (PostgreSQL) or a file every process reaches (SQLite in
+- at another slot (standby): STANDBY at once. Stores are not recorded in recovery logs, so a standby
+  has nothing to tail: the store is remote (PostgreSQL) or a file every process reaches (SQLite in
   `--data-dir`, shared by the processes of one host), so it is ready to take over.
 
 Statuses gate the allocator as journal routes do: it removes a primary only once another replica

@@ -65,7 +65,6 @@ from tidings.client import AppendService, AsyncClient
 from tidings.consumer.store import Store
 from tidings.message import AckIntent, Checkpoint, Envelope, JournalCheckpoint, ProducerState, Publisher
 from tidings.message.iterators import read_committed
-from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import JournalNotFoundError, TidingsError, UsageError
 
@@ -273,12 +272,7 @@ async def _message_type(client: AsyncClient, app: Any, journals: list[str]) -> A
     new_message = getattr(app, "new_message", None)
     if new_message is None:
         return None
-    specs = []
-    for journal in journals:
-        resp = await client.list(labels.parse_selector(f"name={journal}"))
-        if not resp.journals:
-            raise JournalNotFoundError(journal)
-        specs.append(resp.journals[0].spec)
+    specs = [await client.spec(journal) for journal in journals]
     types = {new_message(spec) for spec in specs}
     if len(types) != 1:
         raise UsageError(f"new_message gives several message types for the sources {sorted(journals)}; give one")

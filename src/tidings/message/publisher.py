@@ -75,7 +75,7 @@ from tidings.message.uuid import (
 from tidings.message.uuid import new_producer_id as _new_producer_id
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
-from tidings.protocol.status import JournalNotFoundError, UsageError
+from tidings.protocol.status import UsageError
 
 __all__ = [
     "AckIntent",
@@ -113,10 +113,7 @@ def content_type_of(spec: pb.JournalSpec) -> str:
 async def journal_framing(client: AsyncClient, journal: str, spec: pb.JournalSpec | None = None) -> Framing:
     """The framing of `journal` by its content-type label, from `spec` or else from the cluster."""
     if spec is None:
-        resp = await client.list(labels.parse_selector(f"name={journal}"))
-        if not resp.journals:
-            raise JournalNotFoundError(journal)
-        spec = resp.journals[0].spec
+        spec = await client.spec(journal)
     return framing_for(content_type_of(spec))
 
 

@@ -55,7 +55,6 @@ from tidings.client import Client
 from tidings.message import Checkpoint, JournalCheckpoint
 from tidings.message.publisher import content_type_of
 from tidings.protocol import protocol_pb2 as pb
-from tidings.protocol.labels import parse_selector
 from tidings.protocol.status import UsageError
 from tidings.spark.options import SourceOptions
 from tidings.spark.schema import check_schema
@@ -291,8 +290,8 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ranges
 
     def _spec_by_name(self, name: str) -> pb.JournalSpec | None:
-        resp = self.client.list(parse_selector(f"name={name}"))
-        return next((j.spec for j in resp.journals if j.spec.name == name), None)
+        found = self.client.describe(name)
+        return found.spec if found is not None else None
 
     def read(self, partition: JournalRange) -> Iterator[pa.RecordBatch]:  # type: ignore[override]
         return read_partition(self.options, self.schema_json, partition)
