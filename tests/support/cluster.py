@@ -65,7 +65,7 @@ class TestCluster:
 
     async def wait_consistent(self, name: str, replication: int, timeout: float = 30.0) -> None:
         """Wait until the journal has R assignments, a primary, and every value advertises the Route."""
-        from tidings.allocator.state import routes_equivalent
+        from tidings.protocol.route import routes_equivalent
 
         def ready() -> bool:
             for b in self.brokers:

@@ -71,7 +71,7 @@ class Journals:
         return member.exiting
 
     def consistent(self, assignment: Assignment, route: pb.Route, assigned: list[Assignment]) -> bool:
-        from tidings.allocator.state import routes_equivalent
+        from tidings.protocol.route import routes_equivalent
 
         return routes_equivalent(assignment.value, route)
 

@@ -16,6 +16,7 @@ from tidings.allocator import keys
 from tidings.allocator.kind import JOURNALS, Kind
 from tidings.keyspace import KeySpace, delete_op
 from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.route import routes_equivalent
 
 __all__ = ["Assignment", "Item", "Member", "MemberId", "State", "route_of", "routes_equivalent"]
 
@@ -73,13 +74,6 @@ class Assignment:
     @property
     def member(self) -> MemberId:
         return (self.zone, self.suffix)
-
-
-def routes_equivalent(a: pb.Route, b: pb.Route) -> bool:
-    """Same members and same primary; endpoints are ignored (they change with restarts, not topology)."""
-    if a.primary != b.primary or len(a.members) != len(b.members):
-        return False
-    return all(x.zone == y.zone and x.suffix == y.suffix for x, y in zip(a.members, b.members, strict=True))
 
 
 def route_of(assignments: list[Assignment], members: dict[MemberId, Member]) -> pb.Route:

@@ -34,7 +34,6 @@ import grpc
 from tidings._tasks import cancelled_under_us
 from tidings.allocator import keys
 from tidings.allocator.converge import advertise_consistency
-from tidings.allocator.state import routes_equivalent
 from tidings.broker import _metrics as metrics
 from tidings.broker.pipeline import Acknowledgements, Pipeline
 from tidings.broker.replica import Replica, acquire
@@ -44,6 +43,7 @@ from tidings.fragment.spool import Spool, apply_registers
 from tidings.keyspace import mod_revision_is, put_op
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.route import routes_equivalent
 from tidings.protocol.specs import desired_replication
 from tidings.protocol.status import TidingsError, ValidationError
 

@@ -16,10 +16,11 @@ import functools
 import logging
 from collections.abc import Awaitable, Callable
 
-from tidings.allocator.state import State, routes_equivalent
+from tidings.allocator.state import State
 from tidings.broker.replica import Replica
 from tidings.keyspace import KeySpace
 from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.route import routes_equivalent
 
 log = logging.getLogger(__name__)
 
