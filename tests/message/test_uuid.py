@@ -223,9 +223,9 @@ def test_exported_members_are_sorted_and_exist(module: object) -> None:
 
 
 def test_package_exports_every_public_name_of_its_modules() -> None:
-    from tidings.message import framing, iterators, publisher, sequencer
+    from tidings.message import framing, iterators, lines, publisher, sequencer
 
-    modules = (muuid, framing, sequencer, publisher, iterators)
+    modules = (muuid, framing, sequencer, publisher, iterators, lines)
     assert set(tidings.message.__all__) == set().union(*(m.__all__ for m in modules))
 
 

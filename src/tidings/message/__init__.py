@@ -47,7 +47,7 @@ from tidings.message.framing import (
     uuid_setter,
 )
 from tidings.message.iterators import ReadCommitted, ReadUncommitted, read_committed, read_uncommitted
-from tidings.message.lines import LinePublisher
+from tidings.message.lines import LinePublisher, line_span
 from tidings.message.publisher import (
     AckIntent,
     JournalList,
@@ -135,6 +135,7 @@ __all__ = [
     "get_flags",
     "get_producer_id",
     "get_uuid",
+    "line_span",
     "modulo_mapping",
     "new_acknowledgement",
     "new_clock",
