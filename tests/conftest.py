@@ -131,7 +131,7 @@ def _dump_asyncio_tasks(signum, frame) -> None:  # debugging aid: `kill -USR1 <p
     import asyncio
     import sys
 
-    from tidings._tasks import task_stacks
+    from tidings.tasks import task_stacks
 
     try:
         asyncio.get_event_loop()

@@ -35,7 +35,7 @@ from tidings.message import (
     clock_from_unix_ns,
     unix_ns_from_clock,
 )
-from tidings.message.uuid import _unpack
+from tidings.message.uuid import uuid_fields
 from tidings.protocol.status import UsageError, ValidationError
 
 P1, P2, P3 = b"\x01\x00\x00\x00\x00\x01", b"\x01\x00\x00\x00\x00\x02", b"\x03\x00\x00\x00\x00\x03"
@@ -304,7 +304,7 @@ def test_sequencer_rejects_bad_parameters() -> None:
 
 
 def _clock(env: Envelope) -> int:
-    fields = _unpack(env.uuid.int) if env.uuid is not None else None
+    fields = uuid_fields(env.uuid.int) if env.uuid is not None else None
     assert fields is not None
     return fields[1]
 
@@ -320,7 +320,7 @@ class Model:
         self.pending: dict[tuple[str, int], list[tuple[int, Envelope]]] = {}
 
     def queue(self, env: Envelope) -> list[Envelope]:
-        fields = None if env.uuid is None else _unpack(env.uuid.int)
+        fields = None if env.uuid is None else uuid_fields(env.uuid.int)
         if fields is None or fields[1] == 0:
             return [env]
         producer, clock, flags = fields
@@ -529,7 +529,7 @@ class SequencerMachine(RuleBasedStateMachine):
             for env in self.delivered[j]:
                 if env.uuid is None:
                     continue
-                assert _unpack(env.uuid.int)[2] != ACK_TXN  # type: ignore[index]
+                assert uuid_fields(env.uuid.int)[2] != ACK_TXN  # type: ignore[index]
                 assert env.uuid not in seen, f"journal {j}: {env.message} delivered twice"
                 seen.add(env.uuid)
 

@@ -22,9 +22,9 @@ import random
 import signal
 from pathlib import Path
 
-from tidings._tasks import dump_tasks_on_sigusr1
 from tidings.client import AppendService, AsyncClient
 from tidings.message import AckIntent, JournalList, Publisher, rendezvous_mapping
+from tidings.tasks import dump_tasks_on_sigusr1
 
 
 def transaction_size(producer: int, txn: int) -> int:

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from tidings._tasks import cancelled_under_us
 from tidings.broker import _metrics as metrics
 from tidings.broker.append_fsm import AppendFSM, AppendState
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import validate
 from tidings.protocol.protocol_pb2_grpc import JournalStub
 from tidings.protocol.status import ValidationError
+from tidings.tasks import cancelled_under_us
 
 if TYPE_CHECKING:
     from tidings.broker.service import Broker

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from tidings._tasks import cancelled_under_us
 from tidings.allocator import keys
 from tidings.allocator.converge import advertise_consistency
 from tidings.broker import _metrics as metrics
@@ -46,6 +45,7 @@ from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.route import routes_equivalent
 from tidings.protocol.specs import desired_replication
 from tidings.protocol.status import TidingsError, ValidationError
+from tidings.tasks import cancelled_under_us
 
 if TYPE_CHECKING:
     from tidings.broker.service import Broker

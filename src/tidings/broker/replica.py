@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tidings.fragment import _metrics, retention
+from tidings.fragment import retention
 from tidings.fragment.fragment import Fragment
 from tidings.fragment.index import FragmentIndex
 from tidings.fragment.spool import Recovered, Spool, SpoolFile, recover
@@ -336,8 +336,6 @@ class Replica:
         plan = retention.plan(self.journal, held, retention_s, time.time() if now is None else now)
         if plan.aged:
             await asyncio.to_thread(retention.remove, plan.aged)
-            _metrics.FRAGMENTS_PRUNED.inc(len(plan.aged))
-            _metrics.FRAGMENT_PRUNED_BYTES.inc(plan.aged_bytes)
             log.info("journal %s: retention removed %d fragments [%d, %d) (%d bytes); it now starts at %d",
                      self.journal, len(plan.aged), min(f.begin for f in plan.aged), max(f.end for f in plan.aged),
                      plan.aged_bytes, plan.begin)  # fmt: skip

@@ -270,7 +270,7 @@ def serve_until_signalled(start: Callable[[], Any], who: str, exit_timeout: floa
     log = logging.getLogger("tidings.cli")
 
     async def run() -> int:
-        from tidings._tasks import dump_tasks_on_sigusr1
+        from tidings.tasks import dump_tasks_on_sigusr1
 
         dump_tasks_on_sigusr1()  # `kill -USR1 PID` logs where every task waits
         stop = asyncio.Event()

@@ -260,13 +260,13 @@ def journals_append(
         usage(f"--file {str(file)!r} is not a file: give the path of a file to append, or pipe to stdin")
 
     async def go():
-        from tidings.client._async import ATTEMPT_TIMEOUT
         from tidings.protocol.status import WrongAppendOffsetError
 
         src = _Content.of_file(file) if file else await _Content.of_stdin()
-        # An attempt whose answer does not come is a failure too: within the deadline, and a second per MiB.
-        wait = (min(ATTEMPT_TIMEOUT, max(deadline, 2.0)) if deadline else ATTEMPT_TIMEOUT) + src.size / (1 << 20)
         async with broker_client(broker, deadline) as c:
+            # An attempt whose answer does not come is a failure too: within the deadline, and a second per MiB.
+            most = c.attempt_timeout
+            wait = (min(most, max(deadline, 2.0)) if deadline else most) + src.size / (1 << 20)
             try:  # (refusals, which leave nothing written, are retried by the client until the deadline)
                 return await c.append_once(journal, src.chunks, src.size, offset=offset, timeout=wait)
             except WrongAppendOffsetError:

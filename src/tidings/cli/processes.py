@@ -155,7 +155,7 @@ def broker(
     if it serves /metrics); SIGTERM hands
     its journals to other brokers (at most --exit-timeout seconds), then exits. It exits with 1 if
     its etcd lease is lost (etcd unreachable for longer than --lease-ttl)."""
-    from tidings.broker._malloc import tune_malloc
+    from tidings.broker.malloc import tune_malloc
     from tidings.broker.service import Broker, BrokerConfig
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -13,11 +13,10 @@ import hashlib
 import logging
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 
-from tidings._tasks import cancelled_under_us
 from tidings.client._base import (
     CHUNK,
     DEFINITE_CODES,
@@ -43,6 +42,7 @@ from tidings.protocol.status import (
     for_status,
     map_grpc_error,
 )
+from tidings.tasks import cancelled_under_us
 
 __all__ = ["Appender", "AsyncClient", "Reader"]
 
@@ -76,6 +76,8 @@ class AsyncClient:
             async for chunk in c.reader("shop/orders", block=False):
                 ...
     """
+
+    attempt_timeout: ClassVar[float] = ATTEMPT_TIMEOUT  # (an append of bytes waits this, plus a second per MiB)
 
     def __init__(
         self,

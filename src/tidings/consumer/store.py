@@ -53,9 +53,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import apsw
 
-from tidings._tasks import to_the_end
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import TidingsError
+from tidings.tasks import to_the_end
 
 if TYPE_CHECKING:
     import psycopg

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+from tidings.fragment import _metrics
 from tidings.fragment.fragment import Fragment
 from tidings.fragment.store import store_for
 
@@ -75,6 +76,9 @@ def plan(journal: str, fragments: Iterable[Fragment], retention_s: float, now: f
 
 
 def remove(fragments: Iterable[Fragment]) -> None:
-    """Delete each fragment's file from its store (blocking; one already gone is not an error)."""
+    """Delete each fragment's file from its store (blocking; one already gone is not an error),
+    counted in the pruned metrics."""
     for f in fragments:
         store_for(f.backing_store).remove(f)
+        _metrics.FRAGMENTS_PRUNED.inc()
+        _metrics.FRAGMENT_PRUNED_BYTES.inc(f.content_length)

@@ -42,13 +42,13 @@ import apsw
 import grpc
 from prometheus_client import Counter, Gauge
 
-from tidings._tasks import to_the_end
 from tidings.logplayer.dispatcher import NOTHING
 from tidings.logplayer.stream import MESSAGE_OPTIONS
 from tidings.member.serving import listen_grpc, serve_metrics, stop_metrics
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
 from tidings.protocol.status import UsageError
+from tidings.tasks import to_the_end
 
 __all__ = ["ApplyFn", "TargetServer", "TargetService", "TargetStore", "WrongIndex", "apply_key_values"]
 

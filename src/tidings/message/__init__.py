@@ -87,6 +87,7 @@ from tidings.message.uuid import (
     new_producer_id,
     parse,
     unix_ns_from_clock,
+    uuid_fields,
     uuid_from_str,
     uuid_to_str,
 )
@@ -148,6 +149,7 @@ __all__ = [
     "set_uuid",
     "supports_uuid",
     "unix_ns_from_clock",
+    "uuid_fields",
     "uuid_from_str",
     "uuid_getter",
     "uuid_setter",

@@ -66,7 +66,7 @@ from uuid import UUID
 
 import msgspec
 
-from tidings.message.uuid import _NODE_MASK, ACK_TXN, CONTINUE_TXN, FLAGS_MASK, OUTSIDE_TXN, _unpack
+from tidings.message.uuid import _NODE_MASK, ACK_TXN, CONTINUE_TXN, FLAGS_MASK, OUTSIDE_TXN, uuid_fields
 from tidings.protocol.status import UsageError, ValidationError
 
 __all__ = [
@@ -349,7 +349,7 @@ class Sequencer:
         if self._emit is not None:
             raise UsageError("committed messages remain to dequeue: drain dequeue() before queueing more")
         u = env.uuid
-        return self._queue(env, None if u is None else _unpack(u.int))
+        return self._queue(env, None if u is None else uuid_fields(u.int))
 
     def _queue(self, env: Envelope, fields: tuple[int, int, int] | None) -> Replay | None:
         """`queue` of an envelope whose UUID fields (or None) are already unpacked."""
@@ -608,7 +608,7 @@ class Sequencer:
                 if through >= 0:  # (queue() reads the offsets)
                     offsets[journal] = max(offsets[journal], through)  # type: ignore[index]
                     through = -1
-                fields = None if u is None else _unpack(u.int)
+                fields = None if u is None else uuid_fields(u.int)
                 if queue(env, fields) is not None:
                     return i
                 while (committed := step()) is not None:
@@ -724,7 +724,7 @@ class Sequencer:
                     continue
                 self._replayed += 1
                 u = env.uuid
-                fields = None if u is None else _unpack(u.int)
+                fields = None if u is None else uuid_fields(u.int)
                 if fields is None or fields[0] != p.producer or fields[2] != CONTINUE_TXN:
                     continue  # another producer's message, or not part of a transaction
                 clock = fields[1]

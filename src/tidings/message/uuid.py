@@ -53,6 +53,7 @@ __all__ = [
     "new_producer_id",
     "parse",
     "unix_ns_from_clock",
+    "uuid_fields",
     "uuid_from_str",
     "uuid_to_str",
 ]
@@ -176,7 +177,7 @@ def _check_build_args(producer: bytes, clock: int, flags: int) -> None:
     raise ValueError(f"a ProducerID is 6 bytes, got {len(producer)}")
 
 
-def _unpack(i: int) -> tuple[int, int, int] | None:
+def uuid_fields(i: int) -> tuple[int, int, int] | None:
     """(producer as int, clock, flags) of the 128-bit UUID `i`, or None if it is not an RFC 4122 v1 UUID."""
     if (i >> 76) & 0xF != 1 or (i >> 62) & 0x3 != 0b10:
         return None
@@ -188,7 +189,7 @@ def parse(u: UUID | str) -> tuple[ProducerID, int, int]:
     """Split a message UUID into (producer, clock, flags), checking it is a v1 UUID of the RFC 4122 variant."""
     if isinstance(u, str):
         u = UUID(u)
-    fields = _unpack(u.int)
+    fields = uuid_fields(u.int)
     if fields is None:
         raise ValueError(
             f"{u} is not a message UUID: need version 1 and variant {RFC_4122!r}, "

@@ -48,7 +48,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from tidings.message.uuid import _unpack, uuid_from_str, uuid_to_str
+from tidings.message.uuid import uuid_fields, uuid_from_str, uuid_to_str
 from tidings.protocol.status import UsageError
 
 METADATA_DDL = "journal STRING NOT NULL, offset BIGINT NOT NULL, uuid STRING, producer STRING, clock BIGINT"
@@ -204,7 +204,7 @@ _CANONICAL = "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
 
 def _clock_of(u: UUID | None) -> int | None:
     """A v1 UUID's clock (get_clock); None for no UUID or another kind (a message delivered at-least-once)."""
-    fields = None if u is None else _unpack(u.int)
+    fields = None if u is None else uuid_fields(u.int)
     return None if fields is None or fields[1] > _INT64_MAX else fields[1]
 
 
