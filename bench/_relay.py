@@ -29,7 +29,7 @@ import msgspec
 import uvloop
 
 from tidings.client import AsyncClient
-from tidings.consumer import SQLiteStore
+from tidings.consumer import Application, SQLiteStore
 from tidings.consumer.shard import Shard, serve_primary
 from tidings.logplayer.target import APPLIED_TABLE, KV_TABLE, apply_key_values
 from tidings.logplayer.wal import WalEntry, WalMutation
@@ -46,7 +46,7 @@ class Part(msgspec.Struct, omit_defaults=True):
     uuid: str = ""
 
 
-class Relay:
+class Relay(Application):
     """Consumer application: the WAL's entries -> per-target journals, exactly once."""
 
     def __init__(self, db: str, prefix: str) -> None:
@@ -69,7 +69,7 @@ class Relay:
         pass
 
 
-class Apply:
+class Apply(Application):
     """Consumer application: a storage shard applying its parts with its read offsets, exactly once."""
 
     def __init__(self, db: str) -> None:

@@ -34,7 +34,7 @@ from _common import create_journal, emit, run
 from tidings.client import AppendService, AsyncClient
 from tidings.cluster import LocalCluster
 from tidings.cluster.postgres import PostgresProcess
-from tidings.consumer import PostgresStore, SQLiteStore
+from tidings.consumer import Application, PostgresStore, SQLiteStore
 from tidings.consumer.shard import Shard, serve_primary
 from tidings.message import Publisher
 from tidings.protocol import protocol_pb2 as pb
@@ -43,7 +43,7 @@ COUNTS = "CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NO
 WORDS = [f"w{i:04d}" for i in range(1000)]
 
 
-class WordCount:
+class WordCount(Application):
     def __init__(self, path: str) -> None:
         self.path = path
 
@@ -61,7 +61,7 @@ class WordCount:
         pass
 
 
-class CachedWordCount:
+class CachedWordCount(Application):
     """The PostgreSQL variant: counts in `store.cache` (word -> n; changed words), written per transaction."""
 
     def __init__(self, dsn: str) -> None:

@@ -12,7 +12,6 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from spark import SCHEMA
-
 from tidings.spark.local import local_session
 
 N, ROWS = 1_000_000, 8192

@@ -35,7 +35,7 @@ from typing import Any
 from examples._consumers import arguments, consumers, create, failures, parse, wait_for
 
 from tidings.client import AppendService, AsyncClient
-from tidings.consumer import PostgresStore, SQLiteStore
+from tidings.consumer import Application, PostgresStore, SQLiteStore
 from tidings.message import Publisher, read_committed
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import shard_from_dict, spec_from_dict
@@ -67,7 +67,7 @@ def _label(shard: Any, name: str) -> str:
     return next((lb.value for lb in shard.spec.labels.labels if lb.name == name), "")
 
 
-class Summer:
+class Summer(Application):
     """The application (`tidings consumer --app examples.stream_sum:Summer`)."""
 
     def new_store(self, shard: Any) -> SQLiteStore | PostgresStore:

@@ -30,7 +30,7 @@ from typing import Any
 from examples._consumers import arguments, consumers, create, failures, parse, wait_for
 
 from tidings.client import AppendService, AsyncClient
-from tidings.consumer import SQLiteStore
+from tidings.consumer import Application, SQLiteStore
 from tidings.message import Publisher, read_committed
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import shard_from_dict, spec_from_dict
@@ -60,7 +60,7 @@ def check_labels(shard: Any) -> None:
             )
 
 
-class WordCount:
+class WordCount(Application):
     """The application (`tidings consumer --app examples.wordcount:WordCount`)."""
 
     def new_store(self, shard: Any) -> SQLiteStore:

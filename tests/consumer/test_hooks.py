@@ -136,3 +136,36 @@ async def test_a_plain_consume_message_may_return_anything(cluster, tmp_path) ->
         spec = shard_from_dict({"id": "relay/0", "sources": ["relay/in"], "max_txn_duration": "1s"})
         await serve(c, spec, ReturnsCursor(), tmp_path, lambda s: s.read_through.get("relay/in", 0) >= head)
     assert seen(tmp_path / "relay%2F0.db") == {"m0": 1, "m1": 1}
+
+
+class DuckTyped:
+    """An application that does not subclass Application: its missing hooks would fail mid-transaction."""
+
+    def new_store(self, shard):
+        raise AssertionError("never called")
+
+    async def consume_message(self, shard, store, envelope, publisher) -> None:
+        raise AssertionError("never called")
+
+
+async def test_an_application_that_is_no_application_is_refused_before_it_runs(cluster) -> None:
+    """Every hook but new_store and consume_message is optional because Application gives it a no-op:
+    an object that is no Application is refused at once, by `tidings consumer --app` and by
+    serve_primary, instead of failing a transaction later."""
+    import sys
+    import types
+
+    from tidings.consumer.service import load_app
+
+    module = types.ModuleType("duck_app")
+    module.DuckTyped = DuckTyped  # type: ignore[attr-defined]
+    sys.modules["duck_app"] = module
+    try:
+        with pytest.raises(UsageError, match=r"gives DuckTyped, which is no tidings\.consumer\.Application"):
+            load_app("duck_app:DuckTyped")
+    finally:
+        del sys.modules["duck_app"]
+    spec = shard_from_dict({"id": "hooks/duck", "sources": ["hooks/none"]})
+    async with cluster.client() as c:
+        with pytest.raises(UsageError, match=r"DuckTyped is no tidings\.consumer\.Application"):
+            await serve_primary(c, spec, DuckTyped(), asyncio.Event())  # type: ignore[arg-type]

@@ -18,7 +18,7 @@ import psycopg
 import pytest
 
 from tests.support.waiting import wait_until
-from tidings.consumer import PostgresStore, SQLiteStore
+from tidings.consumer import Application, PostgresStore, SQLiteStore
 from tidings.consumer.shard import Shard, serve_primary
 from tidings.message import Publisher, read_committed, read_uncommitted
 from tidings.protocol import protocol_pb2 as pb
@@ -32,7 +32,7 @@ def is_postgres(where) -> bool:
     return str(where).startswith("postgresql://")
 
 
-class WordCount:
+class WordCount(Application):
     """The application: count each word in the store, publish its running count downstream."""
 
     def __init__(self, path, on_message=None) -> None:
@@ -443,7 +443,7 @@ async def test_read_through_follows_chunks_that_deliver_nothing(cluster, tmp_pat
     assert stored_counts(tmp_path / "wc-0.db") == {"apple": 1, "banana": 1}
 
 
-class SyncCounts:
+class SyncCounts(Application):
     """The sync variant of the application API: plain functions throughout (it only changes its store)."""
 
     def __init__(self, path) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import apsw
 
-from tidings.consumer import SQLiteStore
+from tidings.consumer import Application, SQLiteStore
 
 SEEN = "CREATE TABLE IF NOT EXISTS seen (id TEXT PRIMARY KEY, n INTEGER NOT NULL)"
 
@@ -36,7 +36,7 @@ def label(shard: Any, name: str, default: str = "") -> str:
     return next((lb.value for lb in shard.spec.labels.labels if lb.name == name), default)
 
 
-class Relay:
+class Relay(Application):
     """See the module docstring. `appended` keeps each append's future (for tests in this process)."""
 
     def __init__(self) -> None:

@@ -3,7 +3,7 @@ application whose shards each keep a SQLite file and publish running counts to w
 
 from __future__ import annotations
 
-from tidings.consumer import SQLiteStore
+from tidings.consumer import Application, SQLiteStore
 from tidings.consumer.service import Consumer, ConsumerConfig
 from tidings.protocol import protocol_pb2 as pb
 
@@ -12,7 +12,7 @@ WORDS = ["apple", "banana", "cherry", "date", "elder", "fig", "grape"]
 PRIMARY, FAILED, STANDBY = pb.ReplicaStatus.PRIMARY, pb.ReplicaStatus.FAILED, pb.ReplicaStatus.STANDBY
 
 
-class Counts:
+class Counts(Application):
     """Word count per shard: its own SQLite file (Shard.path), running counts to wc/out/{n}."""
 
     def new_store(self, shard) -> SQLiteStore:

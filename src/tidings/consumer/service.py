@@ -98,9 +98,10 @@ def load_app(ref: str) -> Application:
     if factory is None:
         raise UsageError(f"--app {ref!r}: module {module_name!r} has no {attr!r}")
     app = factory() if callable(factory) else factory
-    missing = [m for m in ("new_store", "consume_message", "finalize_txn") if not hasattr(app, m)]
-    if missing:
-        raise UsageError(f"--app {ref!r} gives {type(app).__name__}, which lacks {', '.join(missing)}")
+    if not isinstance(app, Application):
+        raise UsageError(
+            f"--app {ref!r} gives {type(app).__name__}, which is no tidings.consumer.Application: subclass it"
+        )
     return app
 
 

@@ -55,7 +55,7 @@ import inspect
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import quote
 
 from tidings.client import AppendService, AsyncClient
@@ -67,7 +67,7 @@ from tidings.consumer.transaction import (
     checkpoint_from_proto,
     checkpoint_to_proto,
 )
-from tidings.message import AckIntent, Checkpoint, Envelope, JournalCheckpoint, ProducerState, Publisher
+from tidings.message import AckIntent, Checkpoint, Envelope, Garbage, JournalCheckpoint, ProducerState, Publisher
 from tidings.message.iterators import read_committed
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import JournalNotFoundError, UsageError
@@ -125,21 +125,44 @@ class Shard:
         return dict(self.read_through)
 
 
-class Application(Protocol):
-    """A user's consumer (Gazette's Application). Optional methods, looked up by name:
-    `new_message(journal_spec) -> type` (what source messages decode into; default dicts for JSON),
-    `begin_txn(shard, store)` (awaited as a transaction begins), `finished_txn(shard, store, future)`
-    (awaited as its commit starts; the future resolves once the store committed), and
-    `on_garbage(shard, journal, garbage)` (an undecodable range: raise to fail the shard).
+class Application:
+    """A user's consumer (Gazette's Application): subclass it. `new_store` and `consume_message` are
+    required; every other hook does nothing unless overridden:
 
-    The sync variant: `consume_message`, `finalize_txn`, `begin_txn` and `finished_txn` may be plain
-    functions (a SQLite application that only changes its store, say); publishing is async, so an
-    application that publishes does it from async hooks.
+    - `new_message(journal_spec) -> type | None`: what source messages decode into (None: the
+      framing's default, dicts for JSON);
+    - `begin_txn(shard, store)`: as a transaction begins;
+    - `finalize_txn(shard, store, publisher)`: as it closes, before its commit (the last writes);
+    - `finished_txn(shard, store, commit)`: as its commit starts (the future resolves once the
+      store committed; what it publishes belongs to the next transaction);
+    - `on_garbage(shard, journal, garbage)`: an undecodable range, called as the bytes are decoded
+      (a plain function: raise to fail the shard); the default logs it and skips it.
+
+    Hooks may be coroutines or plain functions (a SQLite application that only changes its store,
+    say); publishing is async, so an application that publishes does it from async hooks.
     """
 
-    def new_store(self, shard: Shard) -> Store: ...
-    async def consume_message(self, shard: Shard, store: Store, envelope: Envelope, publisher: Publisher) -> None: ...
-    async def finalize_txn(self, shard: Shard, store: Store, publisher: Publisher) -> None: ...
+    def new_store(self, shard: Shard) -> Store:
+        raise NotImplementedError(f"{type(self).__name__} must give its shards a store: define new_store")
+
+    def consume_message(self, shard: Shard, store: Store, envelope: Envelope, publisher: Publisher) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must consume messages: define consume_message")
+
+    def new_message(self, journal_spec: pb.JournalSpec) -> Any:
+        return None
+
+    def begin_txn(self, shard: Shard, store: Store) -> Any:
+        return None
+
+    def finalize_txn(self, shard: Shard, store: Store, publisher: Publisher) -> Any:
+        return None
+
+    def finished_txn(self, shard: Shard, store: Store, commit: asyncio.Future[None]) -> Any:
+        return None
+
+    def on_garbage(self, shard: Shard, journal: str, garbage: Garbage) -> None:
+        log.warning("shard %s: skipped undecodable bytes of journal %s [%d, %d): %s", shard.spec.id, journal,
+                    garbage.begin, garbage.end, garbage.error)  # fmt: skip
 
 
 async def serve_primary(
@@ -150,6 +173,8 @@ async def serve_primary(
     A graceful stop commits the open transaction and waits for its ACKs. `shard` (made here if
     None) is what the consumer process watches: `restored` is set once the store is restored and
     the recovered ACKs are written, `read_through` follows the transactions."""
+    if not isinstance(app, Application):
+        raise UsageError(f"{type(app).__name__} is no tidings.consumer.Application: subclass it")
     shard = shard if shard is not None else Shard(spec, client)
     store = app.new_store(shard)
     service = AppendService(client)
@@ -172,8 +197,7 @@ async def serve_primary(
                 }
         shard.advance(restored)
         shard.restored.set()
-        on_garbage = getattr(app, "on_garbage", None)
-        if on_garbage is not None and inspect.iscoroutinefunction(on_garbage):
+        if inspect.iscoroutinefunction(app.on_garbage):
             raise UsageError(_ASYNC_ON_GARBAGE)
         reader = read_committed(
             client,
@@ -181,7 +205,7 @@ async def serve_primary(
             checkpoint=restored,
             ring_size=spec.ring_buffer_size or 8192,
             message_type=await _message_type(client, app, names),
-            on_garbage=None if on_garbage is None else functools.partial(_on_garbage, on_garbage, shard),
+            on_garbage=functools.partial(_on_garbage, app.on_garbage, shard),
             empty_batches=True,
             reread_pending=False,  # (Gazette's: a transaction pending at the checkpoint is re-read at its ACK)
         )
@@ -239,14 +263,13 @@ async def _write_recovered(
             raise outcome
 
 
-async def _message_type(client: AsyncClient, app: Any, journals: list[str]) -> Any:
+async def _message_type(client: AsyncClient, app: Application, journals: list[str]) -> Any:
     """What the sources' messages decode into: the application's `new_message(journal_spec)` (one type
     for all sources), else the framing's default (dicts for JSON)."""
-    new_message = getattr(app, "new_message", None)
-    if new_message is None:
-        return None
+    if type(app).new_message is Application.new_message:
+        return None  # (no List call for an application that does not choose)
     specs = [await client.spec(journal) for journal in journals]
-    types = {new_message(spec) for spec in specs}
+    types = {app.new_message(spec) for spec in specs}
     if len(types) != 1:
         raise UsageError(f"new_message gives several message types for the sources {sorted(journals)}; give one")
     return types.pop()

@@ -21,7 +21,7 @@ from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import TidingsError
 
 if TYPE_CHECKING:
-    from tidings.consumer.shard import Shard
+    from tidings.consumer.shard import Application, Shard
 
 __all__ = ["OutputFailedError", "Transactions", "TxnStats", "called", "checkpoint_from_proto", "checkpoint_to_proto"]
 
@@ -101,7 +101,9 @@ class OutputFailedError(TidingsError):
 class Transactions:
     """One primary's transaction loop (steps 1-4 of the module docstring)."""
 
-    def __init__(self, shard: Shard, app: Any, store: Store, publisher: Publisher, reader: Any, stop: asyncio.Event):
+    def __init__(
+        self, shard: Shard, app: Application, store: Store, publisher: Publisher, reader: Any, stop: asyncio.Event
+    ):
         self.shard, self.app, self.store, self.publisher, self.reader, self.stop = (
             shard, app, store, publisher, reader, stop
         )  # fmt: skip
@@ -201,8 +203,7 @@ class Transactions:
         began = time.monotonic()
         if hasattr(store, "begin"):
             await store.begin()  # (its locks are waited for off the event loop)
-        if hasattr(app, "begin_txn"):
-            await called(app.begin_txn(shard, store))
+        await called(app.begin_txn(shard, store))
         consumed = 0
         last: _Read | None = read
         turn = time.monotonic()
@@ -233,8 +234,7 @@ class Transactions:
             store.start_commit(shard.spec.id, checkpoint_to_proto(read.checkpoint, intents), [appended])
         )
         try:
-            if hasattr(app, "finished_txn"):
-                await called(app.finished_txn(shard, store, commit))
+            await called(app.finished_txn(shard, store, commit))
             await commit
         except BaseException:
             while not commit.done():  # never leave a commit running under the store's close
