@@ -98,31 +98,9 @@ def solve(
     by_id = {m.id: m for m in members}
     ordered = sorted(items, key=lambda it: it.name)
 
-    # Live assignments: on present members, one per member (the lowest slot), by slot.
-    live: dict[str, list[Current]] = {}
-    for item in ordered:
-        seen: set[MemberId] = set()
-        kept: list[Current] = []
-        for a in sorted(current.get(item.name, ()), key=lambda a: (a.slot, a.member)):
-            if a.member in by_id and a.member not in seen:
-                seen.add(a.member)
-                kept.append(a)
-        live[item.name] = kept
+    live = _live(ordered, current, by_id)
     load: Counter[MemberId] = Counter(a.member for assigned in live.values() for a in assigned)
-
-    # Member-level undesired: exiting, no capacity, or an over-full member's extras.
-    undesired: set[tuple[str, MemberId]] = set()
-    on_member: dict[MemberId, list[tuple[str, Current]]] = {}
-    for name, assigned in live.items():
-        for a in assigned:
-            on_member.setdefault(a.member, []).append((name, a))
-    for mid, held in on_member.items():
-        m = by_id[mid]
-        if m.exiting or m.journal_limit <= 0:
-            undesired.update((name, mid) for name, _ in held)
-        elif len(held) > m.journal_limit:
-            held_desc = sorted(held, key=lambda na: (na[1].slot, na[0]), reverse=True)
-            undesired.update((name, mid) for name, _ in held_desc[: len(held) - m.journal_limit])
+    undesired, on_member = _member_undesired(live, by_id)
 
     def leaving(mid: MemberId) -> bool:
         m = by_id[mid]
@@ -189,43 +167,7 @@ def solve(
     out: dict[str, list[Slot]] = {}
     for item in ordered:
         kept = kept_by_item[item.name]
-        holders = {a.member for a in kept}
-        zones_covered = {a.member[0] for a in desired[item.name]}
-        adds: list[MemberId] = []
-
-        def pick(
-            uncovered_only: bool,
-            holders: set[MemberId] = holders,
-            zones_covered: set[str] = zones_covered,
-            best: MemberId | None = preferred.get(item.name),
-        ) -> MemberId | None:
-            options = [
-                m
-                for m in spare
-                if m.id not in holders
-                and load[m.id] < m.journal_limit
-                and (not uncovered_only or m.zone not in zones_covered)
-            ]
-            if not options:
-                return None
-            if best is not None and any(m.id == best for m in options):
-                return best
-            return min(options, key=lambda m: (m.zone in zones_covered, load[m.id], m.id)).id
-
-        for _ in range(item.replication - len(desired[item.name])):
-            mid = pick(False)
-            if mid is None:
-                break
-            adds.append(mid)
-            holders.add(mid)
-            zones_covered.add(mid[0])
-            load[mid] += 1
-        if item.replication >= 2 and len(zones_covered) < item.replication:
-            mid = pick(True)
-            if mid is not None:
-                adds.append(mid)
-                load[mid] += 1
-
+        adds = _adds(item, kept, desired[item.name], spare, load, preferred.get(item.name))
         out[item.name] = _slots(kept, adds)
 
     # Primaries spread (same budget): swap primaries along a chain of journals, from a member leading
@@ -241,6 +183,86 @@ def solve(
         ]
         _spread_primaries(out, unchanged, {m.id for m in active}, budget - len(preferred))
     return out
+
+
+def _live(
+    ordered: list[SolverItem], current: Mapping[str, Sequence[Current]], by_id: Mapping[MemberId, SolverMember]
+) -> dict[str, list[Current]]:
+    """Live assignments: on present members, one per member (the lowest slot), by slot."""
+    live: dict[str, list[Current]] = {}
+    for item in ordered:
+        seen: set[MemberId] = set()
+        kept: list[Current] = []
+        for a in sorted(current.get(item.name, ()), key=lambda a: (a.slot, a.member)):
+            if a.member in by_id and a.member not in seen:
+                seen.add(a.member)
+                kept.append(a)
+        live[item.name] = kept
+    return live
+
+
+def _member_undesired(
+    live: dict[str, list[Current]], by_id: Mapping[MemberId, SolverMember]
+) -> tuple[set[tuple[str, MemberId]], dict[MemberId, list[tuple[str, Current]]]]:
+    """Member-level undesired (item, member) pairs: an exiting member's, one without capacity, or an
+    over-full member's extras; and what each member holds."""
+    undesired: set[tuple[str, MemberId]] = set()
+    on_member: dict[MemberId, list[tuple[str, Current]]] = {}
+    for name, assigned in live.items():
+        for a in assigned:
+            on_member.setdefault(a.member, []).append((name, a))
+    for mid, held in on_member.items():
+        m = by_id[mid]
+        if m.exiting or m.journal_limit <= 0:
+            undesired.update((name, mid) for name, _ in held)
+        elif len(held) > m.journal_limit:
+            held_desc = sorted(held, key=lambda na: (na[1].slot, na[0]), reverse=True)
+            undesired.update((name, mid) for name, _ in held_desc[: len(held) - m.journal_limit])
+    return undesired, on_member
+
+
+def _adds(
+    item: SolverItem,
+    kept: list[Current],
+    desired: list[Current],
+    spare: list[SolverMember],
+    load: Counter[MemberId],
+    best: MemberId | None,
+) -> list[MemberId]:
+    """Members to add the item on, up to its replication, then one more for a zone it lacks; `load`
+    counts them. `best`: the balancing move's choice, taken when it can."""
+    holders = {a.member for a in kept}
+    zones_covered = {a.member[0] for a in desired}
+    adds: list[MemberId] = []
+
+    def pick(uncovered_only: bool) -> MemberId | None:
+        options = [
+            m
+            for m in spare
+            if m.id not in holders
+            and load[m.id] < m.journal_limit
+            and (not uncovered_only or m.zone not in zones_covered)
+        ]
+        if not options:
+            return None
+        if best is not None and any(m.id == best for m in options):
+            return best
+        return min(options, key=lambda m: (m.zone in zones_covered, load[m.id], m.id)).id
+
+    for _ in range(item.replication - len(desired)):
+        mid = pick(False)
+        if mid is None:
+            break
+        adds.append(mid)
+        holders.add(mid)
+        zones_covered.add(mid[0])
+        load[mid] += 1
+    if item.replication >= 2 and len(zones_covered) < item.replication:
+        mid = pick(True)
+        if mid is not None:
+            adds.append(mid)
+            load[mid] += 1
+    return adds
 
 
 def _spread_primaries(out: dict[str, list[Slot]], names: list[str], active: set[MemberId], budget: int) -> None:
