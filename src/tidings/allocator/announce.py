@@ -54,7 +54,7 @@ class Announcement:
         self,
         etcd: Etcd,
         key: str,
-        spec: pb.BrokerSpec,
+        spec: pb.BrokerSpec | pb.ConsumerSpec,
         lease_id: int,
         ttl: int,
         create_revision: int,
@@ -95,7 +95,7 @@ class Announcement:
             log.error("member %s lost its lease: %s; the allocator will reassign its journals", self.key, reason)
             self.lost.set()
 
-    async def update(self, spec: pb.BrokerSpec, timeout: float = RPC_TIMEOUT) -> None:
+    async def update(self, spec: pb.BrokerSpec | pb.ConsumerSpec, timeout: float = RPC_TIMEOUT) -> None:
         """Rewrite the member's spec under the same lease (e.g. ``exiting=True``).
 
         Raises LeaseLostError (and sets ``lost``) if the key is no longer ours, and TransportError

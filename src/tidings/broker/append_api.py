@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import grpc
 
@@ -79,7 +79,7 @@ class _ClientStream:
         elapsed = time.monotonic() - self._started
         if elapsed > cfg.stall_timeout and self._received / elapsed < cfg.min_append_rate:
             raise ClientStalled(f"{self._received / elapsed:.0f} B/s is below the minimum {cfg.min_append_rate} B/s")
-        return msg
+        return cast(pb.AppendRequest, msg)  # (not EOF: a message; grpc.aio is untyped)
 
     async def drain(self) -> None:
         """Read (and drop) what the client still sends, briefly, before an early answer.
@@ -170,16 +170,17 @@ def _respond(rpc: str, resp: pb.AppendResponse) -> pb.AppendResponse:
 
 
 async def _proxy(
-    broker: Broker, fsm: AppendFSM, first: pb.AppendRequest, client: _ClientStream, context
+    broker: Broker, fsm: AppendFSM, first: pb.AppendRequest, client: _ClientStream, context: grpc.aio.ServicerContext
 ) -> pb.AppendResponse:
     """Forward the whole stream to the primary, with our Header so it reads through our revision."""
     assert fsm.resolved is not None
     endpoint = fsm.resolved.primary_endpoint()
+    assert endpoint is not None  # (PROXY: the route has a primary)
     req = pb.AppendRequest()
     req.CopyFrom(first)
     req.header.CopyFrom(fsm.resolved.header)
     req.do_not_proxy = True
-    call = JournalStub(broker.channel(endpoint)).Append()
+    call = JournalStub(broker.channel(endpoint)).Append()  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
     try:
         try:
             await call.write(req)

@@ -27,7 +27,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -82,7 +82,7 @@ class ClientStreamError(Exception):
     """The client's stream broke under us (not a cancellation of this append's task)."""
 
 
-def maybe_roll(spool: Spool, roll_to_offset: int, spec: pb.JournalSpec.Fragment) -> Fragment:
+def maybe_roll(spool: Spool, roll_to_offset: int, spec: pb.JournalSpec.FragmentSpec) -> Fragment:
     """The spool's current Fragment, or an empty one rolled to its end (or to `roll_to_offset`) under
     the spec's codec: when the fragment is empty, over its target length, past its flush interval, or
     a larger offset is asked for (Gazette's `maybeRollFragment`)."""
@@ -276,7 +276,7 @@ class AppendFSM:
         assert self.pipeline is not None
         return self.pipeline.spool
 
-    def _fail(self, status: int, error: str | None = None, code: grpc.StatusCode | None = None) -> AppendState:
+    def _fail(self, status: pb.Status, error: str | None = None, code: grpc.StatusCode | None = None) -> AppendState:
         self.status = status
         self.error = error
         if code is not None:
@@ -391,8 +391,9 @@ class AppendFSM:
         assert self.pipeline is not None and self._acks is not None
         pln = self.pipeline
         closed = asyncio.ensure_future(self.replica.closed.wait())
+        waited: list[asyncio.Future[Any]] = [self._acks, closed]
         try:  # a peer that never answers must not hold up the replica's close (Gazette: the replica's context)
-            await asyncio.wait([self._acks, closed], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
         finally:
             closed.cancel()
         if not self._acks.done():
@@ -652,11 +653,12 @@ class AppendFSM:
         roll-back proposal is out.
         """
         assert self.state is S.STREAM_CONTENT and self.pipeline is not None and self.resolved is not None
+        assert self.resolved.spec is not None
         pln = self.pipeline
         spool = pln.spool
         if not self._started:
             self._started = True
-            proposal = maybe_roll(spool, self.roll_to_offset, self.resolved.spec.fragment)  # type: ignore[union-attr]
+            proposal = maybe_roll(spool, self.roll_to_offset, self.resolved.spec.fragment)
             if proposal != spool.fragment:
                 self._sent = True
                 await pln.scatter(pb.ReplicateRequest(proposal=proposal.to_proto(), registers=self.registers))
@@ -670,7 +672,7 @@ class AppendFSM:
             await self._send_rollback("content after the commit chunk", grpc.StatusCode.INVALID_ARGUMENT)
         elif not msg.content:
             self._commit_requested = True
-        elif self.resolved.spec.flags == pb.JournalSpec.O_RDONLY:  # type: ignore[union-attr]
+        elif self.resolved.spec.flags == pb.JournalSpec.O_RDONLY:
             self.status = pb.NOT_ALLOWED
             await self._send_rollback("journal is read-only")
         elif self.req.suspend != pb.AppendRequest.SUSPEND_RESUME:

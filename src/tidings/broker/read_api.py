@@ -34,7 +34,12 @@ from tidings.protocol.protocol_pb2_grpc import JournalStub
 from tidings.protocol.status import ValidationError
 
 if TYPE_CHECKING:
+    from prometheus_client import Counter
+
+    from tidings.broker.resolver import Resolution
     from tidings.broker.service import Broker
+    from tidings.fragment.fragment import Fragment
+    from tidings.fragment.index import FragmentIndex
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +58,7 @@ async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.Serv
         head = res.spec.suspend.offset if res.status == pb.SUSPENDED and res.spec is not None else 0
         await context.write(pb.ReadResponse(status=res.status, header=res.header, write_head=head))
         return res.status
+    assert res.spec is not None  # resolved OK: the journal's spec is known
     if res.spec.flags == pb.JournalSpec.O_WRONLY:
         await context.write(pb.ReadResponse(status=pb.NOT_ALLOWED, header=res.header))
         return pb.NOT_ALLOWED
@@ -103,7 +109,7 @@ async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.Serv
                 return pb.OK  # the replica moved away; the client re-resolves and continues
             continue
         frag, file = found
-        stream = None
+        stream: BinaryIO | None = None
         if file is None and not req.metadata_only:
             try:
                 stream = await asyncio.to_thread(store_for(frag.backing_store).open, frag)
@@ -138,7 +144,9 @@ async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.Serv
             first = False
             if req.metadata_only:
                 return pb.OK
-            offset = await _send_content(context, frag, file if file is not None else stream, offset, until, counter)
+            source = file if file is not None else stream
+            assert source is not None  # a store's file was opened above (not a metadata_only read)
+            offset = await _send_content(context, frag, source, offset, until, counter)
         except _CORRUPT as exc:  # the fragment's content itself is bad: no retry mends it (DATA_LOSS is definite)
             log.error("journal %s: fragment %s is corrupt: %s", req.journal, frag.content_name(), exc)
             await context.abort(
@@ -164,7 +172,7 @@ class FragmentCorruptError(Exception):
 _CORRUPT = (FragmentCorruptError, gzip.BadGzipFile, zlib.error, zstandard.ZstdError, EOFError)
 
 
-async def _wait_for_change(index, closed: asyncio.Event) -> None:
+async def _wait_for_change(index: FragmentIndex, closed: asyncio.Event) -> None:
     waiter = asyncio.ensure_future(index.wait_for_change())
     stop = asyncio.ensure_future(closed.wait())
     try:
@@ -174,7 +182,14 @@ async def _wait_for_change(index, closed: asyncio.Event) -> None:
             t.cancel()
 
 
-async def _send_content(context, frag, source: SpoolFile | BinaryIO, offset: int, until: int, counter=None) -> int:
+async def _send_content(
+    context: grpc.aio.ServicerContext,
+    frag: Fragment,
+    source: SpoolFile | BinaryIO,
+    offset: int,
+    until: int,
+    counter: Counter | None = None,
+) -> int:
     """Stream [offset, until) of `frag` from its local file or its opened store file; returns the new offset."""
     if isinstance(source, SpoolFile):
         while offset < until:
@@ -197,7 +212,7 @@ async def _send_content(context, frag, source: SpoolFile | BinaryIO, offset: int
     return offset
 
 
-async def _send(context, offset: int, data: bytes, counter) -> int:
+async def _send(context: grpc.aio.ServicerContext, offset: int, data: bytes, counter: Counter | None) -> int:
     """Send `data` read at `offset`, counted (and per journal, with a `counter`); the offset after it."""
     await context.write(pb.ReadResponse(offset=offset, content=data))
     metrics.READ_BYTES.inc(len(data))
@@ -206,7 +221,7 @@ async def _send(context, offset: int, data: bytes, counter) -> int:
     return offset + len(data)
 
 
-async def _proxy(broker: Broker, req: pb.ReadRequest, res, context) -> None:
+async def _proxy(broker: Broker, req: pb.ReadRequest, res: Resolution, context: grpc.aio.ServicerContext) -> None:
     """Relay the read from a replica of the route (preferring one in our zone)."""
     route = res.route
     order = sorted(range(len(route.members)), key=lambda i: route.members[i].zone != broker.process_id.zone)
@@ -215,7 +230,7 @@ async def _proxy(broker: Broker, req: pb.ReadRequest, res, context) -> None:
     fwd.CopyFrom(req)
     fwd.header.CopyFrom(res.header)
     fwd.do_not_proxy = True
-    call = JournalStub(broker.channel(endpoint)).Read(fwd)
+    call = JournalStub(broker.channel(endpoint)).Read(fwd)  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
     try:
         async for resp in call:
             await context.write(resp)

@@ -123,7 +123,7 @@ def _check_store_fragment(frag: Fragment, file: SpoolFile, other: Fragment) -> N
 async def _check_member(channel: grpc.aio.Channel, frag: Fragment, file: SpoolFile) -> int | None:
     """Compare what one member serves of `frag`'s offsets (its spool files, or the store through it) ->
     the end of the member's index, or None if it cannot answer now."""
-    stub = JournalStub(channel)
+    stub = JournalStub(channel)  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
     listing = await stub.ListFragments(pb.FragmentsRequest(journal=frag.journal, do_not_proxy=True))
     if listing.status != pb.OK:
         return None
@@ -211,7 +211,7 @@ def drop_from(pending: list[tuple[Fragment, SpoolFile]], i: int) -> int:
 async def _journal_refuses_appends(broker: Broker, journal: str) -> bool | None:
     """Whether a zero-byte append (a barrier: it writes nothing) through this broker answers
     INDEX_HAS_GREATER_OFFSET (None: no answer now)."""
-    stub = JournalStub(broker.channel(broker.endpoint))
+    stub = JournalStub(broker.channel(broker.endpoint))  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
     try:
         resp = await stub.Append(iter([pb.AppendRequest(journal=journal, commit=True)]), timeout=MEMBER_TIMEOUT)
     except grpc.RpcError:

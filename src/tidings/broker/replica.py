@@ -26,7 +26,7 @@ import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -203,12 +203,16 @@ class Replica:
         self.route_changed.set()
         self.route_changed = asyncio.Event()
 
-    def start(self, pulse: Callable[[Replica], Awaitable[None]], after: asyncio.Future | None = None) -> None:
+    def start(
+        self, pulse: Callable[[Replica], Coroutine[Any, Any, None]], after: asyncio.Future[None] | None = None
+    ) -> None:
         """Recover, then run the daemons; first wait for `after` (the close of this journal's previous
         replica on this broker, which uses the same spool directory)."""
         self.spawn(self._start(pulse, after), f"start:{self.journal}")
 
-    async def _start(self, pulse: Callable[[Replica], Awaitable[None]], after: asyncio.Future | None) -> None:
+    async def _start(
+        self, pulse: Callable[[Replica], Coroutine[Any, Any, None]], after: asyncio.Future[None] | None
+    ) -> None:
         if after is not None:
             await asyncio.wait([after])
         # Listing first: members checking their own recovered fragments against ours wait for it.
@@ -392,7 +396,7 @@ def _list(url: str, journal: str) -> list[Fragment]:
     return store_for(url).list(journal)
 
 
-async def cancel_and_wait(*futures: asyncio.Future) -> None:
+async def cancel_and_wait(*futures: asyncio.Future[Any]) -> None:
     """Cancel `futures` and wait until each has finished.
 
     Unlike `with suppress(CancelledError): await f`, a cancellation of the *caller* while it
@@ -404,7 +408,7 @@ async def cancel_and_wait(*futures: asyncio.Future) -> None:
         await asyncio.wait(futures)
 
 
-async def acquire(slot: asyncio.Queue, *cancel_on: asyncio.Event) -> tuple[bool, Any]:
+async def acquire(slot: asyncio.Queue[Any], *cancel_on: asyncio.Event) -> tuple[bool, Any]:
     """Take the token from `slot` -> (True, token), or (False, None) if one of `cancel_on` fires first.
 
     If the get finished concurrently with a cancellation we still own the token, so it is put

@@ -14,7 +14,8 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from tidings.allocator.state import State
 from tidings.broker.replica import Replica
@@ -31,7 +32,7 @@ READ_THROUGH_TIMEOUT = 5.0
 class Resolution:
     """The outcome of resolving a journal: a status, and if OK, everything needed to serve it."""
 
-    status: int
+    status: pb.Status
     header: pb.Header
     spec: pb.JournalSpec | None = None
     replica: Replica | None = None
@@ -62,7 +63,7 @@ class Resolver:
         keyspace: KeySpace,
         process_id: pb.ProcessId,
         new_replica: Callable[[str, pb.JournalSpec, int], Replica],
-        pulse: Callable[[Replica], Awaitable[None]],
+        pulse: Callable[[Replica], Coroutine[Any, Any, None]],
     ) -> None:
         self.keyspace = keyspace
         self.process_id = process_id
@@ -136,7 +137,7 @@ class Resolver:
         await asyncio.gather(*(r.aclose() for r in replicas.values()), *self._closing.values(), return_exceptions=True)
 
 
-async def _close_after(previous: asyncio.Future | None, replica: Replica, deleted: bool) -> None:
+async def _close_after(previous: asyncio.Future[None] | None, replica: Replica, deleted: bool) -> None:
     """Close `replica` once the journal's previous replica here has closed: closes of one spool
     directory form a chain, so the next replica, which waits for the last close, waits for them all."""
     if previous is not None:

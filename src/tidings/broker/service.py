@@ -24,7 +24,9 @@ import functools
 import logging
 import shutil
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import cast
 
 import grpc
 
@@ -134,7 +136,7 @@ class Broker(MemberProcess):
         undo.push_async_callback(self.resolver.aclose)
 
     def _add_servicer(self, server: grpc.aio.Server) -> None:
-        pb_grpc.add_JournalServicer_to_server(_Servicer(self), server)
+        pb_grpc.add_JournalServicer_to_server(_Servicer(self), server)  # type: ignore[no-untyped-call]  # generated gRPC code, untyped
 
     async def _serve_more(self, undo: contextlib.AsyncExitStack, host: str) -> None:
         cfg = self.config
@@ -161,7 +163,8 @@ class Broker(MemberProcess):
 
     def _exiting_spec(self) -> pb.BrokerSpec:
         spec = pb.BrokerSpec()
-        spec.CopyFrom(self.spec)  # still replicating while its journals move: keep every endpoint
+        mine = cast(pb.BrokerSpec, self.spec)  # (this process's: _member_spec's)
+        spec.CopyFrom(mine)  # still replicating while its journals move: keep every endpoint
         spec.journal_limit, spec.exiting = 0, True
         return spec
 
@@ -372,7 +375,9 @@ class Broker(MemberProcess):
                         await changed.wait()
             stable = 0 if changed.is_set() else stable + 1
 
-    async def _pulse_once(self, replica: Replica, mode: int = pb.AppendRequest.SUSPEND_NO_RESUME) -> None:
+    async def _pulse_once(
+        self, replica: Replica, mode: pb.AppendRequest.Suspend = pb.AppendRequest.SUSPEND_NO_RESUME
+    ) -> None:
         res = await self.resolver.resolve(replica.journal)
         if res.status != pb.OK or res.replica is not replica:
             return
@@ -384,7 +389,7 @@ class Broker(MemberProcess):
         async def next_message() -> pb.AppendRequest | None:
             return next(messages)
 
-        req = pb.AppendRequest(journal=replica.journal, do_not_proxy=True, suspend=mode)  # type: ignore[arg-type]
+        req = pb.AppendRequest(journal=replica.journal, do_not_proxy=True, suspend=mode)
         fsm = AppendFSM(self, req, pulse=True)
         await fsm.run(next_message)
         if fsm.error:
@@ -466,14 +471,14 @@ class Broker(MemberProcess):
         checks = [asyncio.ensure_future(asyncio.to_thread(listed, spec)) for spec in created]
         if checks:
             await asyncio.wait(checks, timeout=self.STALE_CHECK_TIMEOUT)
-        warnings = []
+        warnings: list[str] = []
         for spec, check in zip(created, checks, strict=True):
             if not check.done():  # (a store down or slow: the replicas report it)
                 check.cancel()
             elif check.exception() is not None:
                 log.info("apply: listing the store of created journal %s failed: %s", spec.name, check.exception())
-            elif check.result():
-                warnings.append(check.result())
+            elif warning := check.result():
+                warnings.append(warning)
         return warnings
 
     def members_response(self) -> pb.MembersResponse:
@@ -506,7 +511,9 @@ class Broker(MemberProcess):
             if req.do_not_proxy or not res.route.members:
                 return pb.FragmentsResponse(status=pb.NOT_JOURNAL_BROKER, header=res.header)
             fwd = pb.FragmentsRequest(header=res.header, journal=req.journal, do_not_proxy=True)
-            return await pb_grpc.JournalStub(self.channel(res.route.endpoints[0])).ListFragments(fwd)
+            stub = pb_grpc.JournalStub(self.channel(res.route.endpoints[0]))  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
+            proxied: pb.FragmentsResponse = await stub.ListFragments(fwd)
+            return proxied
         await res.replica.index.wait_first_refresh()
         resp = pb.FragmentsResponse(status=pb.OK, header=res.header)
         for frag, _path in res.replica.index.fragments():
@@ -554,14 +561,16 @@ class _Servicer(pb_grpc.JournalServicer):
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
 
-    async def Append(self, request_iterator, context):
+    async def Append(
+        self, request_iterator: AsyncIterator[pb.AppendRequest], context: grpc.aio.ServicerContext
+    ) -> pb.AppendResponse:
         return await serve_append(self.broker, context)
 
-    async def Read(self, request, context):
+    async def Read(self, request: pb.ReadRequest, context: grpc.aio.ServicerContext) -> None:
         with counted(metrics.RPC_STATUS, "read", context) as outcome:
             outcome.append(await serve_read(self.broker, request, context))
 
-    async def List(self, request, context):
+    async def List(self, request: pb.ListRequest, context: grpc.aio.ServicerContext) -> None:
         with counted(metrics.RPC_STATUS, "list", context) as outcome:
             try:
                 validate.selector(request.selector)
@@ -576,7 +585,7 @@ class _Servicer(pb_grpc.JournalServicer):
                     return
                 await broker.keyspace.wait_for_update(revision)
 
-    async def Apply(self, request, context):
+    async def Apply(self, request: pb.ApplyRequest, context: grpc.aio.ServicerContext) -> pb.ApplyResponse:
         with counted(metrics.RPC_STATUS, "apply", context) as outcome:
             try:
                 resp = await self.broker.apply(request)
@@ -587,12 +596,14 @@ class _Servicer(pb_grpc.JournalServicer):
             outcome.append(resp.status)
             return resp
 
-    async def ListMembers(self, request, context):
+    async def ListMembers(self, request: pb.MembersRequest, context: grpc.aio.ServicerContext) -> pb.MembersResponse:
         with counted(metrics.RPC_STATUS, "list_members", context) as outcome:
             outcome.append(pb.OK)
             return self.broker.members_response()
 
-    async def ListFragments(self, request, context):
+    async def ListFragments(
+        self, request: pb.FragmentsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FragmentsResponse:
         with counted(metrics.RPC_STATUS, "list_fragments", context) as outcome:
             try:
                 resp = await self.broker.list_fragments(request)

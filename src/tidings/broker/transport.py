@@ -48,8 +48,8 @@ import functools
 import logging
 import socket
 import struct
-from collections.abc import Awaitable, Callable
-from typing import Protocol
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol, cast
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -169,12 +169,12 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's are no asyncio.Transport subclass
+        self.transport = tcp = cast(asyncio.Transport, transport)  # uvloop's are no asyncio.Transport subclass
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        transport.set_write_buffer_limits(high=WRITE_HIGH)
+        tcp.set_write_buffer_limits(high=WRITE_HIGH)
         self._last_heard = self._loop.time()
         self._timer = self._loop.call_later(KEEPALIVE_INTERVAL, self._tick)
 
@@ -349,7 +349,7 @@ class _PrimaryConnection(_Connection):
         if kind == RESPONSE:
             stream = self.streams.get(sid)
             if stream is not None:
-                stream._deliver(pb.ReplicateResponse.FromString(payload))
+                stream._deliver(pb.ReplicateResponse.FromString(payload))  # type: ignore[arg-type]  # parses any buffer; stubs say bytes
         elif kind == END and sid == 0:
             self.close(f"the peer refused the connection: {_end_error(bytes(payload))}")
         elif kind == END:
@@ -541,7 +541,7 @@ class Dialer:
 
 # -- the peer's side --------------------------------------------------------------------------
 
-Handler = Callable[[PeerStream], Awaitable[None]]
+Handler = Callable[[PeerStream], Coroutine[Any, Any, None]]
 
 
 class _PeerConnection(_Connection):
@@ -578,7 +578,7 @@ class _PeerConnection(_Connection):
                 stream = self.streams[sid] = _MuxPeerStream(self, sid)
                 stream.task = self._loop.create_task(self._server.handler(stream), name=f"replicate:{sid}")
                 stream.task.add_done_callback(functools.partial(self._served, stream))
-            stream._deliver(pb.ReplicateRequest.FromString(payload), size)
+            stream._deliver(pb.ReplicateRequest.FromString(payload), size)  # type: ignore[arg-type]  # parses any buffer; stubs say bytes
         elif kind == CLOSE_SEND:
             if (stream := self.streams.get(sid)) is not None:
                 stream._end_of_stream()

@@ -54,7 +54,8 @@ def free_port() -> int:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return s.getsockname()[1]
+            bound: int = s.getsockname()[1]  # (host, port) of an AF_INET socket
+            return bound
     raise ClusterError("no free TCP port on 127.0.0.1")
 
 
@@ -80,7 +81,7 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def stop_process(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout: float = 5.0) -> None:
+def stop_process(proc: subprocess.Popen[bytes] | None, sig: int = signal.SIGTERM, timeout: float = 5.0) -> None:
     """Stop a child by PID: `sig`, then SIGKILL if it has not exited within `timeout` seconds."""
     if proc is None or proc.poll() is not None:
         return

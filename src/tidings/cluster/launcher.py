@@ -22,7 +22,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 import uvloop
 
@@ -207,6 +209,9 @@ class LocalCluster:
         self.stop()
 
 
+_T = TypeVar("_T")
+
+
 async def _clear_members(endpoint: str, root: str) -> int:
     """Revoke the leases of every member key under ``root`` and delete the keys; their number.
 
@@ -225,7 +230,7 @@ async def _clear_members(endpoint: str, root: str) -> int:
         await etcd.aclose()
 
 
-def _run_async(coro):  # type: ignore[no-untyped-def]
+def _run_async(coro: Coroutine[Any, Any, _T]) -> _T:
     """Run a coroutine to completion from sync code, even when this thread already runs a loop."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(uvloop.run, coro).result()

@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from tidings.cluster.etcd import ClusterError, die_with_parent, free_port, last_line, stop_process
@@ -56,7 +57,7 @@ class PostgresProcess:
         """A libpq connection URL for database `dbname` of this server."""
         return f"postgresql://{USER}@127.0.0.1:{self.port}/{dbname}"
 
-    def _argv(self, program: str, *args: str) -> tuple[list[str], object]:
+    def _argv(self, program: str, *args: str) -> tuple[list[str], Callable[[], None] | None]:
         """`program`'s command line, as the ``postgres`` user when we are root."""
         argv = [str(self._bin / program), *args]
         if os.geteuid() != 0:
@@ -77,7 +78,7 @@ class PostgresProcess:
         argv, preexec = self._argv(
             "initdb", "-D", str(pgdata), "-U", USER, "--auth=trust", "-E", "UTF8", "--locale=C", "--no-sync"
         )
-        done = subprocess.run(argv, capture_output=True, preexec_fn=preexec, check=False)  # type: ignore[arg-type]
+        done = subprocess.run(argv, capture_output=True, preexec_fn=preexec, check=False)
         if done.returncode != 0:
             said = (done.stderr or done.stdout).decode(errors="replace").strip().splitlines()
             raise ClusterError(f"initdb exited with {done.returncode}: {said[-1] if said else 'no output'}")
@@ -91,7 +92,7 @@ class PostgresProcess:
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                preexec_fn=preexec,  # type: ignore[arg-type]
+                preexec_fn=preexec,
             )  # fmt: skip
         deadline = time.monotonic() + timeout
         while not self._accepts():

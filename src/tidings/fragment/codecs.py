@@ -27,8 +27,8 @@ GZIP_LEVEL = 6
 ZSTD_LEVEL = 3
 """zstd's default level: fast, and already better than gzip -6."""
 
-_EXTENSIONS: dict[int, str] = {pb.NONE: ".raw", pb.GZIP: ".gz", pb.ZSTANDARD: ".zst"}
-_CODECS: dict[str, int] = {ext: codec for codec, ext in _EXTENSIONS.items()}
+_CODECS: dict[str, pb.CompressionCodec] = {".raw": pb.NONE, ".gz": pb.GZIP, ".zst": pb.ZSTANDARD}
+_EXTENSIONS: dict[int, str] = {codec: ext for ext, codec in _CODECS.items()}
 
 SUPPORTED: frozenset[int] = frozenset(_EXTENSIONS)
 """The codecs a fragment may use (pb.INVALID, the proto default, is not one)."""
@@ -63,7 +63,7 @@ def extension(codec: int) -> str:
         raise _unsupported(codec) from None
 
 
-def codec_for_extension(ext: str) -> int:
+def codec_for_extension(ext: str) -> pb.CompressionCodec:
     """The codec of a file extension; the leading dot is optional (".gz" or "gz")."""
     key = ext if ext.startswith(".") else "." + ext
     try:
@@ -95,7 +95,7 @@ def compress_stream(src: BinaryIO, dst: BinaryIO, codec: int) -> None:
 class _OwningReader(io.BufferedIOBase):
     """A decompressing reader that also closes its source, because GzipFile never does."""
 
-    def __init__(self, inner: BinaryIO, source: BinaryIO) -> None:
+    def __init__(self, inner: io.BufferedIOBase, source: BinaryIO) -> None:
         super().__init__()
         self._inner = inner
         self._source = source
@@ -109,7 +109,7 @@ class _OwningReader(io.BufferedIOBase):
     def read1(self, size: int = -1) -> bytes:
         return self._inner.read(size if size >= 0 else CHUNK_SIZE)
 
-    def readinto(self, b: bytearray | memoryview) -> int:  # type: ignore[override]
+    def readinto(self, b: bytearray | memoryview) -> int:  # type: ignore[override]  # the byte buffers io passes
         data = self._inner.read(len(b))
         n = len(data)
         memoryview(b).cast("B")[:n] = data
@@ -136,10 +136,10 @@ def decompress_reader(src: BinaryIO, codec: int, *, closefd: bool = True) -> Bin
         return src
     if codec == pb.GZIP:
         gz = gzip.GzipFile(fileobj=src, mode="rb")
-        return _OwningReader(gz, src) if closefd else gz  # type: ignore[return-value]
+        return _OwningReader(gz, src) if closefd else gz  # type: ignore[return-value]  # a BufferedIOBase, no BinaryIO
     if codec == pb.ZSTANDARD:
         # read_across_frames: a fragment compressed by another writer may hold several frames.
-        return zstandard.ZstdDecompressor().stream_reader(  # type: ignore[return-value]
+        return zstandard.ZstdDecompressor().stream_reader(
             src, read_size=CHUNK_SIZE, read_across_frames=True, closefd=closefd
         )
     raise _unsupported(codec)

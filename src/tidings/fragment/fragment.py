@@ -36,7 +36,7 @@ class Fragment:
     begin: int
     end: int
     sum: bytes
-    codec: int = pb.NONE
+    codec: pb.CompressionCodec = pb.NONE
     backing_store: str = ""
     mod_time: int = 0
 

@@ -68,7 +68,8 @@ def plan(journal: str, fragments: Iterable[Fragment], retention_s: float, now: f
     last_end = max((f.end for f in frags if f.backing_store), default=None)
     stay = [f.begin for f in frags if not is_aged(f, retention_s, now) or (f.backing_store and f.end == last_end)]
     boundary = min(stay, default=None)
-    aged, kept = [], []
+    aged: list[Fragment] = []
+    kept: list[Fragment] = []
     for f in frags:
         gone = is_aged(f, retention_s, now) and (boundary is None or f.end <= boundary)
         (aged if gone else kept).append(f)

@@ -363,7 +363,7 @@ class Spool:
         if self._closed:
             self._close_head()  # read by a late acknowledgement: no descriptor outlives the spool's close
 
-    def resume(self, end: int, registers: pb.LabelSet, codec: int) -> None:
+    def resume(self, end: int, registers: pb.LabelSet, codec: pb.CompressionCodec) -> None:
         """Start at an empty Fragment at `end` with `registers`: where `recover()` found this spool's
         committed end (what it holds there is verified separately)."""
         assert self.file is None and self.delta == 0
@@ -390,7 +390,7 @@ class Recovered:
     end: int = 0  # the committed end recorded in HEAD: where the spool resumes (0: nothing recorded)
     journal_revision: int = 0  # of the journal it was recovered for (one deleted and created again differs)
     registers: pb.LabelSet = field(default_factory=pb.LabelSet)
-    codec: int = pb.NONE
+    codec: pb.CompressionCodec = pb.NONE
 
 
 def _encode_head(head: pb.SpoolHead) -> bytes:
@@ -533,7 +533,7 @@ def _copy_prefix(path: Path, frag: Fragment) -> Path:
 
 
 def _committed_part(
-    journal: str, path: Path, begin: int, named: Fragment | None, end_at: int, current_codec: int
+    journal: str, path: Path, begin: int, named: Fragment | None, end_at: int, current_codec: pb.CompressionCodec
 ) -> Fragment | None:
     """The committed part of a spool file (below `end_at`) as a Fragment (None: nothing there to keep)."""
     if begin < 0 or begin >= end_at:

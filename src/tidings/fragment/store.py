@@ -298,7 +298,7 @@ class FragmentStore:
         if self._in_memory:
             buf = io.BytesIO()
             src = _VerifyingReader(raw, fragment.content_length)
-            codecs.compress_stream(src, buf, fragment.codec)  # type: ignore[arg-type]
+            codecs.compress_stream(src, buf, fragment.codec)  # type: ignore[arg-type]  # reads as a file, no BinaryIO
             src.check(fragment, local_name)
             self.fs.pipe_file(target, buf.getvalue())
             return
@@ -308,7 +308,7 @@ class FragmentStore:
         dst = self.fs.open(write_to, "wb")
         try:
             src = _VerifyingReader(raw, fragment.content_length)
-            codecs.compress_stream(src, dst, fragment.codec)  # type: ignore[arg-type]
+            codecs.compress_stream(src, dst, fragment.codec)  # type: ignore[arg-type]  # reads as a file, no BinaryIO
             src.check(fragment, local_name)  # before close(), which is what publishes
             dst.close()
         except BaseException:

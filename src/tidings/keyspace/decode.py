@@ -13,7 +13,7 @@ logs and skips, so one bad value written by hand never stops a broker.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, overload
 
 from google.protobuf.message import DecodeError, Message
 
@@ -21,6 +21,8 @@ from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import validate
 
 __all__ = ["Decoders", "decode_assignment", "decode_item", "decode_member", "decoder"]
+
+_M = TypeVar("_M", bound=Message)
 
 
 def _parse(msg: Message, raw: bytes, what: str) -> None:
@@ -30,6 +32,10 @@ def _parse(msg: Message, raw: bytes, what: str) -> None:
         raise ValueError(f"value is not a valid {what}: {err}") from err
 
 
+@overload
+def decode_member(rest: str, raw: bytes) -> pb.BrokerSpec: ...
+@overload
+def decode_member(rest: str, raw: bytes, spec_type: type[_M]) -> _M: ...
 def decode_member(rest: str, raw: bytes, spec_type: type[Message] = pb.BrokerSpec) -> Any:
     """A member's spec (a BrokerSpec, or `spec_type`: any spec with a ProcessId `id`)."""
     parts = rest.split("#")
@@ -52,6 +58,16 @@ def decode_item(rest: str, raw: bytes) -> pb.JournalSpec:
     return spec
 
 
+@overload
+def decode_assignment(rest: str, raw: bytes) -> pb.Route: ...
+@overload
+def decode_assignment(
+    rest: str,
+    raw: bytes,
+    value_type: type[_M],
+    check_item: Callable[[str, str], None] = ...,
+    check_value: Callable[[Any, str], None] = ...,
+) -> _M: ...
 def decode_assignment(
     rest: str,
     raw: bytes,

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Literal
+from typing import Literal, TypeAlias
 
 import aetcd
 import grpc
@@ -142,8 +142,8 @@ def _kv(pbkv: rpc.KeyValue) -> KV:
 
 # --- compare and operation builders (for Etcd.txn) ---------------------------------------
 
-Compare = rpc.Compare  # a txn guard, built by the functions below
-RequestOp = rpc.RequestOp  # a txn operation, built by put_op / delete_op
+Compare: TypeAlias = rpc.Compare  # a txn guard, built by the functions below
+RequestOp: TypeAlias = rpc.RequestOp  # a txn operation, built by put_op / delete_op
 
 
 def mod_revision_is(key: str, rev: int) -> Compare:
@@ -321,7 +321,8 @@ class Etcd:
             )
         except grpc.RpcError as err:
             raise self._error(err) from err
-        return resp.header.revision
+        revision: int = resp.header.revision  # aetcd's messages are untyped
+        return revision
 
     async def compact(self, revision: int) -> None:
         """Compact etcd's history below ``revision`` (operators and tests; watches older than it fail)."""
@@ -337,7 +338,8 @@ class Etcd:
             resp = await self._kv.DeleteRange(req, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise self._error(err) from err
-        return resp.header.revision
+        revision: int = resp.header.revision  # aetcd's messages are untyped
+        return revision
 
     async def delete(self, key: str) -> int:
         return await self._delete(rpc.DeleteRangeRequest(key=key.encode()))
@@ -381,7 +383,8 @@ class Etcd:
             raise self._error(err) from err
         if resp.error:
             raise TransportError(f"etcd {self.endpoint} refused a lease of {ttl}s: {resp.error}")
-        return resp.ID
+        lease_id: int = resp.ID
+        return lease_id
 
     async def revoke_lease(self, lease_id: int, timeout: float = RPC_TIMEOUT) -> None:
         """Revoke the lease, deleting its keys; a lease that is already gone is not an error."""

@@ -19,7 +19,7 @@ OUTPUTS = ["protocol_pb2.py", "protocol_pb2.pyi", "protocol_pb2_grpc.py"]
 
 def generate(out_dir: Path) -> None:
     """Run protoc (from grpcio-tools) with `out_dir` as the output root."""
-    from grpc_tools import protoc  # dev dependency: only needed to regenerate
+    from grpc_tools import protoc  # type: ignore[import-untyped]  # dev dependency (regenerating only), untyped
 
     args = [
         "protoc",

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import Any, cast
 
 from tidings.protocol import labels as lbl
 from tidings.protocol import protocol_pb2 as pb
@@ -38,13 +38,13 @@ from tidings.protocol.status import ValidationError
 
 CODECS = {"none": pb.NONE, "gzip": pb.GZIP, "zstd": pb.ZSTANDARD, "zstandard": pb.ZSTANDARD}
 CODEC_NAMES = {pb.NONE: "none", pb.GZIP: "gzip", pb.ZSTANDARD: "zstd"}
-FLAGS = {
+FLAGS: dict[str, int] = {  # JournalSpec.flags is a uint32 bit set, not the Flag enum
     "read-write": pb.JournalSpec.O_RDWR,
     "read-only": pb.JournalSpec.O_RDONLY,
     "write-only": pb.JournalSpec.O_WRONLY,
     "": pb.JournalSpec.NOT_SPECIFIED,
 }
-FLAG_NAMES = {v: k for k, v in FLAGS.items() if k} | {pb.JournalSpec.NOT_SPECIFIED: "read-write"}
+FLAG_NAMES: dict[int, str] = {v: k for k, v in FLAGS.items() if k} | {pb.JournalSpec.NOT_SPECIFIED: "read-write"}
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B?|B)?\s*$", re.I)
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -157,7 +157,7 @@ def spec_from_dict(d: dict[str, Any], ctx: str = "journal") -> pb.JournalSpec:
     if not isinstance(offset, int) or offset < 0:
         raise ValidationError(f"{ctx}.suspend.offset", f"{offset!r} must be a non-negative offset")
     if suspend:
-        spec.suspend.level = pb.JournalSpec.Suspend.Level.Value(level)
+        spec.suspend.level = cast(pb.JournalSpec.Suspend.Level, pb.JournalSpec.Suspend.Level.Value(level))
         spec.suspend.offset = offset
     validate.journal_spec(spec, ctx)
     return spec
