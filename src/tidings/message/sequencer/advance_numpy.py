@@ -1,7 +1,7 @@
 """`Sequencer.advance` over UUIDs given as a numpy array: per chunk a few array operations per
 producer instead of a dozen Python operations per message (a Spark driver's scan of every byte).
 
-The rules are the Sequencer's (see its module docstring), folded per producer: an ACK_TXN always
+The rules are the Sequencer's (see the package docstring), folded per producer: an ACK_TXN always
 resets the state to its clock; an OUTSIDE_TXN (or unknown flags) resets it when its clock is above
 the last ACK, so the last ACK then only grows (a running maximum since the last ACK_TXN); a
 CONTINUE_TXN above the largest pending clock extends the pending span. So after a chunk, a
