@@ -21,8 +21,9 @@ from tidings.fragment.store import store_for
 from tidings.message import ReadCommitted
 from tidings.message.uuid import ACK_TXN, CONTINUE_TXN, OUTSIDE_TXN, build_uuid, clock_from_unix_ns, uuid_to_str
 from tidings.protocol import protocol_pb2 as pb
+from tidings.spark._read import read_partition
 from tidings.spark.options import SourceOptions
-from tidings.spark.source import TidingsBatchReader, fragment_cuts, read_partition
+from tidings.spark.source import TidingsBatchReader, fragment_cuts
 
 SHARE_CLUSTER = True  # one local cluster for the module's tests (conftest.local_cluster)
 

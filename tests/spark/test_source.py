@@ -429,9 +429,9 @@ def test_a_task_whose_journal_was_reset_below_its_range_fails_or_skips_instead_o
 
     from pyspark.sql.types import StructType
 
+    from tidings.spark._read import JournalRange, read_partition
     from tidings.spark.options import SourceOptions
     from tidings.spark.schema import METADATA_DDL
-    from tidings.spark.source import JournalRange, read_partition
 
     journal = "spark/reset-under-task"
     ndjson_journal(local_cluster, journal, line(P1, 1, OUTSIDE_TXN, id=1))

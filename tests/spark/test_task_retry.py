@@ -45,9 +45,9 @@ def test_rows_of_a_failed_task_attempt_are_never_read_committed(local_cluster, t
 def _job(ep: str, marks: str) -> None:
     from pyspark import TaskContext
 
+    from tidings.spark.datasource import TidingsDataSource
     from tidings.spark.local import local_session
     from tidings.spark.sink import SinkOptions, TidingsStreamWriter, TidingsWriter
-    from tidings.spark.source import TidingsDataSource
 
     def failing(rows, tag: str):
         """Rows, except that a task's first attempt fails after 2500 of them (2000 are published)."""

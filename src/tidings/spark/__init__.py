@@ -43,8 +43,9 @@ except ModuleNotFoundError:
     raise ImportError("tidings.spark needs PySpark: pip install 'tidings[spark]'") from None
 
 from tidings.protocol.status import UsageError
+from tidings.spark.datasource import TidingsDataSource
 from tidings.spark.local import local_session as session
-from tidings.spark.source import TidingsBatchReader, TidingsDataSource
+from tidings.spark.source import TidingsBatchReader
 
 __all__ = ["TidingsBatchReader", "TidingsDataSource", "register", "session"]
 

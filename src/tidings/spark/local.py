@@ -9,6 +9,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from pyspark import SparkContext
+from pyspark.sql import SparkSession
+
 
 @contextmanager
 def local_session(app: str, master: str = "local[2]", **conf: str) -> Iterator[Any]:
@@ -16,9 +19,6 @@ def local_session(app: str, master: str = "local[2]", **conf: str) -> Iterator[A
     JVM killed by PID whatever happens (PySpark's own stop leaves it to exit on its own)."""
     os.environ["PYSPARK_PYTHON"] = sys.executable  # (workers otherwise run the PATH's python3)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    from pyspark import SparkContext
-    from pyspark.sql import SparkSession
-
     builder = (
         SparkSession.builder.master(master)
         .appName(app)

@@ -25,6 +25,7 @@ from typing import Annotated, Any
 from uuid import UUID
 
 import msgspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql.pandas.types import to_arrow_schema
@@ -172,8 +173,6 @@ def text_uuid_ints(values: list[UuidText]) -> Any:
     0: an invalid one, which a reader skips as garbage), or in the usual case, every one canonical
     (8-4-4-4-12 hex digits), as a numpy array of (high, low) 64-bit rows made in a few C calls on the
     joined text: per-message Python work is what limits a driver's scan."""
-    import numpy as np  # (here: a task's Python worker need not import it)
-
     texts = list(map(_UUID, values))
     n = len(texts)
     try:

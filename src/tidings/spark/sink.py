@@ -41,6 +41,7 @@ from pyspark.sql.types import StringType, StructType, TimestampType
 from tidings.client import AppendService, Client
 from tidings.message import AckIntent, Publisher
 from tidings.protocol.status import JournalNotFoundError, TransportError, UsageError
+from tidings.spark._read import planning_client, unreachable
 from tidings.spark.options import DEFAULT_BROKER, OptionError
 
 log = logging.getLogger(__name__)
@@ -81,8 +82,6 @@ class Acks(WriterCommitMessage):
 def check_target(opts: SinkOptions) -> None:
     """On the driver, before any task runs: the broker answers and the journal (option `journal`)
     exists, or the query fails in one line naming the option (rather than in every task)."""
-    from tidings.spark.source import planning_client, unreachable
-
     with planning_client(opts.broker) as c:
         try:
             if opts.journal is None:

@@ -56,9 +56,7 @@ from tidings.message import Checkpoint, JournalCheckpoint
 from tidings.message.publisher import content_type_of
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import UsageError
-from tidings.spark.options import SourceOptions
-from tidings.spark.schema import check_schema
-from tidings.spark.source import (
+from tidings.spark._read import (
     JournalRange,
     _one_line,
     offset_for,
@@ -69,6 +67,8 @@ from tidings.spark.source import (
     starting_offset,
     whole_at,
 )
+from tidings.spark.options import SourceOptions
+from tidings.spark.schema import check_schema
 
 log = logging.getLogger(__name__)
 
