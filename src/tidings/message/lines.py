@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 
@@ -77,10 +78,10 @@ class LinePublisher:
         lines' messages were published and which not."""
         lineno, more, bad = 0, True, ""
         while more and not bad:
-            batch: list[dict] = []
-            deadline = None
+            batch: list[dict[str, Any]] = []
+            deadline: float | None = None
             while len(batch) < self.max_batch:
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                timeout: float | None = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
                     line = await asyncio.wait_for(next_line(), timeout)
                 except TimeoutError:
@@ -109,7 +110,7 @@ class LinePublisher:
             before = f"the {_messages(n)} before it were" if n != 1 else "the message before it was"
             raise TidingsError(f"{bad}; {before} published, nothing after it")
 
-    def _message(self, lineno: int, line: bytes) -> dict:
+    def _message(self, lineno: int, line: bytes) -> dict[str, Any]:
         """A line's message, or ValueError saying what is wrong with it."""
         where = f"{self.source} line {lineno}"
         try:
@@ -122,10 +123,10 @@ class LinePublisher:
             raise ValueError(f"{where} has no {self.key!r} field (--key) to pick its journal by")
         return msg
 
-    async def _publish(self, batch: list[dict], first: int, last: int) -> int:
+    async def _publish(self, batch: list[dict[str, Any]], first: int, last: int) -> int:
         """Publish a batch, an append per journal (each all or nothing); on a failure, say exactly
         which journals' messages of lines `first`..`last` were published."""
-        groups: dict[str, list[dict]] = {}
+        groups: dict[str, list[dict[str, Any]]] = {}
         for msg in batch:
             name = self.mapping if isinstance(self.mapping, str) else self.mapping(msg)
             groups.setdefault(name, []).append(msg)
@@ -134,22 +135,22 @@ class LinePublisher:
         for name, msgs in groups.items():
             try:  # (a journal refused at once, e.g. gone: the others' appends are out already)
                 pending[name] = await self.publisher.publish_committed(name, *msgs)
-            except TidingsError as exc:
-                failed[name] = exc
+            except TidingsError as refused:
+                failed[name] = refused
         outcomes = await asyncio.gather(*pending.values(), return_exceptions=True)
         failed |= {n: o for n, o in zip(pending, outcomes, strict=True) if isinstance(o, BaseException)}
         ok = [n for n in groups if n not in failed]
         self.written.update(ok)
         if not failed:
             return len(batch)
-        exc = next(iter(failed.values()))
-        if not isinstance(exc, TidingsError):
-            raise exc
+        first_failure = next(iter(failed.values()))
+        if not isinstance(first_failure, TidingsError):
+            raise first_failure
         of_ok = sum(len(groups[n]) for n in ok)
         span = self._span(first, last)
         partly = f", and {of_ok} of {span} (those for {', '.join(ok)})" if ok else ""
         raise TidingsError(
-            f"{exc}; published {_messages(self.sent + of_ok)} ({self._span(1, first - 1)}{partly}); "
+            f"{first_failure}; published {_messages(self.sent + of_ok)} ({self._span(1, first - 1)}{partly}); "
             f"not published: {span} for {', '.join(failed)}, and every line after {last}"
         )
 
