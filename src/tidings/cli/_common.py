@@ -8,9 +8,9 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Protocol, TypeVar
 
 import typer
 from rich.console import Console
@@ -18,14 +18,21 @@ from rich.markup import escape
 
 from tidings.protocol.status import TidingsError
 
+if TYPE_CHECKING:  # (annotations only: the client imports grpc, which no command may at start: tests/cli)
+    import threading
+
+    from tidings.client import AsyncClient
+
+T = TypeVar("T")
+
 # Plain help (rich_markup_mode=None): no boxes cut to the terminal, no "<bool>" beside every flag;
 # -h as well as --help; shell completion (--install-completion).
-PLAIN = {"rich_markup_mode": None, "context_settings": {"help_option_names": ["-h", "--help"]}}
+PLAIN: dict[str, Any] = {"rich_markup_mode": None, "context_settings": {"help_option_names": ["-h", "--help"]}}
 
 
 def group(help: str) -> typer.Typer:
     """A command group (`tidings journals ...`): plain help, and its help when called alone."""
-    return typer.Typer(help=help, no_args_is_help=True, **PLAIN)  # type: ignore[arg-type]
+    return typer.Typer(help=help, no_args_is_help=True, **PLAIN)
 
 
 # Client commands say what went wrong in one line of their own; the library's log records (an
@@ -132,7 +139,7 @@ DeadlineOpt = Annotated[
 ]
 
 
-def run_async(coro):
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
     import asyncio
 
     try:
@@ -143,7 +150,7 @@ def run_async(coro):
         return asyncio.run(coro)
 
 
-def broker_client(broker: str, deadline: float = 0.0):
+def broker_client(broker: str, deadline: float = 0.0) -> AsyncClient:
     """A client of `broker`: with a `deadline`, retrying transient failures for that many seconds."""
     from tidings.client import AsyncClient
 
@@ -260,7 +267,16 @@ class Stdin:
         self._put(None)
 
 
-def serve_until_signalled(start: Callable[[], Any], who: str, exit_timeout: float) -> None:
+class Server(Protocol):
+    """What `serve_until_signalled` runs: a broker, a consumer, a target (its `start` gives it)."""
+
+    endpoint: str
+    metrics_endpoint: str
+
+    async def stop(self, graceful: bool = True) -> None: ...
+
+
+def serve_until_signalled(start: Callable[[], Awaitable[Server]], who: str, exit_timeout: float) -> None:
     """Run a server process in the foreground: start it, print `READY HOST:PORT [METRICS HOST:PORT]`,
     stop it gracefully on SIGTERM or SIGINT (exit code 0), or without hand-off once its etcd lease is
     lost (exit code 1). A signal during start (which may wait for a previous process's member key to
@@ -312,7 +328,7 @@ def serve_until_signalled(start: Callable[[], Any], who: str, exit_timeout: floa
         raise typer.Exit(code)
 
 
-def _exit_unless_stopped_within(seconds: float, who: str):  # -> threading.Timer
+def _exit_unless_stopped_within(seconds: float, who: str) -> threading.Timer:
     """Start a timer that ends the process (exit code 2) if a stop has not finished by then.
 
     A thread, so it fires even if the event loop is stuck.

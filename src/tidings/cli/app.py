@@ -59,7 +59,7 @@ def application(only: str = "") -> typer.Typer:
     """The `tidings` application: every room's commands, or (`only`, a command or group name) that
     one alone. No command, a misspelt one or an option first get them all, so the help and the
     error list every command."""
-    root = typer.Typer(help=__doc__, no_args_is_help=True, pretty_exceptions_enable=False, **PLAIN)  # type: ignore[arg-type]
+    root = typer.Typer(help=__doc__, no_args_is_help=True, pretty_exceptions_enable=False, **PLAIN)
     root.callback()(_root)
     rooms = [ROOMS[only]] if only in ROOMS else HELP_ORDER
     for room in rooms:
@@ -77,7 +77,7 @@ def _only(root: typer.Typer, name: str) -> typer.Typer:
     slim.registered_commands = [
         c
         for c in root.registered_commands
-        if (c.name or get_command_name(c.callback.__name__)) == name  # type: ignore[union-attr]
+        if (c.name or get_command_name(c.callback.__name__)) == name  # type: ignore[union-attr]  # (a command has its callback)
     ]
     return slim
 

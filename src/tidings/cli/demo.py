@@ -137,7 +137,9 @@ async def _producer(client: AsyncClient, index: int, ledger: Ledger) -> None:
     try:
         for txn in range(TXNS):
             size = rng.randint(1, 8)
-            orders = [{"customer": rng.choice(CUSTOMERS), "amount": rng.randint(1, 100)} for _ in range(size)]
+            orders: list[dict[str, Any]] = [
+                {"customer": rng.choice(CUSTOMERS), "amount": rng.randint(1, 100)} for _ in range(size)
+            ]
             journal = INPUTS[(index + txn) % len(INPUTS)]
             await (await pub.publish_uncommitted(journal, *orders))
             if txn % 5 == 4 and journal in last:

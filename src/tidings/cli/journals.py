@@ -7,8 +7,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -34,6 +35,10 @@ from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import documents, format_duration, given, spec_changes, spec_from_dict, spec_to_dict
 from tidings.protocol.status import TidingsError
+
+if TYPE_CHECKING:  # (annotations only: a command imports the client, and grpc, once it runs)
+    from tidings.client import AppendResult, AsyncClient
+    from tidings.message import Garbage
 
 app = group("Create, list, append to and read journals.")
 
@@ -79,7 +84,7 @@ def _apply_file(file: Path, broker: str, dry_run: bool = False) -> None:
 
 
 def _plan(
-    file: Path, specs: list[tuple[dict, pb.JournalSpec]], current: dict[str, pb.ListResponse.Journal]
+    file: Path, specs: list[tuple[dict[str, Any], pb.JournalSpec]], current: dict[str, pb.ListResponse.Journal]
 ) -> tuple[list[pb.ApplyRequest.Change], list[str]]:
     """The changes a file asks of the journals in etcd, and a line per journal saying what each does."""
     changes, report = [], []
@@ -122,7 +127,7 @@ def _plan(
     return changes, report
 
 
-def _check_stores(file: Path, specs: list[tuple[dict, pb.JournalSpec]]) -> None:
+def _check_stores(file: Path, specs: list[tuple[dict[str, Any], pb.JournalSpec]]) -> None:
     """Refuse, before sending anything, a store this machine cannot load (its fsspec backend is missing).
 
     The brokers check again on Apply; checking here too means `journals read`, which reads persisted
@@ -193,7 +198,7 @@ def journals_edit(
     edit_then_apply(text, chosen, lambda path: _apply_file(path, broker), "tidings journals apply")
 
 
-def _rows(resp: pb.ListResponse, routes: bool = True) -> list[dict]:
+def _rows(resp: pb.ListResponse, routes: bool = True) -> list[dict[str, Any]]:
     """Journals as `list` prints them: each spec, its revision, and (`routes`) its primary and replicas."""
     rows = []
     for j in resp.journals:
@@ -259,7 +264,7 @@ def journals_append(
     if file is not None and not file.is_file():
         usage(f"--file {str(file)!r} is not a file: give the path of a file to append, or pipe to stdin")
 
-    async def go():
+    async def go() -> AppendResult:
         from tidings.protocol.status import WrongAppendOffsetError
 
         src = _Content.of_file(file) if file else await _Content.of_stdin()
@@ -315,7 +320,7 @@ class _Content:
         spool.flush()
         return cls(spool.fileno(), 0, size, spool)
 
-    def chunks(self):  # -> Iterator[bytes]: a fresh read of the content, for one attempt
+    def chunks(self) -> Iterator[bytes]:  # a fresh read of the content, for one attempt
         at, end = self.start, self.start + self.size
         while at < end:
             chunk = os.pread(self.fd, min(256 * 1024, end - at), at)
@@ -358,17 +363,17 @@ def journals_read(
         err.print(f"{j} holds no bytes [{begin}, {end}) any more (removed by retention?): reading on at {end}",
                   highlight=False)  # fmt: skip
 
-    async def raw(c) -> None:
+    async def raw(c: AsyncClient) -> None:
         on_jump = functools.partial(jumped, journal)
         async for chunk in c.reader(journal, offset, block=block, end_offset=end_offset, on_jump=on_jump):
             sys.stdout.buffer.write(chunk.content)
 
-    async def messages(c, head: int) -> None:
+    async def messages(c: AsyncClient, head: int) -> None:
         import msgspec
 
         from tidings.message import read_committed
 
-        def garbage(j: str, g) -> None:
+        def garbage(j: str, g: Garbage) -> None:
             if 0 < end_offset <= g.end:  # (the range is bytes: a message it ends inside is cut, not bad)
                 err.print(f"--end-offset {end_offset} cuts the message at offset {g.begin}: not printed; end the "
                           "range at a message's end (the next one's offset)", highlight=False)  # fmt: skip
@@ -491,7 +496,7 @@ def journals_prune(
     run_async(go())
 
 
-def _prune_line(row: dict) -> str:
+def _prune_line(row: dict[str, Any]) -> str:
     name, kept = row["journal"], f"kept {row['kept']} ({row['kept_bytes']} bytes)"
     if row["retention"] == "0s":
         return f"{name}: retention 0s (keep for ever): {kept}"
@@ -547,7 +552,7 @@ def journals_reset_head(journal: JournalArg, broker: BrokerOpt = DEFAULT_BROKER)
     Needed after INDEX_HAS_GREATER_OFFSET. It issues a zero-byte append whose expected offset is
     the largest offset of the journal's fragment index."""
 
-    async def go():
+    async def go() -> AppendResult | None:
         async with broker_client(broker) as c:
             frags = await c.fragments(journal)
             end = max((e.spec.end for e in frags.fragments), default=0)

@@ -11,7 +11,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -34,6 +34,11 @@ from tidings.cli._common import (
 )
 from tidings.protocol.status import JournalNotFoundError, TidingsError, UsageError, ValidationError
 
+if TYPE_CHECKING:  # (annotations only: a command imports these, and grpc, once it runs)
+    from tidings.client import AsyncClient
+    from tidings.logplayer.player import LogPlayer
+    from tidings.logplayer.wal import Targets
+
 target = group("Run a LogPlayer target (a storage shard).")
 targets_cmd = group("The targets of targets.yaml.")
 logplayer = group("Deliver a WAL journal to its targets.")
@@ -53,7 +58,7 @@ TargetsOpt = Annotated[
 ]
 
 
-def _load_targets(path: Path):
+def _load_targets(path: Path) -> Targets:
     from tidings.logplayer.wal import Targets
 
     try:
@@ -191,7 +196,7 @@ def logplayer_run(
     run_async(go())
 
 
-async def _progress(player, every: float) -> None:
+async def _progress(player: LogPlayer, every: float) -> None:
     import asyncio
 
     if every <= 0:
@@ -305,7 +310,7 @@ def targets_status(
 
     declared = _load_targets(targets)
 
-    async def pending(client, target: str, applied: int, head: int) -> int | None:
+    async def pending(client: AsyncClient, target: str, applied: int, head: int) -> int | None:
         """WAL bytes from the first entry after `applied` that holds a part for `target` to the head:
         0 when none does (it has everything meant for it). Scans at most PENDING_SCAN bytes, then
         counts from where it stopped; None if the entry at `applied` is gone (retention)."""
@@ -326,9 +331,10 @@ def targets_status(
                 return head - env.begin
         return None if first else 0
 
-    async def go():
+    async def go() -> tuple[dict[str, pb.LastAckResponse | str], int | None, dict[str, int | None]]:
         answers = await last_acks(declared)
-        head, after = None, {}
+        head: int | None = None
+        after: dict[str, int | None] = {}
         if wal_journal:
             async with broker_client(broker) as client:
                 head = await client.write_head(wal_journal)
@@ -342,6 +348,7 @@ def targets_status(
     rows = []
     for t in declared.targets:
         a = answers[t.id]
+        row: dict[str, Any]
         if isinstance(a, pb.LastAckResponse) and a.status == pb.OK:
             row = {"id": t.id, "endpoint": t.endpoint, "up": True, "last_applied": a.last_applied, "epoch": a.epoch}
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -31,6 +32,8 @@ from tidings.protocol.status import TidingsError
 
 if TYPE_CHECKING:
     from rich.table import Table
+
+    from tidings.client import AsyncClient
 
 cluster = group("Run a local cluster (private etcd + brokers).")
 members = group("The cluster's brokers.")
@@ -267,7 +270,7 @@ def cluster_up(
         out.print("cluster stopped")
 
 
-def _pause(done) -> None:
+def _pause(done: Callable[[], bool]) -> None:
     """Idle up to half a second in the foreground, returning early once `done()`."""
     import time
 
@@ -276,7 +279,7 @@ def _pause(done) -> None:
         time.sleep(0.05)
 
 
-def _member_rows(resp: pb.MembersResponse) -> list[dict]:
+def _member_rows(resp: pb.MembersResponse) -> list[dict[str, Any]]:
     return [
         {
             "zone": m.spec.id.zone,
@@ -292,7 +295,7 @@ def _member_rows(resp: pb.MembersResponse) -> list[dict]:
     ]
 
 
-def _members_table(rows: list[dict]) -> Table:
+def _members_table(rows: list[dict[str, Any]]) -> Table:
     from rich.table import Table
 
     t = Table("zone", "id", "endpoint", "journals", "primaries", "exiting", "metrics")
@@ -329,7 +332,7 @@ def refused_appends(spec: pb.JournalSpec, probe: pb.ReadResponse) -> bool:
 STATUS_CONCURRENCY = 16  # journals asked about at once by `tidings status`
 
 
-async def _journal_status(c, j: pb.ListResponse.Journal) -> dict:
+async def _journal_status(c: AsyncClient, j: pb.ListResponse.Journal) -> dict[str, Any]:
     """One journal's line of `tidings status`: its route, heads and size, and what is wrong with it."""
     spec, route = j.spec, j.route
     names = [f"{m.zone}/{m.suffix}" for m in route.members]
@@ -387,12 +390,12 @@ def status(broker: BrokerOpt = DEFAULT_BROKER, as_json: Annotated[bool, typer.Op
     persisted head and size held, and anything unhealthy (it exits 0 either way: see `problems`)."""
     import asyncio
 
-    async def go() -> tuple[pb.MembersResponse, list[dict]]:
+    async def go() -> tuple[pb.MembersResponse, list[dict[str, Any]]]:
         async with broker_client(broker) as c:
             member_resp, listed = await asyncio.gather(c.members(), c.list())
             limit = asyncio.Semaphore(STATUS_CONCURRENCY)
 
-            async def one(j: pb.ListResponse.Journal) -> dict:
+            async def one(j: pb.ListResponse.Journal) -> dict[str, Any]:
                 async with limit:
                     return await _journal_status(c, j)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -31,6 +31,9 @@ from tidings.protocol import labels, validate
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import documents, shard_from_dict, shard_to_dict
 from tidings.protocol.status import TidingsError, ValidationError
+
+if TYPE_CHECKING:  # (annotations only: a command imports the client, and grpc, once it runs)
+    from tidings.consumer.client import ShardClient
 
 shards = group("A consumer's shards (through any of its processes).")
 
@@ -62,7 +65,7 @@ def _shard_id(value: str) -> str:
     return value
 
 
-def _shard_client(consumer: str):
+def _shard_client(consumer: str) -> ShardClient:
     from tidings.consumer.client import ShardClient
 
     return ShardClient(consumer)
@@ -189,7 +192,7 @@ def _apply_file(file: Path, consumer: str, dry_run: bool = False) -> None:
     run_async(go())
 
 
-async def _listed(consumer: str, broker: str, selector: str, progress: bool) -> list[dict]:
+async def _listed(consumer: str, broker: str, selector: str, progress: bool) -> list[dict[str, Any]]:
     """Shards as `list` shows them: spec, revision, primary, statuses and (`progress`) the primary's
     read-through offsets and the lag behind each source's write head."""
     rows = []

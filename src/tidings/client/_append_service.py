@@ -544,19 +544,20 @@ class AppendService:
     def _settle(self, batch: _Batch, outcome: AppendResult | BaseException) -> None:
         """Resolve the batch's futures (each with its own span) and its record for dependants."""
         pending = self._pending
-        failed = isinstance(outcome, BaseException)
+        error = outcome if isinstance(outcome, BaseException) else None
         for fut, begin, end in batch.waiters:
             pending.pop(fut, None)
             if fut.cancelled():
-                self._cancelled[fut] = outcome if failed else None  # type: ignore[assignment]
-            elif failed:
-                fut.set_exception(outcome)  # type: ignore[arg-type]
+                self._cancelled[fut] = error
+            elif isinstance(outcome, BaseException):
+                fut.set_exception(outcome)
                 fut.exception()  # mark it retrieved: the service has logged the failure
             else:
-                r: AppendResult = outcome  # type: ignore[assignment]
-                fut.set_result(AppendResult(r.journal, r.begin + begin, r.begin + end, r.registers))
+                fut.set_result(
+                    AppendResult(outcome.journal, outcome.begin + begin, outcome.begin + end, outcome.registers)
+                )
         if batch.done is not None and not batch.done.done():
-            batch.done.set_result(outcome if failed else None)  # type: ignore[arg-type]
+            batch.done.set_result(error)
 
     async def _commit(self, q: _JournalQueue, batch: _Batch) -> AppendResult:
         """Append the batch, retrying everything but a definite refusal or an invalid request.

@@ -9,10 +9,11 @@ written twice: appends are at-least-once, and message UUIDs (`tidings.message`) 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
 import grpc
@@ -110,7 +111,7 @@ class AsyncClient:
         ep = endpoint or self.endpoint
         stub = self._stubs.get(ep)
         if stub is None:
-            stub = self._stubs[ep] = JournalStub(self._channel(ep))
+            stub = self._stubs[ep] = JournalStub(self._channel(ep))  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
         return stub
 
     def _append_whole(self, endpoint: str) -> grpc.aio.UnaryUnaryMultiCallable:
@@ -197,7 +198,7 @@ class AsyncClient:
         union_registers: pb.LabelSet | None = None,
         subtract_registers: pb.LabelSet | None = None,
         timeout: float | None = None,
-        suspend: int = pb.AppendRequest.SUSPEND_RESUME,
+        suspend: pb.AppendRequest.Suspend = pb.AppendRequest.SUSPEND_RESUME,
         retry_unknown: bool = True,
     ) -> AppendResult:
         """Append `content` atomically; returns the committed span.
@@ -215,8 +216,8 @@ class AsyncClient:
         first = first_append_request(journal, offset, check_registers, union_registers, subtract_registers, suspend)
         whole = isinstance(content, bytes | bytearray | memoryview)
         replayable = whole or callable(content)
-        if timeout is None and whole:
-            timeout = ATTEMPT_TIMEOUT + _nbytes(content) / (1 << 20)  # type: ignore[arg-type]
+        if timeout is None and isinstance(content, bytes | bytearray | memoryview):  # (`whole`)
+            timeout = ATTEMPT_TIMEOUT + _nbytes(content) / (1 << 20)
         attempt, failing_since = 0, 0.0
         while True:
             endpoint = self._append_endpoint(journal)
@@ -383,7 +384,7 @@ class AsyncClient:
         fragment to read it from (`offset` beyond the one asked when the broker skips a gap retention
         left), or OFFSET_NOT_YET_AVAILABLE when nothing there can be read now; and the write head."""
         req = pb.ReadRequest(journal=journal, offset=offset, metadata_only=True)
-        resp = await self._unary(journal, lambda stub: _first_response(stub.Read(req)))
+        resp: pb.ReadResponse = await self._unary(journal, lambda stub: _first_response(stub.Read(req)))
         if resp.status not in (pb.OK, pb.OFFSET_NOT_YET_AVAILABLE, pb.SUSPENDED):
             raise for_status(resp.status)(journal, header=resp.header)
         return resp
@@ -392,7 +393,9 @@ class AsyncClient:
 
     async def list(self, selector: pb.LabelSelector | None = None) -> pb.ListResponse:
         """Journals (specs, mod revisions and Routes) matching `selector` (all when None)."""
-        resp = await self._unary("", lambda stub: _first_response(stub.List(pb.ListRequest(selector=selector))))
+        resp: pb.ListResponse = await self._unary(
+            "", lambda stub: _first_response(stub.List(pb.ListRequest(selector=selector)))
+        )
         self._learn_routes(resp)
         return resp
 
@@ -435,9 +438,9 @@ class AsyncClient:
             await self.backoff(attempt)
             attempt += 1
 
-    async def apply(self, changes: list[pb.ApplyRequest.Change]) -> pb.ApplyResponse:
+    async def apply(self, changes: builtins.list[pb.ApplyRequest.Change]) -> pb.ApplyResponse:
         """Create, update or delete journal specs atomically (each guarded by its expected mod revision)."""
-        resp = await self._unary("", lambda stub: stub.Apply(pb.ApplyRequest(changes=changes)))
+        resp: pb.ApplyResponse = await self._unary("", lambda stub: stub.Apply(pb.ApplyRequest(changes=changes)))
         if resp.status != pb.OK:
             raise for_status(resp.status)(", ".join(c.upsert.name or c.delete for c in changes))
         for warning in resp.warnings:  # (e.g. a created journal over an earlier one's fragments)
@@ -459,11 +462,14 @@ class AsyncClient:
 
     async def members(self) -> pb.MembersResponse:
         """The cluster's brokers (their member specs), with the journals each holds and leads."""
-        return await self._unary("", lambda stub: stub.ListMembers(pb.MembersRequest()))
+        resp: pb.MembersResponse = await self._unary("", lambda stub: stub.ListMembers(pb.MembersRequest()))
+        return resp
 
     async def fragments(self, journal: str) -> pb.FragmentsResponse:
         """The journal's fragments: local spools and persisted files (with their store URLs)."""
-        resp = await self._unary(journal, lambda stub: stub.ListFragments(pb.FragmentsRequest(journal=journal)))
+        resp: pb.FragmentsResponse = await self._unary(
+            journal, lambda stub: stub.ListFragments(pb.FragmentsRequest(journal=journal))
+        )
         if resp.status != pb.OK:
             raise for_status(resp.status)(journal, header=resp.header)
         return resp
@@ -615,7 +621,7 @@ class Reader:
         self.write_head = 0
         self.jumps: list[tuple[int, int]] = []
         self.direct_reads = 0  # fragments read straight from their store
-        self._it: AsyncIterator[ReadChunk] | None = None
+        self._it: AsyncGenerator[ReadChunk, None] | None = None
 
     def __aiter__(self) -> Reader:
         return self
@@ -627,7 +633,7 @@ class Reader:
 
     async def aclose(self) -> None:
         if self._it is not None:
-            await self._it.aclose()  # type: ignore[attr-defined]
+            await self._it.aclose()
 
     def _done(self) -> bool:
         return bool(self.end_offset) and self.offset >= self.end_offset
@@ -640,7 +646,7 @@ class Reader:
                 self.on_jump(self.offset, offset)
         self.offset = offset
 
-    async def _chunks(self) -> AsyncIterator[ReadChunk]:
+    async def _chunks(self) -> AsyncGenerator[ReadChunk, None]:
         client = self.client
         attempt = suspended = 0
         failing_since = 0.0
@@ -768,8 +774,8 @@ async def chunks(content: Content) -> AsyncIterator[bytes]:
     if isinstance(content, bytes | bytearray | memoryview):
         parts: Iterable[bytes | bytearray | memoryview] = (content,)
     elif isinstance(content, AsyncIterable):
-        async for part in content:
-            for piece in _split(part):
+        async for chunk in content:
+            for piece in _split(chunk):
                 yield piece
         return
     else:

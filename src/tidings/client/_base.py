@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import random
 import time
+from typing import Any
 
 import grpc
 
@@ -55,7 +56,7 @@ class AppendResult:
     registers: dict[str, list[str]]
     sum: str = ""
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
@@ -81,10 +82,10 @@ def first_append_request(
     check_registers: pb.LabelSelector | None = None,
     union_registers: pb.LabelSet | None = None,
     subtract_registers: pb.LabelSet | None = None,
-    suspend: int = pb.AppendRequest.SUSPEND_RESUME,
+    suspend: pb.AppendRequest.Suspend = pb.AppendRequest.SUSPEND_RESUME,
 ) -> pb.AppendRequest:
     """The metadata message that opens an Append stream."""
-    first = pb.AppendRequest(journal=journal, offset=offset, suspend=suspend)  # type: ignore[arg-type]
+    first = pb.AppendRequest(journal=journal, offset=offset, suspend=suspend)
     if check_registers is not None:
         first.check_registers.CopyFrom(check_registers)
     if union_registers is not None:
@@ -110,7 +111,7 @@ class RetryPolicy:
     deadline: float = 0.0  # seconds of retrying after an operation's first failure (0: `attempts` only)
 
     def delay(self, attempt: int) -> float:
-        return min(self.cap, self.base * (2 ** min(attempt, 30))) * (0.5 + random.random())
+        return min(self.cap, self.base * (2.0 ** min(attempt, 30))) * (0.5 + random.random())
 
     def gives_up(self, attempt: int, failing_since: float) -> bool:
         """No retry `attempt`: too many, or `deadline` seconds passed since the first failure (monotonic)."""

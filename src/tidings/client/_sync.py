@@ -9,8 +9,9 @@ much for a generated or hand-written mirror (STYLE.md, "Sync and async").
 from __future__ import annotations
 
 import asyncio
+import builtins
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from typing import Any, TypeVar
 
 import uvloop
@@ -40,7 +41,7 @@ class LoopThread:
             raise UsageError("this Client is closed; make a new one")
         return asyncio.run_coroutine_threadsafe(_awaited(coro), self.loop).result()
 
-    def iterate(self, make: Callable[[], AsyncIterator[T]]) -> Iterator[T]:
+    def iterate(self, make: Callable[[], AsyncIterator[T]]) -> Generator[T, None, None]:
         """Drive the async iterator `make()` (created on the loop) from this thread."""
         ait = self.run(_call(make))
         try:
@@ -90,7 +91,7 @@ class Client:
         """Run a coroutine of `self.aio` (or anything else) on the client's loop and return its result."""
         return self._loop.run(coro)
 
-    def iterate(self, make: Callable[[], AsyncIterator[T]]) -> Iterator[T]:
+    def iterate(self, make: Callable[[], AsyncIterator[T]]) -> Generator[T, None, None]:
         """Iterate an async iterator made by `make()` on the client's loop (e.g. a message reader)."""
         return self._loop.iterate(make)
 
@@ -144,7 +145,7 @@ class Client:
     def watch(self, selector: pb.LabelSelector | None = None) -> Iterator[pb.ListResponse]:
         return self.iterate(lambda: self.aio.watch(selector))
 
-    def apply(self, changes: list[pb.ApplyRequest.Change]) -> pb.ApplyResponse:
+    def apply(self, changes: builtins.list[pb.ApplyRequest.Change]) -> pb.ApplyResponse:
         return self.run(self.aio.apply(changes))
 
     def fragments(self, journal: str) -> pb.FragmentsResponse:
@@ -206,7 +207,7 @@ class SyncReader:
         return next(self._it)
 
     def close(self) -> None:
-        self._it.close()  # type: ignore[attr-defined]
+        self._it.close()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

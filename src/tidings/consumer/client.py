@@ -8,6 +8,7 @@ for `deadline` seconds; definite refusals raise the StatusError naming the statu
 from __future__ import annotations
 
 import asyncio
+import builtins
 import time
 from typing import Any
 
@@ -36,7 +37,7 @@ class ShardClient:
         channel = self._channels.get(endpoint)
         if channel is None:
             channel = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint)
-        return pb_grpc.ShardStub(channel)
+        return pb_grpc.ShardStub(channel)  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
 
     async def aclose(self) -> None:
         channels, self._channels = self._channels, {}
@@ -63,18 +64,20 @@ class ShardClient:
             raise TransportError(f"consumer {where}: {exc.details() or code.name}", code, retriable) from None
 
     async def list(self, selector: pb.LabelSelector | None = None) -> pb.ShardListResponse:
-        resp = await self._call("List", pb.ShardListRequest(selector=selector))
+        resp: pb.ShardListResponse = await self._call("List", pb.ShardListRequest(selector=selector))
         raise_for_status(resp.status)
         return resp
 
-    async def apply(self, changes: list[pb.ShardApplyRequest.Change]) -> pb.ShardApplyResponse:
-        resp = await self._call("Apply", pb.ShardApplyRequest(changes=changes))
+    async def apply(self, changes: builtins.list[pb.ShardApplyRequest.Change]) -> pb.ShardApplyResponse:
+        resp: pb.ShardApplyResponse = await self._call("Apply", pb.ShardApplyRequest(changes=changes))
         raise_for_status(resp.status, detail=resp.detail)
         return resp
 
-    async def unassign(self, shards: list[str], only_failed: bool = False, dry_run: bool = False) -> list[str]:
+    async def unassign(
+        self, shards: builtins.list[str], only_failed: bool = False, dry_run: bool = False
+    ) -> builtins.list[str]:
         req = pb.UnassignRequest(shards=shards, only_failed=only_failed, dry_run=dry_run)
-        resp = await self._call("Unassign", req)
+        resp: pb.UnassignResponse = await self._call("Unassign", req)
         raise_for_status(resp.status, detail=", ".join(resp.shards))
         return list(resp.shards)
 
@@ -86,6 +89,7 @@ class ShardClient:
         give_up = time.monotonic() + max(timeout, self.deadline)
         endpoint: str | None = None
         attempt = 0
+        resp: pb.StatResponse
         while True:
             left = max(0.1, give_up - time.monotonic())
             try:

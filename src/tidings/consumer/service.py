@@ -34,8 +34,9 @@ import importlib
 import logging
 import sys
 import time
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import grpc
 
@@ -47,7 +48,7 @@ from tidings.consumer import _metrics as metrics
 from tidings.consumer.client import STAT_MARGIN
 from tidings.consumer.shard import Application, OutputFailedError, Shard, TxnStats, serve_primary
 from tidings.consumer.store import FenceError
-from tidings.keyspace.etcd import delete_op, mod_revision_is, put_op
+from tidings.keyspace.etcd import Compare, RequestOp, delete_op, mod_revision_is, put_op
 from tidings.member import MemberProcess, counted
 from tidings.protocol import labels, validate
 from tidings.protocol import protocol_pb2 as pb
@@ -190,7 +191,12 @@ class ShardReplica:
                 return
         consumer, spec = self.consumer, shard.spec
         restored = asyncio.ensure_future(shard.restored.wait())
-        restored.add_done_callback(lambda f: f.cancelled() or self._set_status(pb.ReplicaStatus.PRIMARY))
+
+        def promoted(f: asyncio.Future[Any]) -> None:
+            if not f.cancelled():
+                self._set_status(pb.ReplicaStatus.PRIMARY)
+
+        restored.add_done_callback(promoted)
         try:
             log.info("shard %s: primary here; restoring its store", self.id)
             await serve_primary(consumer.client, spec, consumer.app, stop, shard)
@@ -247,7 +253,7 @@ class ShardReplica:
         metrics.COMMIT_SECONDS.labels(self.id).observe(stats.committing)
         metrics.TXN_SECONDS.labels(self.id).observe(stats.consuming + stats.committing + stats.acknowledging)
 
-    def _set_status(self, code: int, error: str = "") -> None:
+    def _set_status(self, code: pb.ReplicaStatus.Code, error: str = "") -> None:
         self.status = pb.ReplicaStatus(code=code, errors=[error] if error else [])
         self._changed.set()
 
@@ -313,14 +319,14 @@ class Consumer(MemberProcess):
         self.state = State.from_keyspace(self.keyspace, SHARDS)
 
     def _add_servicer(self, server: grpc.aio.Server) -> None:
-        pb_grpc.add_ShardServicer_to_server(_Servicer(self), server)
+        pb_grpc.add_ShardServicer_to_server(_Servicer(self), server)  # type: ignore[no-untyped-call]  # generated gRPC code, untyped
 
     def _member_spec(self) -> pb.ConsumerSpec:
         return pb.ConsumerSpec(id=self.process_id, endpoint=self.endpoint, shard_limit=self.config.shard_limit)
 
     def _exiting_spec(self) -> pb.ConsumerSpec:
         spec = pb.ConsumerSpec()
-        spec.CopyFrom(self.spec)
+        spec.CopyFrom(cast(pb.ConsumerSpec, self.spec))  # (this process's: _member_spec's)
         spec.shard_limit, spec.exiting = 0, True
         return spec
 
@@ -473,7 +479,8 @@ class Consumer(MemberProcess):
 
     async def apply(self, req: pb.ShardApplyRequest) -> pb.ShardApplyResponse:
         root = self.config.root
-        compares, ops = [], []
+        compares: list[Compare] = []
+        ops: list[RequestOp] = []
         for i, change in enumerate(req.changes):
             if change.HasField("upsert"):
                 validate.shard_spec(change.upsert, f"changes[{i}].upsert")
@@ -500,7 +507,9 @@ class Consumer(MemberProcess):
 
     async def unassign(self, req: pb.UnassignRequest) -> pb.UnassignResponse:
         state = self.state
-        compares, ops, done = [], [], []
+        compares: list[Compare] = []
+        ops: list[RequestOp] = []
+        done: list[str] = []
         for i, shard_id in enumerate(req.shards):
             validate.shard_id(shard_id, f"shards[{i}]")
             if shard_id not in state.items:
@@ -524,13 +533,16 @@ class Consumer(MemberProcess):
         return pb.UnassignResponse(status=pb.OK, shards=done)
 
 
+_Answer = TypeVar("_Answer", pb.ShardApplyResponse, pb.UnassignResponse)
+
+
 class _Servicer(pb_grpc.ShardServicer):
     """gRPC entry points; bad input becomes INVALID_ARGUMENT naming the field."""
 
     def __init__(self, consumer: Consumer) -> None:
         self.consumer = consumer
 
-    async def Stat(self, request, context):
+    async def Stat(self, request: pb.StatRequest, context: grpc.aio.ServicerContext) -> pb.StatResponse:
         with counted(metrics.RPC_STATUS, "stat", context) as outcome:
             remaining = context.time_remaining()  # (answer before it passes, with what was read through)
             deadline = None if remaining is None else time.monotonic() + max(0.0, remaining - STAT_MARGIN)
@@ -543,7 +555,7 @@ class _Servicer(pb_grpc.ShardServicer):
             outcome.append(resp.status)
             return resp
 
-    async def List(self, request, context):
+    async def List(self, request: pb.ShardListRequest, context: grpc.aio.ServicerContext) -> pb.ShardListResponse:
         with counted(metrics.RPC_STATUS, "list", context) as outcome:
             try:
                 validate.selector(request.selector)
@@ -552,13 +564,13 @@ class _Servicer(pb_grpc.ShardServicer):
             outcome.append(pb.OK)
             return self.consumer.list_response(request.selector)
 
-    async def Apply(self, request, context):
+    async def Apply(self, request: pb.ShardApplyRequest, context: grpc.aio.ServicerContext) -> pb.ShardApplyResponse:
         return await self._answer("apply", context, self.consumer.apply(request))
 
-    async def Unassign(self, request, context):
+    async def Unassign(self, request: pb.UnassignRequest, context: grpc.aio.ServicerContext) -> pb.UnassignResponse:
         return await self._answer("unassign", context, self.consumer.unassign(request))
 
-    async def _answer(self, rpc: str, context, call) -> Any:
+    async def _answer(self, rpc: str, context: grpc.aio.ServicerContext, call: Awaitable[_Answer]) -> _Answer:
         """An RPC that changes etcd: bad input is INVALID_ARGUMENT, an unreachable etcd UNAVAILABLE."""
         with counted(metrics.RPC_STATUS, rpc, context) as outcome:
             try:

@@ -89,7 +89,7 @@ class _Waiting:
             self.warned = time.monotonic()
 
 
-def _retry_for(seconds: float, stop: threading.Event):  # -> Callable[[int], bool]
+def _retry_for(seconds: float, stop: threading.Event) -> Callable[[int], bool]:
     """A busy handler retrying every millisecond for `seconds` (apsw calls it with the tries so far),
     unless `stop` is set (its statement then fails with BusyError at once)."""
     started: list[float] = []
@@ -130,7 +130,9 @@ class Store(Protocol):
     """What a shard commits through (see the module docstring)."""
 
     async def restore_checkpoint(self, shard: str) -> pb.Checkpoint: ...
-    async def start_commit(self, shard: str, checkpoint: pb.Checkpoint, wait_for: Iterable[Awaitable] = ()) -> None: ...
+    async def start_commit(
+        self, shard: str, checkpoint: pb.Checkpoint, wait_for: Iterable[Awaitable[object]] = ()
+    ) -> None: ...
     def destroy(self) -> None: ...
 
 
@@ -235,7 +237,9 @@ class SQLiteStore:
             raise
         return fence, bytes(raw)
 
-    async def start_commit(self, shard: str, checkpoint: pb.Checkpoint, wait_for: Iterable[Awaitable] = ()) -> None:
+    async def start_commit(
+        self, shard: str, checkpoint: pb.Checkpoint, wait_for: Iterable[Awaitable[object]] = ()
+    ) -> None:
         """Commit the open transaction with `checkpoint`, once every `wait_for` has succeeded (if one
         failed, the transaction is rolled back and its error raised). FenceError if a newer primary
         restored the shard since this store did."""
@@ -378,7 +382,9 @@ class PostgresStore:
             await conn.rollback()
             return False
 
-    async def start_commit(self, shard: str, checkpoint: pb.Checkpoint, wait_for: Iterable[Awaitable] = ()) -> None:
+    async def start_commit(
+        self, shard: str, checkpoint: pb.Checkpoint, wait_for: Iterable[Awaitable[object]] = ()
+    ) -> None:
         """Commit the open transaction with `checkpoint`, once every `wait_for` has succeeded (else it is
         rolled back and the failure raised); FenceError if a newer primary restored the shard."""
         await self.begin()

@@ -21,6 +21,7 @@ from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import TidingsError
 
 if TYPE_CHECKING:
+    from tidings.client import AppendResult
     from tidings.consumer.shard import Application, Shard
 
 __all__ = ["OutputFailedError", "Transactions", "TxnStats", "called", "checkpoint_from_proto", "checkpoint_to_proto"]
@@ -111,8 +112,9 @@ class Transactions:
         self.min_dur, self.max_dur = spec.min_txn_duration_ms / 1000, spec.max_txn_duration_ms / 1000
         self.wait_for_ack = not spec.disable_wait_for_ack
         self.reads: asyncio.Queue[_Read | BaseException] = asyncio.Queue(READ_AHEAD)
-        self.upcoming: asyncio.Task | None = None  # a get from `reads`: never cancelled mid-transaction
-        self.acks: asyncio.Future | None = None  # the last transaction's ACK appends
+        # A get from `reads`: never cancelled mid-transaction.
+        self.upcoming: asyncio.Task[_Read | BaseException] | None = None
+        self.acks: asyncio.Future[list[AppendResult]] | None = None  # the last transaction's ACK appends
         self.idle: Checkpoint | None = None  # progress read outside a transaction, reported after `acks`
         self.closed_at = -1  # generation of the last chunk the last transaction consumed (Gazette's ClearPending)
 
@@ -183,11 +185,11 @@ class Transactions:
             raise item
         return item
 
-    def _waits(self, stopped: asyncio.Future) -> list[asyncio.Future]:
+    def _waits(self, stopped: asyncio.Future[Any]) -> list[asyncio.Future[Any]]:
         """What a wait for the next chunk also wakes for: the stop, and the last transaction's ACKs
         (written: the transaction may close; failed: the shard fails, idle or not)."""
         self.upcoming = self.upcoming or asyncio.ensure_future(self.reads.get())
-        waits = [self.upcoming, stopped]
+        waits: list[asyncio.Future[Any]] = [self.upcoming, stopped]
         if self.acks is not None and not self.acks.done():
             waits.append(self.acks)
         return waits
@@ -198,7 +200,7 @@ class Transactions:
         else:
             self.idle = checkpoint
 
-    async def _transaction(self, read: _Read, stopped: asyncio.Future) -> None:
+    async def _transaction(self, read: _Read, stopped: asyncio.Future[Any]) -> None:
         shard, app, store, publisher = self.shard, self.app, self.store, self.publisher
         began = time.monotonic()
         if hasattr(store, "begin"):
@@ -260,7 +262,7 @@ class Transactions:
             except TidingsError as exc:
                 raise OutputFailedError(self.shard.spec.id, journal, exc) from exc
 
-    async def _next_read(self, began: float, last: _Read, stopped: asyncio.Future) -> _Read | None:
+    async def _next_read(self, began: float, last: _Read, stopped: asyncio.Future[Any]) -> _Read | None:
         """The next chunk for this transaction, or None to close it (step 2 of the module docstring)."""
         while True:
             elapsed = time.monotonic() - began
@@ -278,7 +280,9 @@ class Transactions:
             until = self.min_dur if elapsed < self.min_dur else self.max_dur
             await asyncio.wait(self._waits(stopped), timeout=until - elapsed, return_when=asyncio.FIRST_COMPLETED)
 
-    def _acked(self, checkpoint: Checkpoint, stats: TxnStats, committed: float, acks: asyncio.Future) -> None:
+    def _acked(
+        self, checkpoint: Checkpoint, stats: TxnStats, committed: float, acks: asyncio.Future[list[AppendResult]]
+    ) -> None:
         if acks.cancelled() or acks.exception() is not None:
             return  # (the next transaction's commit, or the stop, raises it)
         stats.acknowledging = time.monotonic() - committed

@@ -24,6 +24,7 @@ tidings' stream writer then sends the next batch once its previous write is done
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from tidings.logplayer.target_queue import Entry, QueueState, TargetQueue
 
@@ -63,7 +64,7 @@ class Dispatcher:
     def dispatch(
         self,
         index: int,
-        parts: Mapping[str, tuple],
+        parts: Mapping[str, tuple[Any, ...]],
         *,
         normal: bool = True,
         term: int = 0,
@@ -93,8 +94,8 @@ class Dispatcher:
             self._dummies()
 
     def dispatch_recovery(
-        self, target: str, index: int, mutations: tuple, term: int, committed_ns: int = 0, dispatched_ns: int = 0,
-        size: int = 0,
+        self, target: str, index: int, mutations: tuple[Any, ...], term: int, committed_ns: int = 0,
+        dispatched_ns: int = 0, size: int = 0,
     ) -> None:  # fmt: skip
         """Queue `target`'s part of the entry at `index` for its recovery stream of `term`."""
         self.dispatch(index, {target: mutations}, normal=False, term=term, committed_ns=committed_ns,

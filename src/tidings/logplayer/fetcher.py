@@ -204,7 +204,11 @@ async def recover(
                                              time.time_ns(), env.end - env.begin)  # fmt: skip
         if queue.term != term or queue.state is QueueState.SUSPENDED:  # (failed again: this term is over)
             return False
-        while len(queue.catchup) >= high_water and queue.term == term and queue.state is not QueueState.SUSPENDED:
+        while (
+            queue.state is not QueueState.SUSPENDED  # type: ignore[comparison-overlap]  # (it changes while we wait)
+            and queue.term == term
+            and len(queue.catchup) >= high_water
+        ):
             room.clear()
             await room.wait()
     return _completed(dispatcher, queue, target, term)

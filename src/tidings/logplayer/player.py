@@ -100,9 +100,9 @@ async def last_acks(targets: Targets, timeout: float = 2.0) -> dict[str, pb.Last
     async def ask(target_id: str, endpoint: str) -> pb.LastAckResponse | str:
         try:
             async with grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS) as channel:
-                return await pb_grpc.TargetStub(channel).GetLastAck(
-                    pb.LastAckRequest(target=target_id), timeout=timeout
-                )
+                stub = pb_grpc.TargetStub(channel)  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
+                resp: pb.LastAckResponse = await stub.GetLastAck(pb.LastAckRequest(target=target_id), timeout=timeout)
+                return resp
         except grpc.aio.AioRpcError as exc:
             return f"{exc.code().name}: {exc.details()}"
 

@@ -130,7 +130,7 @@ class TargetLink:
 
     async def _connection(self) -> None:
         async with grpc.aio.insecure_channel(self.target.endpoint, options=CHANNEL_OPTIONS) as channel:
-            call = pb_grpc.TargetStub(channel).Deliver()
+            call = pb_grpc.TargetStub(channel).Deliver()  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
             try:
                 await asyncio.wait_for(self._open(call), self.ack_timeout)
                 tasks = [

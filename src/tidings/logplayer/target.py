@@ -154,7 +154,7 @@ class TargetStore:
 
     def applied_log(self) -> list[tuple[int, int, int, int, int]]:
         """The apply log: (index, mutations, committed_ns, dispatched_ns, received_ns) in apply order."""
-        return [tuple(r) for r in self.db.execute(  # type: ignore[misc]
+        return [tuple(r) for r in self.db.execute(
             "SELECT idx, mutations, committed_ns, dispatched_ns, received_ns FROM applied ORDER BY seq"
         )]  # fmt: skip
 
@@ -176,7 +176,7 @@ class TargetService(pb_grpc.TargetServicer):
         self._last_applied = LAST_APPLIED.labels(target)
         self._last_applied.set(store.last_applied)
 
-    def _refuse(self, status: int, detail: str) -> pb.DeliverResponse:
+    def _refuse(self, status: pb.Status, detail: str) -> pb.DeliverResponse:
         log.warning("target %s: %s: %s", self.target, pb.Status.Name(status), detail)
         BATCHES.labels(self.target, pb.Status.Name(status)).inc()
         return pb.DeliverResponse(status=status, last_applied=self.store.last_applied, detail=detail)
@@ -217,7 +217,7 @@ class TargetService(pb_grpc.TargetServicer):
         yield pb.DeliverResponse(status=pb.OK, last_applied=last)
         async for req in requests:
             received = time.time_ns()
-            refusal: tuple[int, str] | None = None
+            refusal: tuple[pb.Status, str] | None = None
             async with self._applying:
                 holder, key = self._holder or (None, mine)
                 if holder is not token:
@@ -261,7 +261,7 @@ def load_apply(ref: str) -> ApplyFn:
     if not module or not name:
         raise UsageError(f"--apply {ref!r} is not module:function")
     try:
-        fn = getattr(importlib.import_module(module), name)
+        fn: ApplyFn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
         raise UsageError(f"--apply {ref!r}: {exc}") from None
     if not callable(fn):
@@ -299,7 +299,9 @@ class TargetServer:
             self.store = await asyncio.to_thread(TargetStore, self.db, self.apply, log_applied=self.log_applied)
             undo.callback(self.store.close)
             self._server = grpc.aio.server(options=MESSAGE_OPTIONS)  # (a batch of one 64 MiB entry fits)
-            pb_grpc.add_TargetServicer_to_server(TargetService(self.target, self.store), self._server)
+            pb_grpc.add_TargetServicer_to_server(  # type: ignore[no-untyped-call]  # generated gRPC code, untyped
+                TargetService(self.target, self.store), self._server
+            )
             self.endpoint = listen_grpc(self._server, self.listen, f"target {self.target}")
             host, port = self.endpoint.rsplit(":", 1)
             await self._server.start()

@@ -178,7 +178,7 @@ class WalWriter:
             if self._framing is None:
                 self._framing = await journal_framing(self.client, self.wal)
             if entry is None:
-                entry = self.prepare(txn)  # type: ignore[arg-type]
+                entry = self.prepare(txn)  # type: ignore[arg-type]  # (entry is None: txn is no WalEntry)
             unknown = [t for t in entry.parts if t not in self.targets.by_id]
             if unknown:
                 raise ValidationError("", f"the transaction names targets {unknown} that targets.yaml does not declare")
