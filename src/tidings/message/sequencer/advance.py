@@ -26,7 +26,7 @@ class _AdvancePath:
     _offsets: dict[str, int]
     _reread: dict[str, int]
 
-    def advance(self, journal: str, begins: Sequence[int], ends: Sequence[int], uuids: Any) -> None:
+    def advance(self, journal: str, begins: Sequence[int], ends: Sequence[int], uuids: Any) -> None:  # noqa: C901  (one pass per message, inlined for speed: the rules are in rules.py)
         """Account for `journal`'s next messages, [begins[i], ends[i]) with UUID ``uuids[i]`` (its 128-bit
         int; None for none), as :meth:`queue` and :meth:`dequeue` would, delivering none: afterwards
         :meth:`checkpoint` is what it would be had they been read committed. For a planner that wants

@@ -151,7 +151,7 @@ class Sequencer(_BatchPath, _AdvancePath):
         u = env.uuid
         return self._queue(env, None if u is None else uuid_fields(u.int))
 
-    def _queue(self, env: Envelope, fields: tuple[int, int, int] | None) -> Replay | None:
+    def _queue(self, env: Envelope, fields: tuple[int, int, int] | None) -> Replay | None:  # noqa: C901  (the per-message hot path, inlined: the rules are in rules.py)
         """`queue` of an envelope whose UUID fields (or None) are already unpacked."""
         journal = env.journal
         offsets = self._offsets
