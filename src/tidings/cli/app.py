@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import importlib
 import sys
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.markup import escape
@@ -88,15 +88,44 @@ def __getattr__(name: str) -> typer.Typer:
     raise AttributeError(name)
 
 
+# One-shot client commands: once one is done, the process ends without the interpreter's teardown
+# (gRPC's shutdown of its threads and channels costs ~0.15 s a call); servers and Spark end as usual.
+FAST_EXIT = frozenset({"journals", "publish", "members", "status", "shards", "wal", "targets"})
+
+
 def main() -> None:
     """Entry point: run the app, turning TidingsErrors into one clear line and exit code 1 (2 for
     input that is invalid, a usage error: a spec field, a journal name, a flag)."""
+    name = sys.argv[1] if len(sys.argv) > 1 else ""
     try:
-        application(sys.argv[1] if len(sys.argv) > 1 else "")()
+        application(name)()
     except TidingsError as exc:
         # escape: "[s3]" in "pip install 'tidings[s3]'" is text, not markup; soft_wrap: one line, however long
         err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        raise SystemExit(2 if isinstance(exc, ValidationError) else 1) from None
+        code: int = 2 if isinstance(exc, ValidationError) else 1
+    except SystemExit as exc:
+        if name not in FAST_EXIT or not isinstance(exc.code, int | None):
+            raise
+        code = exc.code or 0
+    else:
+        code = 0
+    if name not in FAST_EXIT:
+        raise SystemExit(code)
+    _exit_now(code)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End the process with `code` once stdout and stderr are written, skipping the teardown."""
+    import logging
+    import os
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # (a closed pipe: nobody reads it any more)
+            pass
+    logging.shutdown()
+    os._exit(code)
 
 
 if __name__ == "__main__":
