@@ -122,8 +122,10 @@ def _exit_now(code: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # (a closed pipe: nobody reads it any more)
+        except BrokenPipeError:  # (nobody reads it any more)
             pass
+        except (OSError, ValueError):  # (a full disk, EIO: the output is lost, so is the exit code 0)
+            code = code or 120  # (what Python's own exit says when its final flush fails)
     logging.shutdown()
     os._exit(code)
 
