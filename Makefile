@@ -43,14 +43,14 @@ demo: install
 # The tests start hundreds of Python processes (brokers, consumers, the CLI, Spark workers): each
 # reads the project's bytecode instead of compiling it again (~0.15 s a broker), whatever
 # PYTHONDONTWRITEBYTECODE the environment sets (__pycache__ is ignored by git).
-test: install
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check src tests bench examples models
+test: lint
 	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest -q -p no:cacheprovider
 
+# Ruff, and mypy strict on src/tidings (pyproject's [tool.mypy]; every `type: ignore` says why).
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check src tests bench examples models
+	$(VENV)/bin/mypy
 
 # Regenerate the committed protobuf code (tests/protocol/test_protocol.py checks it is current).
 proto: $(STAMP)

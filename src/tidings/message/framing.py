@@ -106,7 +106,7 @@ def columns_of(records: list[Record]) -> Columns:
     """Records as Columns: the frames' fields as parallel lists, the garbage apart."""
     frames = [r for r in records if type(r) is Frame]
     garbage = [r for r in records if type(r) is Garbage]
-    return Columns([f.begin for f in frames], [f.end for f in frames], [f.value for f in frames], garbage)  # type: ignore[arg-type]
+    return Columns([f.begin for f in frames], [f.end for f in frames], [f.value for f in frames], garbage)
 
 
 # --- Message UUID adaptors ------------------------------------------------------------------------------------
@@ -491,7 +491,7 @@ class Decoder:
 
 
 class _NdjsonDecoder(Decoder):
-    def __init__(self, decoder: msgspec.json.Decoder, max_message_size: int, offset: int) -> None:
+    def __init__(self, decoder: msgspec.json.Decoder[Any], max_message_size: int, offset: int) -> None:
         super().__init__(max_message_size, offset)
         self._decode = decoder.decode
         self._decode_lines = decoder.decode_lines
@@ -587,7 +587,7 @@ class _FixedDecoder(Decoder):
             return Frame(begin, end, payload.tobytes())
         msg = mtype()
         try:
-            msg.ParseFromString(payload)
+            msg.ParseFromString(payload)  # type: ignore[arg-type]  # (any buffer parses: no copy of the payload)
         except _ProtoDecodeError as exc:
             return Garbage(begin, end, f"protobuf decode ({mtype.DESCRIPTOR.full_name}): {exc}")
         return Frame(begin, end, msg)

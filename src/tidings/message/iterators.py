@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
 from contextlib import aclosing
 from itertools import repeat
 from typing import Any
@@ -115,16 +115,16 @@ class ReadUncommitted:
             return self.client.iterate(self._envelope_batches)
         return self._envelope_batches()
 
-    async def _envelopes(self) -> AsyncIterator[Envelope]:
+    async def _envelopes(self) -> AsyncGenerator[Envelope, None]:
         async with aclosing(self._envelope_batches()) as batches:  # (closing us closes the journals' readers)
             async for batch in batches:
                 for env in batch:
                     yield env
 
-    def _envelope_batches(self) -> AsyncIterator[list[Envelope]]:
+    def _envelope_batches(self) -> AsyncGenerator[list[Envelope], None]:
         return self._batches()
 
-    async def _batches(self) -> AsyncIterator[list[Envelope]]:
+    async def _batches(self) -> AsyncGenerator[list[Envelope], None]:
         """Batches of envelopes (one per content chunk), from all journals, each journal in order."""
         if len(self.journals) == 1:
             journal = self.journals[0]
@@ -163,7 +163,7 @@ class ReadUncommitted:
 
     async def _journal_batches(
         self, journal: str, offset: int, end_offset: int = 0, *, replay: bool = False
-    ) -> AsyncIterator[list[Envelope]]:
+    ) -> AsyncGenerator[list[Envelope], None]:
         async with aclosing(self._journal_columns(journal, offset, end_offset)) as chunks:
             async for columns in chunks:
                 batch = self._envelopes_of(journal, columns, replay)
@@ -172,7 +172,7 @@ class ReadUncommitted:
                         self.offsets[journal] = batch[-1].end
                     yield batch
 
-    async def _journal_columns(self, journal: str, offset: int, end_offset: int = 0) -> AsyncIterator[Columns]:
+    async def _journal_columns(self, journal: str, offset: int, end_offset: int = 0) -> AsyncGenerator[Columns, None]:
         """Each chunk read, decoded: its messages' offsets and values, and its garbage."""
         decoder = (await journal_framing(self._aio, journal)).decoder(self.message_type, offset)
         on_jump = None if self.on_jump is None else functools.partial(self.on_jump, journal)
@@ -184,7 +184,7 @@ class ReadUncommitted:
                 yield decoder.feed_columns(chunk.content, chunk.offset)
         yield columns_of(decoder.finish())
 
-    async def columns(self, journal: str) -> AsyncIterator[Columns]:
+    async def columns(self, journal: str) -> AsyncGenerator[Columns, None]:
         """`journal`'s messages as decoded Columns, a chunk at a time (garbage reported): for a caller
         that needs no envelopes, such as a planner that only sums up UUIDs (`Sequencer.advance`)."""
         async with aclosing(
@@ -302,7 +302,7 @@ class ReadCommitted(ReadUncommitted):
         """Where this reader stands: a reader built with it yields exactly the messages not yet yielded."""
         return self.sequencer.checkpoint()
 
-    async def _envelopes(self) -> AsyncIterator[Envelope]:
+    async def _envelopes(self) -> AsyncGenerator[Envelope, None]:
         """One message at a time: each counts as delivered (for `checkpoint()`) once it is yielded."""
         seq = self.sequencer
         async with aclosing(self._batches()) as batches:
@@ -314,7 +314,7 @@ class ReadCommitted(ReadUncommitted):
                     while (committed := seq.step()) is not None:
                         yield committed
 
-    async def _envelope_batches(self) -> AsyncIterator[list[Envelope]]:
+    async def _envelope_batches(self) -> AsyncGenerator[list[Envelope], None]:
         """A list at a time: a whole batch counts as delivered once it is yielded (checkpoint between batches)."""
         seq = self.sequencer
         async with aclosing(self._batches()) as batches:

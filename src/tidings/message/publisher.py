@@ -48,6 +48,7 @@ import random
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+from uuid import UUID
 
 import msgspec
 from google.protobuf.message import Message as _ProtoMessage
@@ -351,7 +352,9 @@ class Publisher:
         framing = self._framings[journal] = await journal_framing(self.service.client, journal, spec)
         return framing
 
-    async def _publish(self, mapping: Mapping | str, messages: tuple[Any, ...], flags: int) -> asyncio.Future:
+    async def _publish(
+        self, mapping: Mapping | str, messages: tuple[Any, ...], flags: int
+    ) -> asyncio.Future[list[AppendResult]]:
         if not messages:
             return _all([])
         groups: dict[str, list[Any]] = {}
@@ -377,7 +380,7 @@ class Publisher:
                     set_str(msg, u)
             else:
                 last_type: type | None = None
-                setter = set_uuid
+                setter: Callable[[Any, UUID], None] = set_uuid
                 for msg, clock in zip(msgs, mine, strict=True):  # (the setter is looked up once per type)
                     if type(msg) is not last_type:
                         last_type = type(msg)
@@ -440,7 +443,7 @@ def _listed(fut: asyncio.Future[AppendResult]) -> asyncio.Future[list[AppendResu
     return out
 
 
-def _done(value: Any) -> asyncio.Future:
+def _done(value: list[AppendResult]) -> asyncio.Future[list[AppendResult]]:
     fut = asyncio.get_running_loop().create_future()
     fut.set_result(value)
     return fut

@@ -13,6 +13,7 @@ import functools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
+from uuid import UUID
 
 import msgspec
 import pyarrow as pa
@@ -198,7 +199,7 @@ def whole_at(c: Client, journal: str, offset: int, content_type: str | None = ND
     return (content_type or NDJSON) == NDJSON and (offset == 0 or c.read_all(journal, offset - 1, offset) == b"\n")
 
 
-def _no_uuids(values: list[Any]) -> list[None]:
+def _no_uuids(values: list[Any]) -> list[UUID | None]:
     """Uncommitted reads of raw rows look at no UUID."""
     return [None] * len(values)
 

@@ -57,7 +57,7 @@ METADATA = ("journal", "offset", "uuid", "producer", "clock")
 CORRUPT = "_corrupt"
 RAW_DDL = "journal STRING NOT NULL, offset BIGINT NOT NULL, value BINARY NOT NULL"
 
-_INT_RANGES = {ByteType: 8, ShortType: 16, IntegerType: 32, LongType: 64}
+_INT_RANGES: dict[type[DataType], int] = {ByteType: 8, ShortType: 16, IntegerType: 32, LongType: 64}
 _BUILTINS = (datetime.datetime, datetime.date, decimal.Decimal, bytes, bytearray)
 
 
@@ -87,9 +87,9 @@ def _field_type(dt: DataType, where: str) -> Any:
     elif isinstance(dt, DateType):
         t = datetime.date
     elif isinstance(dt, ArrayType):
-        t = list[_field_type(dt.elementType, f"{where}[]")]  # type: ignore[misc]
+        t = list[_field_type(dt.elementType, f"{where}[]")]  # type: ignore[misc]  # (a type built at run time, for msgspec)
     elif isinstance(dt, MapType) and isinstance(dt.keyType, StringType):
-        t = dict[str, _field_type(dt.valueType, f"{where}{{}}")]  # type: ignore[misc]
+        t = dict[str, _field_type(dt.valueType, f"{where}{{}}")]  # type: ignore[misc]  # (a type built at run time, for msgspec)
     elif isinstance(dt, StructType):
         t = _struct_type(dt, where)
     else:
@@ -276,8 +276,8 @@ class RowBuilder:
         names = schema.fieldNames()
         self.body = StructType([f for f in schema.fields if f.name not in METADATA and f.name != CORRUPT])
         self.struct = _struct_type(self.body, with_uuid=True)
-        self._decode_all = msgspec.json.Decoder(list[self.struct]).decode  # type: ignore[name-defined]
-        self._decode_one = msgspec.json.Decoder(self.struct).decode
+        self._decode_all = msgspec.json.Decoder(list[self.struct]).decode  # type: ignore[name-defined]  # (a run-time type)
+        self._decode_one: Callable[[bytes], Any] = msgspec.json.Decoder(self.struct).decode
         body_index = {f.name: i for i, f in enumerate(self.body.fields)}
         self._columns: list[Column] = []
         for name, field in zip(names, schema.fields, strict=True):
@@ -341,10 +341,7 @@ class RowBuilder:
 
     def _batch(self, envs: Sequence[Any], msgs: Sequence[Any]) -> pa.RecordBatch:
         rows = _Rows(envs, msgs)
-        arrays = [
-            pa.array(col(rows), type=field.type)
-            for col, field in zip(self._columns, self.arrow, strict=True)  # type: ignore[arg-type]
-        ]
+        arrays = [pa.array(col(rows), type=field.type) for col, field in zip(self._columns, self.arrow, strict=True)]
         return pa.RecordBatch.from_arrays(arrays, schema=self.arrow)
 
     def corrupt(self, rows: Sequence[tuple[str, int, str]]) -> pa.RecordBatch:

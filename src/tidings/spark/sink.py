@@ -120,11 +120,11 @@ def publish_rows(opts: SinkOptions, rows: Iterator[Any]) -> Acks:
     return Acks([(i.journal, i.content) for i in intents])
 
 
-def _message(row: Any, timestamps: tuple[str, ...]) -> dict:
+def _message(row: Any, timestamps: tuple[str, ...]) -> dict[str, Any]:
     """A row as a message. PySpark hands TIMESTAMP values over as naive local times: they are
     written with their UTC offset (RFC 3339), so the source, which reads naive times as UTC, gets
     the same instant back."""
-    d = row.asDict(recursive=True)
+    d: dict[str, Any] = row.asDict(recursive=True)
     for name in timestamps:
         t = d.get(name)
         if t is not None and t.tzinfo is None:
@@ -136,7 +136,7 @@ async def _publish(pub: Publisher, opts: SinkOptions, rows: list[Any]) -> list[A
     journal, timestamps = opts.journal, opts.timestamps
     if journal is not None:
         return [await pub.publish_uncommitted(journal, *(_message(r, timestamps) for r in rows))]
-    groups: dict[str, list[dict]] = {}
+    groups: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         d = _message(r, timestamps)
         target = d.pop("journal")
@@ -188,10 +188,10 @@ class TidingsWriter(DataSourceWriter):
     def write(self, iterator: Iterator[Any]) -> Acks:
         return publish_rows(self.options, iterator)
 
-    def commit(self, messages: list[WriterCommitMessage | None]) -> None:  # type: ignore[override]
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         write_acks(self.options, _intents_of(messages))
 
-    def abort(self, messages: list[WriterCommitMessage | None]) -> None:  # type: ignore[override]
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         log.warning("write to tidings aborted: its rows stay unacknowledged (never read committed)")
 
 
@@ -204,7 +204,7 @@ class TidingsStreamWriter(DataSourceStreamWriter):
     def write(self, iterator: Iterator[Any]) -> Acks:
         return publish_rows(self.options, iterator)
 
-    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # type: ignore[override]
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         assert self.options.checkpoint is not None
         write_acks(self.options, record_intents(self.options.checkpoint, batchId, _intents_of(messages)))
         fs, root = fsspec.core.url_to_fs(self.options.checkpoint.rstrip("/") + "/tidings-sink")
@@ -217,7 +217,7 @@ class TidingsStreamWriter(DataSourceStreamWriter):
             if name.isdigit() and int(name) < batchId:
                 fs.rm(tmp)
 
-    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # type: ignore[override]
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         log.warning("batch %d aborted: its rows stay unacknowledged (never read committed)", batchId)
 
 

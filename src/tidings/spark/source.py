@@ -102,7 +102,7 @@ class TidingsBatchReader(DataSourceReader):
         ranges.append(JournalRange(name, content_type, state.read_through, end, producers))
         return ranges
 
-    def read(self, partition: JournalRange) -> Iterator[pa.RecordBatch]:  # type: ignore[override]
+    def read(self, partition: JournalRange) -> Iterator[pa.RecordBatch]:  # type: ignore[override]  # (our partitions)
         return read_partition(self.options, self.schema_json, partition)
 
 

@@ -39,6 +39,7 @@ import functools
 import logging
 import time
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import msgspec
 import pyarrow as pa
@@ -135,7 +136,7 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     # -- Spark's calls ----------------------------------------------------------------------------
 
     @_one_line
-    def initialOffset(self) -> dict:
+    def initialOffset(self) -> dict[str, Any]:
         self._usable()
         journals = {}
         for name in self._journals():
@@ -160,7 +161,7 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._found[journal]
 
     @_one_line
-    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         self._usable()
         begun = _checkpoint(start)
         found = {
@@ -263,7 +264,7 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return Checkpoint(journals)
 
     @_one_line
-    def partitions(self, start: dict, end: dict) -> list[JournalRange]:
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[JournalRange]:
         self._usable()  # (a restart re-plans its last batch before asking for offsets)
         begun, reached = _checkpoint(start), _checkpoint(end)
         begins = end.get(BEGINS, {})
@@ -293,10 +294,10 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         found = self.client.describe(name)
         return found.spec if found is not None else None
 
-    def read(self, partition: JournalRange) -> Iterator[pa.RecordBatch]:  # type: ignore[override]
+    def read(self, partition: JournalRange) -> Iterator[pa.RecordBatch]:  # type: ignore[override]  # (our partitions)
         return read_partition(self.options, self.schema_json, partition)
 
-    def commit(self, end: dict) -> None:
+    def commit(self, end: dict[str, Any]) -> None:
         pass  # nothing to clean up: offsets live in Spark's checkpoint, the bytes in the journals
 
     def stop(self) -> None:
@@ -305,13 +306,13 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._client = None
 
 
-def _checkpoint(offset: dict) -> Checkpoint:
+def _checkpoint(offset: dict[str, Any]) -> Checkpoint:
     return msgspec.convert(offset, Checkpoint)
 
 
-def _offset(cp: Checkpoint, begins: dict[str, int] | None = None) -> dict:
+def _offset(cp: Checkpoint, begins: dict[str, int] | None = None) -> dict[str, Any]:
     """Spark's offset: the checkpoint, and where journals first found in this batch begin (BEGINS)."""
-    offset = msgspec.to_builtins(cp)
+    offset: dict[str, Any] = msgspec.to_builtins(cp)
     if begins:
         offset[BEGINS] = begins
     return offset

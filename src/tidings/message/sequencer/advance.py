@@ -77,6 +77,7 @@ class _AdvancePath:
                 if flags == CONTINUE_TXN and p is not None and 0 <= p.begin <= begin and clock > p.max_clock:
                     p.max_clock = clock
                 continue
+            assert p is not None  # (found or made above: end > reread)
             if flags == CONTINUE_TXN:
                 if clock > p.max_clock:
                     if p.begin == -1:

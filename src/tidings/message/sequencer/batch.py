@@ -70,7 +70,7 @@ class _BatchPath:
                     if x & _OUTSIDE_MASK == _OUTSIDE_BITS:
                         if env.journal is not journal and env.journal != journal:
                             if through >= 0:
-                                offsets[journal] = max(offsets[journal], through)  # type: ignore[index]
+                                offsets[journal] = max(offsets[journal], through)  # type: ignore[index]  # (through >= 0: journal set)
                                 through = -1
                             journal = env.journal
                             known = {}
@@ -96,7 +96,7 @@ class _BatchPath:
                                     append(env)
                                     continue
                 if through >= 0:  # (queue() reads the offsets)
-                    offsets[journal] = max(offsets[journal], through)  # type: ignore[index]
+                    offsets[journal] = max(offsets[journal], through)  # type: ignore[index]  # (through >= 0: journal set)
                     through = -1
                 fields = None if u is None else uuid_fields(u.int)
                 if queue(env, fields) is not None:
@@ -108,7 +108,7 @@ class _BatchPath:
             return i
         finally:
             if through >= 0:
-                offsets[journal] = max(offsets[journal], through)  # type: ignore[index]
+                offsets[journal] = max(offsets[journal], through)  # type: ignore[index]  # (through >= 0: journal set)
             if delivered:
                 self._delivered += delivered
                 self._outcomes[_OUTSIDE_COMMIT] += delivered

@@ -162,7 +162,8 @@ class Sequencer(_BatchPath, _AdvancePath):
             read_through = self._reread.get(journal)
             if read_through is not None:
                 if env.end <= read_through:
-                    return self._queue_reread(env, fields)
+                    self._queue_reread(env, fields)
+                    return None
                 del self._reread[journal]
         if fields is None or fields[1] == 0:
             if u is not None and u.int:
@@ -206,7 +207,8 @@ class Sequencer(_BatchPath, _AdvancePath):
                 outcome = QueueOutcome.ACK_EMPTY
             else:
                 p.max_clock = clock
-                first = -1 if p.ring_start == -1 else self._ring[p.ring_start][0].begin
+                oldest = None if p.ring_start == -1 else self._ring[p.ring_start]
+                first = -1 if oldest is None else oldest[0].begin
                 if first == p.begin:
                     return self._commit(QueueOutcome.ACK_COMMIT_RING, p, env, None)
                 replay = Replay(journal, p.begin, env.begin if first == -1 else first)
@@ -388,7 +390,9 @@ class Sequencer(_BatchPath, _AdvancePath):
                 head = p.ring_start
                 if head == -1:
                     return None
-                env, _, clock = self._ring[head]
+                entry = self._ring[head]
+                assert entry is not None  # (a partial's ring indices point at filled slots)
+                env, _, clock = entry
                 p.ring_start = self._next[head]
             # Mirror live queueing: a CONTINUE_TXN counts only if its clock is above every earlier one.
             if clock <= self._seen_max:
