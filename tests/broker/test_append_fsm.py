@@ -739,6 +739,21 @@ async def test_validate_preconditions_fragment_store(broker, tmp_path):
     assert outcome(fsm)[:2] == (S.ERROR, "FRAGMENT_STORE_UNHEALTHY")
     assert fsm.error.startswith(f"listing {blocked}: NotADirectoryError")
 
+    # Case: the spec dropped the journal's stores since that listing failed: the same status, naming the
+    # store whose listing failed (never an internal error), until a listing (of no store) succeeds.
+    await broker.edit_spec("b/journal", lambda spec: spec.fragment.ClearField("stores"))
+    assert broker.replica("b/journal").stores == []
+    fsm = broker.fsm("b/journal")
+    await fsm.run_to(S.VALIDATE_PRECONDITIONS)
+    assert await step(fsm, S.VALIDATE_PRECONDITIONS) is S.ERROR
+    assert outcome(fsm)[:2] == (S.ERROR, "FRAGMENT_STORE_UNHEALTHY")
+    assert fsm.error.startswith(f"listing {blocked}: NotADirectoryError")
+    await broker.replica("b/journal").refresh_now()
+    fsm = broker.fsm("b/journal")
+    await fsm.run_to(S.VALIDATE_PRECONDITIONS)
+    assert await step(fsm, S.VALIDATE_PRECONDITIONS) is S.STREAM_CONTENT
+    fsm.abort()
+
 
 # -- suspension: VALIDATE_PRECONDITIONS and UPDATE_SUSPEND -------------------------------------------
 

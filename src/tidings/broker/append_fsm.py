@@ -528,7 +528,8 @@ class AppendFSM:
                 return S.RESOLVE
             store_error = ready.result()
         if store_error is not None:
-            return self._fail(pb.FRAGMENT_STORE_UNHEALTHY, f"listing {replica.stores[0]}: {store_error}")
+            # (the store whose listing failed: the spec may have changed the journal's stores since)
+            return self._fail(pb.FRAGMENT_STORE_UNHEALTHY, f"listing {replica.failed_store}: {store_error}")
         spool = self.spool
         req = self.req
         if req.check_registers.include.labels or req.check_registers.exclude.labels:

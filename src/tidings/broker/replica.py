@@ -104,6 +104,7 @@ class Replica:
         self.closed = asyncio.Event()
         self.route_changed = asyncio.Event()  # set (and replaced) whenever the route or spec changes
         self.store_error: str | None = None  # why the latest store listing failed, if it did
+        self.failed_store: str | None = None  # the store whose listing failed then (with `store_error`)
         self._refreshed = asyncio.Event()  # set after every listing attempt, successful or not
         self._recovered = recovered
         self._recovery = recovery
@@ -313,15 +314,16 @@ class Replica:
     async def _refresh_locked(self) -> None:
         started = time.monotonic()
         found: list[Fragment] = []
+        url = ""
         try:
-            for url in self.stores:
+            for url in self.stores:  # in order: the primary store (where fragments persist) first
                 found.extend(await asyncio.to_thread(_list, url, self.journal))
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
-                self.store_error = f"{type(exc).__name__}: {exc}"
+                self.store_error, self.failed_store = f"{type(exc).__name__}: {exc}", url
                 self._wake_refresh_waiters()
             raise
-        self.store_error = None
+        self.store_error = self.failed_store = None
         self._refreshed_at = started  # a listing begun then sees everything persisted before
         for frag, file in self.index.replace_remote(found):
             if isinstance(file, SpoolFile):
