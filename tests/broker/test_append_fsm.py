@@ -754,6 +754,40 @@ async def test_validate_preconditions_fragment_store(broker, tmp_path):
     assert await step(fsm, S.VALIDATE_PRECONDITIONS) is S.STREAM_CONTENT
     fsm.abort()
 
+    # Case: a listing of the journal's primary store fails after the first one succeeded (the store went
+    # away): appends are refused while its latest listing failed, so nothing is accepted that cannot be
+    # persisted (Gazette's FRAGMENT_STORE_UNHEALTHY for an unhealthy primary store)...
+    replica = broker.replica(J)
+    (tmp_path / "store").write_bytes(b"a file where the store's directory should be")
+    with pytest.raises(NotADirectoryError):
+        await replica.refresh_now()
+    assert replica.index.first_refresh
+    fsm = broker.fsm(J)
+    await fsm.run_to(S.VALIDATE_PRECONDITIONS)
+    assert await step(fsm, S.VALIDATE_PRECONDITIONS) is S.ERROR
+    assert outcome(fsm)[:2] == (S.ERROR, "FRAGMENT_STORE_UNHEALTHY")
+    assert fsm.error.startswith(f"listing {store}: NotADirectoryError")
+    # ... and no longer once a listing succeeds again (the replica's refresh loop retries, with backoff):
+    # a transient failure never wedges the journal.
+    (tmp_path / "store").unlink()
+    await replica.refresh_now()
+    fsm = broker.fsm(J)
+    await fsm.run_to(S.VALIDATE_PRECONDITIONS)
+    assert await step(fsm, S.VALIDATE_PRECONDITIONS) is S.STREAM_CONTENT
+    fsm.abort()
+
+    # Case: after the first listing, only the primary store's health refuses appends: a failed listing of a
+    # further store (read from, never persisted to) lets them go on, as in Gazette.
+    further = f"file://{tmp_path}/further/"
+    await broker.create_journal("c/journal", [broker], fragment={"stores": [store, further]})
+    (tmp_path / "further").write_bytes(b"a file where the store's directory should be")
+    with pytest.raises(NotADirectoryError):
+        await broker.replica("c/journal").refresh_now()
+    fsm = broker.fsm("c/journal")
+    await fsm.run_to(S.VALIDATE_PRECONDITIONS)
+    assert await step(fsm, S.VALIDATE_PRECONDITIONS) is S.STREAM_CONTENT
+    fsm.abort()
+
 
 # -- suspension: VALIDATE_PRECONDITIONS and UPDATE_SUSPEND -------------------------------------------
 

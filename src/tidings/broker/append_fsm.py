@@ -11,6 +11,18 @@ Expected refusals set `self.status` (REGISTER_MISMATCH, WRONG_APPEND_OFFSET, ...
 `self.error` with the gRPC code the client should see (`error_code`). Only `append_api.py` turns
 the end state into a response.
 
+Fragment store health (Gazette's FRAGMENT_STORE_UNHEALTHY). tidings runs no health check of its own:
+a replica's store listings are the check (its refresh loop lists every refresh interval, and after a
+failure again soon, backing off from 0.25 s to 5 s). The primary appends only once the journal's
+stores were listed once (it must know the journal's furthest extent), then refuses appends with
+FRAGMENT_STORE_UNHEALTHY while the latest listing of the journal's primary store (the spec's first,
+where fragments persist) failed: an append accepted then might never be persisted. The refusal
+lasts only until a listing succeeds again, with no operator step. Clients retry it in place
+(`protocol.status.RETRIABLE_IN_PLACE`). Unlike Gazette, which waits for up to five further health
+checks before it refuses, an append does not wait for the next listing: it would hold the pipeline,
+and every append queued behind it, for up to the backoff. Once the first listing is done, a failed
+listing of a further store (read from, never persisted to) refuses nothing, as in Gazette.
+
 Cancellation (a client that goes away, a deadline, the pulse's timeout, a broker stopping) may
 arrive at any await. It never leaves a token behind and never lets another append read this
 one's acknowledgements: acknowledgements are read by the pipeline's own task (`pipeline.py`);
@@ -508,6 +520,9 @@ class AppendFSM:
         journal's last brokers when they stopped with everything persisted) rolls forward to it; the
         offset is cleared before the first append that may go past it (not by a pulse at exactly it).
 
+        Stores (see the module docstring): wait for the journal's first store listing; after it, refuse
+        while the latest listing of the primary store failed.
+
         -> RESOLVE if the route changes while awaiting the first store listing; ERROR on a failed
         check (FRAGMENT_STORE_UNHEALTHY, REGISTER_MISMATCH, WRONG_APPEND_OFFSET,
         INDEX_HAS_GREATER_OFFSET); SEND_PIPELINE_SYNC to re-sync at a resume or reset-head offset;
@@ -516,7 +531,7 @@ class AppendFSM:
         assert self.resolved is not None and self.resolved.spec is not None
         replica = self.replica
         store_error: str | None = None
-        if not replica.index.first_refresh or replica.store_error is not None:
+        if not replica.index.first_refresh:  # the first listing (of every store): the journal's extent
             ready = asyncio.ensure_future(replica.wait_ready())
             inval = asyncio.ensure_future(self._invalidated.wait())
             try:
@@ -527,6 +542,8 @@ class AppendFSM:
             if ready not in done:
                 return S.RESOLVE
             store_error = ready.result()
+        else:  # then the health of the primary store, where what we accept must persist
+            store_error = replica.primary_store_error()
         if store_error is not None:
             # (the store whose listing failed: the spec may have changed the journal's stores since)
             return self._fail(pb.FRAGMENT_STORE_UNHEALTHY, f"listing {replica.failed_store}: {store_error}")

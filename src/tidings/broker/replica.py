@@ -352,6 +352,16 @@ class Replica:
         refreshed, self._refreshed = self._refreshed, asyncio.Event()
         refreshed.set()
 
+    def primary_store_error(self) -> str | None:
+        """Why the latest listing of the journal's primary store failed, or None while it is healthy
+        (or the journal has no store). The primary store is the spec's first, where fragments persist;
+        a listing stops at the first store that fails, so a failure of a further one means the primary
+        store listed well. An error recorded for a store the spec no longer names first is not its."""
+        stores = self.stores
+        if self.store_error is not None and stores and self.failed_store == stores[0]:
+            return self.store_error
+        return None
+
     async def wait_ready(self) -> str | None:
         """Wait for the first store listing; None once it is applied, or the store's error while
         listing fails (the caller answers FRAGMENT_STORE_UNHEALTHY)."""
