@@ -492,6 +492,22 @@ async def test_update_assignments(broker):
         assert broker.assignment_values(J) == [pb.Route()] * 2
     fsm.abort()
 
+    # Case: our resolution is stale, and our KeySpace already knows it: since we resolved, the primary moved
+    # to the peer, which synchronized and advertised its own route. The write is guarded by the assignments
+    # we resolved (Gazette's updateAssignments), so nothing is written over the newer primary's values; we
+    # re-resolve at the revision etcd answered (nothing to wait for), where we are not primary.
+    await broker.set_members(J, [broker, peer])
+    fsm = broker.fsm()
+    await fsm.run_to(S.UPDATE_ASSIGNMENTS)
+    await broker.set_members(J, [peer, broker], consistent=True)
+    newer = broker.assignment_values(J)
+    assert await step(fsm, S.UPDATE_ASSIGNMENTS) is S.RESOLVE
+    assert broker.assignment_values(J) == newer and resolver.state.is_consistent(J)
+    assert fsm.read_through_rev == broker.keyspace.revision
+    assert await step(fsm, S.RESOLVE) is S.AWAIT_DESIRED_REPLICAS
+    assert not fsm.resolved.is_primary and not fsm.owns_pipeline
+    await broker.set_members(J, [broker, peer])
+
     # Case: etcd fails: an error the client may retry.
     fsm = broker.fsm()
     await fsm.run_to(S.UPDATE_ASSIGNMENTS)
@@ -521,9 +537,9 @@ async def test_update_assignments(broker):
     assert fsm.pipeline is pipeline and pipeline.usable
     fsm.abort()
 
-    # Case: a member joined after we resolved: we write the route we synchronized, which is not the
-    # journal's route now, so the journal does not read as consistent until its pipeline includes the
-    # new member.
+    # Case: a member joined after we resolved (the allocator rewrote the assignments): our guarded write of
+    # the route we synchronized does not apply, and the journal does not read as consistent until its
+    # pipeline includes the new member.
     third = await broker.add_peer("zone-c", "third")
     fsm = broker.fsm()
     await fsm.run_to(S.UPDATE_ASSIGNMENTS)

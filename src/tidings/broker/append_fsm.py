@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from tidings.allocator import keys
-from tidings.allocator.converge import advertise_consistency
+from tidings.allocator.converge import advertise_route
 from tidings.broker import _metrics as metrics
 from tidings.broker.pipeline import Acknowledgements, Pipeline
 from tidings.broker.replica import Replica, acquire
@@ -461,20 +461,25 @@ class AppendFSM:
     async def _on_update_assignments(self) -> AppendState:
         """Advertise in etcd that the synchronized Route is consistent.
 
-        -> AWAIT_DESIRED_REPLICAS if assignments already carry the Route; else write them and
-        -> RESOLVE at the revision of that write.
+        The write is guarded by the assignments the Route was resolved from (Gazette's
+        updateAssignments with `resolved.assignments`), not by the KeySpace's view now: a primary
+        whose resolution went stale (the journal moved, and a newer primary may have advertised its
+        own Route since) writes nothing, and re-resolves.
+
+        -> AWAIT_DESIRED_REPLICAS if the resolved assignments already carry the Route; else write
+        them and -> RESOLVE at etcd's revision of that transaction, applied or not.
         """
         assert self.resolved is not None
-        state = self.broker.resolver.state
         route = self.resolved.route
-        current = state.assignments.get(self.journal, [])
-        if current and all(routes_equivalent(a.value, route) for a in current):
+        assigned = self.resolved.assignments
+        if assigned and all(routes_equivalent(a.value, route) for a in assigned):
             return S.AWAIT_DESIRED_REPLICAS
         try:
-            ok, revision = await advertise_consistency(self.broker.etcd, state, self.journal, route)
+            _ok, revision = await advertise_route(self.broker.etcd, assigned, route)
         except TidingsError as exc:
             return self._fail(pb.OK, f"advertising the synchronized route in etcd failed: {exc}")
-        self.read_through_rev = revision if ok else self.broker.keyspace.revision + 1
+        # (a transaction that did not apply answers a revision that includes the change that failed it)
+        self.read_through_rev = revision
         return S.RESOLVE
 
     async def _on_await_desired_replicas(self) -> AppendState:
