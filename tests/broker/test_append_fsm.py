@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from tests.broker._stub import Hold, Sequencer, StubBroker, settle, wait_for_state
 from tests.broker._support import break_pipeline
@@ -96,6 +97,11 @@ def touch(spec: pb.JournalSpec) -> None:
 
 def sha1(data: bytes) -> bytes:
     return hashlib.sha1(data).digest()
+
+
+def counted(counter: str) -> float:
+    """A broker counter's value now (`broker/_metrics.py`: tidings_<counter>_total)."""
+    return REGISTRY.get_sample_value(f"tidings_{counter}_total") or 0.0
 
 
 # -- RESOLVE ---------------------------------------------------------------------------------------
@@ -1249,6 +1255,7 @@ async def test_append_cancelled_after_its_commit_went_out_is_everywhere_or_nowhe
     c = await broker.add_peer("zone-c", "c")
     await broker.create_journal(J, [broker, b, c])
     hold = Hold()
+    commits, appended, rollbacks = counted("commits"), counted("appended_bytes"), counted("rollbacks")
 
     async def client() -> AsyncIterator[pb.AppendRequest | None]:
         yield pb.AppendRequest(content=b"abc")
@@ -1264,12 +1271,38 @@ async def test_append_cancelled_after_its_commit_went_out_is_everywhere_or_nowhe
     with pytest.raises(asyncio.CancelledError):
         await running
     replica = broker.replica(J)
-    await wait_until(replica.tokens_idle, interval=0)  # (after the cancelled append's roll-back proposal)
+    await wait_until(replica.tokens_idle, interval=0)
     assert held(b.spool(J)) == held(c.spool(J)) == held(pipeline.spool) == (0, 3, b"abc")
+
+    # Case: it is counted as what it was: a commit once every peer acknowledged it, never a roll-back
+    # (tidings_commits_total, tidings_rollbacks_total).
+    await wait_until(lambda: counted("commits") == commits + 1, interval=0)
+    assert counted("appended_bytes") == appended + 3
 
     nxt = await append(broker, J, b"def")
     assert (nxt.commit.begin, nxt.commit.end) == (3, 6)
     assert held(b.spool(J)) == held(c.spool(J)) == held(nxt.pipeline.spool) == (3, 6, b"def")
+    assert (counted("commits"), counted("rollbacks")) == (commits + 2, rollbacks)
+
+    # Case: an append cancelled later, while it waits for its acknowledgements, is counted a commit too once
+    # they come (every peer holds it).
+    b.auto = False
+    fsm = broker.fsm()
+    await fsm.run_to(S.STREAM_CONTENT)
+    await fsm.on_stream_content(pb.AppendRequest(content=b"ghi"))
+    await fsm.on_stream_content(pb.AppendRequest())
+    await fsm.on_stream_content(None)
+    reading = asyncio.create_task(fsm.run_to())
+    await settle()
+    assert not reading.done()
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reading
+    while b.stream.pending():
+        b.stream.answer(await b.stream.request())
+    await wait_until(lambda: counted("commits") == commits + 3, interval=0)
+    assert held(b.spool(J)) == held(c.spool(J)) == (3, 9, b"defghi")
+    assert counted("rollbacks") == rollbacks
 
 
 async def test_append_cancelled_while_synchronizing_leaves_a_pipeline_to_rebuild(broker):

@@ -27,7 +27,10 @@ Cancellation (a client that goes away, a deadline, the pulse's timeout, a broker
 arrive at any await. It never leaves a token behind and never lets another append read this
 one's acknowledgements: acknowledgements are read by the pipeline's own task (`pipeline.py`);
 a cancelled append that had streamed content rolls it back from a replica task, keeping the
-pipeline; one cancelled anywhere else the pipeline's state is uncertain shuts the pipeline down
+pipeline; one cancelled after its commit proposal went out (while it drains, or while awaiting
+the acknowledgements) undoes nothing: the proposal is with every peer, so it commits as they
+acknowledge it, and counts as a commit (`tidings_commits_total`) once they all did, never as a
+roll-back; one cancelled anywhere else the pipeline's state is uncertain shuts the pipeline down
 (its spool returns at once) so the next append builds a new one.
 """
 
@@ -178,6 +181,7 @@ class AppendFSM:
         self._summer = hashlib.sha1()
         self._commit_requested = False
         self._rolled_back = False
+        self._final_sent = False  # our commit (or roll-back) proposal is out to every peer
         self._held: bytes | None = None  # the latest chunk, forwarded with the next message
         self._acks: asyncio.Future[Acknowledgements] | None = None
         self._handlers: dict[AppendState, Callable[[], Awaitable[AppendState]]] = {
@@ -255,6 +259,15 @@ class AppendFSM:
         self.owns_pipeline, self.pipeline = False, None
         if pln is None:
             replica.pipeline_slot.put_nowait(None)
+        elif self.state is S.STREAM_CONTENT and self._final_sent:
+            # Cancelled while our final proposal drained: it is out to every peer, nothing is undone.
+            # The pipeline reads its acknowledgements (a commit counts once they are OK), and goes on.
+            self._count_when_acknowledged()
+            if pln.usable:
+                replica.pipeline_slot.put_nowait(pln)
+            else:
+                pln.shutdown()
+                replica.pipeline_slot.put_nowait(None)
         elif self.state is S.STREAM_CONTENT and pln.usable:
             if self._sent:  # peers hold partial content: roll it back, keeping the pipeline
                 _roll_back_abandoned(replica, pln)
@@ -750,8 +763,8 @@ class AppendFSM:
             invalid = isinstance(self.client_error, ValidationError)
             self.error_code = code or (grpc.StatusCode.INVALID_ARGUMENT if invalid else grpc.StatusCode.ABORTED)
         spool = self.spool
+        metrics.ROLLBACKS.inc()  # (counted before the proposal drains: a cancellation there ends no other way)
         await self._send_final(pb.ReplicateRequest(), spool.fragment)
-        metrics.ROLLBACKS.inc()
 
     async def _send_final(self, req: pb.ReplicateRequest, proposal: Fragment) -> None:
         """Send the acknowledged proposal, then give up the send side (Gazette's
@@ -762,7 +775,9 @@ class AppendFSM:
         req.registers.CopyFrom(self.registers)
         req.acknowledge = True
         self._sent = True
-        self._acks = await pln.scatter(req, require_ok=True)
+        self._acks = pln.send_nowait(req, require_ok=True)
+        self._final_sent = True  # (out to every peer: a cancellation of the drain changes nothing)
+        await pln.drain()
         if pln.send_error() is not None:
             self._shut_down_pipeline()
         self._release_pipeline()
@@ -772,22 +787,45 @@ class AppendFSM:
         """Wait for every peer's acknowledgement of our proposal (read for us, in order, by the pipeline).
 
         -> FINISHED once all peers acknowledge; ERROR if this append was rolled back or a peer
-        failed (a failed pipeline is rebuilt by its next owner).
+        failed (a failed pipeline is rebuilt by its next owner). Cancelled while waiting, the append
+        still counts as a commit once they all acknowledge it.
         """
         assert self._acks is not None
-        acks = await self._acks
+        try:  # (shielded: the pipeline still reads them for us if we are cancelled)
+            acks = await asyncio.shield(self._acks)
+        except asyncio.CancelledError:
+            self._count_when_acknowledged()  # our proposal is out to every peer: it commits or not all the same
+            raise
         if self._rolled_back:
             return S.ERROR
         if acks.error is not None:
             self.commit = None
             return self._fail(pb.OK, f"replication failed: {acks.error}")
+        self._count_commit()
+        return S.FINISHED
+
+    def _count_commit(self) -> None:
+        """Count this append (or pulse) committed: every peer acknowledged its commit proposal."""
         if self.pulse:
             metrics.PULSES.inc()
-        else:
-            metrics.COMMITS.inc()
-            metrics.APPENDED_BYTES.inc(self._length)
-            metrics.APPEND_SECONDS.observe(time.monotonic() - self._born)
-            if self.broker.config.metrics_journals:
-                metrics.JOURNAL_COMMITS.labels(self.journal).inc()
-                metrics.JOURNAL_APPENDED_BYTES.labels(self.journal).inc(self._length)
-        return S.FINISHED
+            return
+        metrics.COMMITS.inc()
+        metrics.APPENDED_BYTES.inc(self._length)
+        metrics.APPEND_SECONDS.observe(time.monotonic() - self._born)
+        if self.broker.config.metrics_journals:
+            metrics.JOURNAL_COMMITS.labels(self.journal).inc()
+            metrics.JOURNAL_APPENDED_BYTES.labels(self.journal).inc(self._length)
+
+    def _count_when_acknowledged(self) -> None:
+        """A commit proposal abandoned once it was out (cancelled while it drained, or while awaiting
+        its acknowledgements) still commits if every peer acknowledges it: count it then, as
+        READ_ACKNOWLEDGEMENTS would have (a roll-back was counted when sent)."""
+        acks = self._acks
+        if self._rolled_back or acks is None:
+            return
+
+        def counted(fut: asyncio.Future[Acknowledgements]) -> None:
+            if not fut.cancelled() and fut.result().error is None:
+                self._count_commit()
+
+        acks.add_done_callback(counted)
