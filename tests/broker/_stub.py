@@ -10,7 +10,7 @@
   read-through and replica updates are the broker's own.
 - replicas: real `Replica` objects without daemons (`QuietReplica`): no store listings, no recovery,
   no pulse. The test lists the stores (`create_journal(listed=True)` applies an empty first
-  listing; `replica.index.replace_remote([...])`; `replica.store_error = ...`).
+  listing; `replica.index.replace_remote([...])`; `refresh_now()` of a store made unusable).
 - `open_streams(route)`: a `StubStream` to each peer (a `transport.ReplicaStream`). A peer made with
   `auto=True` answers as a real replica does, through its own real Spool per journal; otherwise each
   request waits for the test (`await stream.request()`, then `stream.respond(...)` or `stream.fail()`).
@@ -254,7 +254,7 @@ class RecordingPersister:
 class QuietReplica(Replica):
     """A real Replica (its slots, spool, index, tasks, `update` and `aclose`) that runs no daemons:
     starting only puts its spool in its slot, as recovering an empty data dir would. Store listings
-    are the test's to make (`refresh_now()`, `index.replace_remote`, `store_error`)."""
+    are the test's to make (`refresh_now()`, `index.replace_remote`)."""
 
     def start(self, pulse: Callable[[Replica], Coroutine[Any, Any, None]], after: Any = None) -> None:
         if after is None:

@@ -9,6 +9,7 @@ Real spools, real brokers on loopback gRPC (the `cluster` fixture) and a real et
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import grpc
@@ -213,7 +214,7 @@ async def test_a_route_naming_a_peer_without_endpoint_fails_cleanly_and_leaks_no
         header.CopyFrom(res.header)
         peer = next(i for i in range(len(header.route.members)) if i != header.route.primary)
         header.route.endpoints[peer] = ""  # its member key expired before its assignments went
-        return Resolution(res.status, header, res.spec, res.replica)
+        return dataclasses.replace(res, header=header)
 
     monkeypatch.setattr(primary.resolver, "resolve", resolve_without_a_peer_endpoint)
     async with AsyncClient(primary.endpoint, retries=0) as c:

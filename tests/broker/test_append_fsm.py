@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from tests.broker._stub import Hold, Sequencer, StubBroker, settle, wait_for_state
 from tests.broker._support import break_pipeline
@@ -96,6 +97,11 @@ def touch(spec: pb.JournalSpec) -> None:
 
 def sha1(data: bytes) -> bytes:
     return hashlib.sha1(data).digest()
+
+
+def counted(counter: str) -> float:
+    """A broker counter's value now (`broker/_metrics.py`: tidings_<counter>_total)."""
+    return REGISTRY.get_sample_value(f"tidings_{counter}_total") or 0.0
 
 
 # -- RESOLVE ---------------------------------------------------------------------------------------
@@ -492,6 +498,22 @@ async def test_update_assignments(broker):
         assert broker.assignment_values(J) == [pb.Route()] * 2
     fsm.abort()
 
+    # Case: our resolution is stale, and our KeySpace already knows it: since we resolved, the primary moved
+    # to the peer, which synchronized and advertised its own route. The write is guarded by the assignments
+    # we resolved (Gazette's updateAssignments), so nothing is written over the newer primary's values; we
+    # re-resolve at the revision etcd answered (nothing to wait for), where we are not primary.
+    await broker.set_members(J, [broker, peer])
+    fsm = broker.fsm()
+    await fsm.run_to(S.UPDATE_ASSIGNMENTS)
+    await broker.set_members(J, [peer, broker], consistent=True)
+    newer = broker.assignment_values(J)
+    assert await step(fsm, S.UPDATE_ASSIGNMENTS) is S.RESOLVE
+    assert broker.assignment_values(J) == newer and resolver.state.is_consistent(J)
+    assert fsm.read_through_rev == broker.keyspace.revision
+    assert await step(fsm, S.RESOLVE) is S.AWAIT_DESIRED_REPLICAS
+    assert not fsm.resolved.is_primary and not fsm.owns_pipeline
+    await broker.set_members(J, [broker, peer])
+
     # Case: etcd fails: an error the client may retry.
     fsm = broker.fsm()
     await fsm.run_to(S.UPDATE_ASSIGNMENTS)
@@ -521,9 +543,9 @@ async def test_update_assignments(broker):
     assert fsm.pipeline is pipeline and pipeline.usable
     fsm.abort()
 
-    # Case: a member joined after we resolved: we write the route we synchronized, which is not the
-    # journal's route now, so the journal does not read as consistent until its pipeline includes the
-    # new member.
+    # Case: a member joined after we resolved (the allocator rewrote the assignments): our guarded write of
+    # the route we synchronized does not apply, and the journal does not read as consistent until its
+    # pipeline includes the new member.
     third = await broker.add_peer("zone-c", "third")
     fsm = broker.fsm()
     await fsm.run_to(S.UPDATE_ASSIGNMENTS)
@@ -738,6 +760,55 @@ async def test_validate_preconditions_fragment_store(broker, tmp_path):
     assert await step(fsm, S.VALIDATE_PRECONDITIONS) is S.ERROR
     assert outcome(fsm)[:2] == (S.ERROR, "FRAGMENT_STORE_UNHEALTHY")
     assert fsm.error.startswith(f"listing {blocked}: NotADirectoryError")
+
+    # Case: the spec dropped the journal's stores since that listing failed: the same status, naming the
+    # store whose listing failed (never an internal error), until a listing (of no store) succeeds.
+    await broker.edit_spec("b/journal", lambda spec: spec.fragment.ClearField("stores"))
+    assert broker.replica("b/journal").stores == []
+    fsm = broker.fsm("b/journal")
+    await fsm.run_to(S.VALIDATE_PRECONDITIONS)
+    assert await step(fsm, S.VALIDATE_PRECONDITIONS) is S.ERROR
+    assert outcome(fsm)[:2] == (S.ERROR, "FRAGMENT_STORE_UNHEALTHY")
+    assert fsm.error.startswith(f"listing {blocked}: NotADirectoryError")
+    await broker.replica("b/journal").refresh_now()
+    fsm = broker.fsm("b/journal")
+    await fsm.run_to(S.VALIDATE_PRECONDITIONS)
+    assert await step(fsm, S.VALIDATE_PRECONDITIONS) is S.STREAM_CONTENT
+    fsm.abort()
+
+    # Case: a listing of the journal's primary store fails after the first one succeeded (the store went
+    # away): appends are refused while its latest listing failed, so nothing is accepted that cannot be
+    # persisted (Gazette's FRAGMENT_STORE_UNHEALTHY for an unhealthy primary store)...
+    replica = broker.replica(J)
+    (tmp_path / "store").write_bytes(b"a file where the store's directory should be")
+    with pytest.raises(NotADirectoryError):
+        await replica.refresh_now()
+    assert replica.index.first_refresh
+    fsm = broker.fsm(J)
+    await fsm.run_to(S.VALIDATE_PRECONDITIONS)
+    assert await step(fsm, S.VALIDATE_PRECONDITIONS) is S.ERROR
+    assert outcome(fsm)[:2] == (S.ERROR, "FRAGMENT_STORE_UNHEALTHY")
+    assert fsm.error.startswith(f"listing {store}: NotADirectoryError")
+    # ... and no longer once a listing succeeds again (the replica's refresh loop retries, with backoff):
+    # a transient failure never wedges the journal.
+    (tmp_path / "store").unlink()
+    await replica.refresh_now()
+    fsm = broker.fsm(J)
+    await fsm.run_to(S.VALIDATE_PRECONDITIONS)
+    assert await step(fsm, S.VALIDATE_PRECONDITIONS) is S.STREAM_CONTENT
+    fsm.abort()
+
+    # Case: after the first listing, only the primary store's health refuses appends: a failed listing of a
+    # further store (read from, never persisted to) lets them go on, as in Gazette.
+    further = f"file://{tmp_path}/further/"
+    await broker.create_journal("c/journal", [broker], fragment={"stores": [store, further]})
+    (tmp_path / "further").write_bytes(b"a file where the store's directory should be")
+    with pytest.raises(NotADirectoryError):
+        await broker.replica("c/journal").refresh_now()
+    fsm = broker.fsm("c/journal")
+    await fsm.run_to(S.VALIDATE_PRECONDITIONS)
+    assert await step(fsm, S.VALIDATE_PRECONDITIONS) is S.STREAM_CONTENT
+    fsm.abort()
 
 
 # -- suspension: VALIDATE_PRECONDITIONS and UPDATE_SUSPEND -------------------------------------------
@@ -1184,6 +1255,7 @@ async def test_append_cancelled_after_its_commit_went_out_is_everywhere_or_nowhe
     c = await broker.add_peer("zone-c", "c")
     await broker.create_journal(J, [broker, b, c])
     hold = Hold()
+    commits, appended, rollbacks = counted("commits"), counted("appended_bytes"), counted("rollbacks")
 
     async def client() -> AsyncIterator[pb.AppendRequest | None]:
         yield pb.AppendRequest(content=b"abc")
@@ -1199,12 +1271,38 @@ async def test_append_cancelled_after_its_commit_went_out_is_everywhere_or_nowhe
     with pytest.raises(asyncio.CancelledError):
         await running
     replica = broker.replica(J)
-    await wait_until(replica.tokens_idle, interval=0)  # (after the cancelled append's roll-back proposal)
+    await wait_until(replica.tokens_idle, interval=0)
     assert held(b.spool(J)) == held(c.spool(J)) == held(pipeline.spool) == (0, 3, b"abc")
+
+    # Case: it is counted as what it was: a commit once every peer acknowledged it, never a roll-back
+    # (tidings_commits_total, tidings_rollbacks_total).
+    await wait_until(lambda: counted("commits") == commits + 1, interval=0)
+    assert counted("appended_bytes") == appended + 3
 
     nxt = await append(broker, J, b"def")
     assert (nxt.commit.begin, nxt.commit.end) == (3, 6)
     assert held(b.spool(J)) == held(c.spool(J)) == held(nxt.pipeline.spool) == (3, 6, b"def")
+    assert (counted("commits"), counted("rollbacks")) == (commits + 2, rollbacks)
+
+    # Case: an append cancelled later, while it waits for its acknowledgements, is counted a commit too once
+    # they come (every peer holds it).
+    b.auto = False
+    fsm = broker.fsm()
+    await fsm.run_to(S.STREAM_CONTENT)
+    await fsm.on_stream_content(pb.AppendRequest(content=b"ghi"))
+    await fsm.on_stream_content(pb.AppendRequest())
+    await fsm.on_stream_content(None)
+    reading = asyncio.create_task(fsm.run_to())
+    await settle()
+    assert not reading.done()
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reading
+    while b.stream.pending():
+        b.stream.answer(await b.stream.request())
+    await wait_until(lambda: counted("commits") == commits + 3, interval=0)
+    assert held(b.spool(J)) == held(c.spool(J)) == (3, 9, b"defghi")
+    assert counted("rollbacks") == rollbacks
 
 
 async def test_append_cancelled_while_synchronizing_leaves_a_pipeline_to_rebuild(broker):

@@ -1,8 +1,8 @@
 """How brokers use their fragment stores: what one persists (to S3 too: a real local S3 server, moto's, on
 loopback) reads back from any broker, only the primary uploads at once, and a listing never deletes a
 live spool file (DESIGN.md invariant 1); a store that cannot work is refused in one line or answered
-FRAGMENT_STORE_UNHEALTHY instead of hanging the journal, and a corrupt fragment is DATA_LOSS, which no
-reader retries.
+FRAGMENT_STORE_UNHEALTHY instead of hanging the journal (and takes appends again once it lists), and a
+corrupt fragment is DATA_LOSS, which no reader retries.
 """
 
 from __future__ import annotations
@@ -243,3 +243,30 @@ async def test_an_unusable_store_answers_fragment_store_unhealthy(cluster, tmp_p
     async with AsyncClient(cluster.brokers[0].endpoint, retries=0) as c:
         with pytest.raises(FragmentStoreUnhealthyError):
             await asyncio.wait_for(c.append(j, b"x"), 30)
+
+
+async def test_a_store_that_fails_after_its_first_listing_refuses_appends_until_it_lists_again(
+    cluster, tmp_path
+) -> None:
+    """A primary store whose listings start failing after the journal was listed refuses appends with
+    FRAGMENT_STORE_UNHEALTHY (an accepted append might never persist: DESIGN.md invariant 1), and takes
+    them again, with no operator step, once the replica's own refresh loop lists the store again."""
+    folder = tmp_path / "outage"
+    j = "it/store-outage"
+    await cluster.create_journal(j, 1, fragment={"stores": [f"file://{folder}/"]})
+    replica = primary_of(cluster, j).resolver.replicas[j]
+    async with AsyncClient(cluster.brokers[0].endpoint, retries=0) as c:
+        first = await asyncio.wait_for(c.append(j, b"before"), 30)
+
+        folder.mkdir(exist_ok=True)  # (the store's folder goes away, and a file takes its place)
+        folder.rename(tmp_path / "outage-aside")
+        folder.write_bytes(b"in the way")
+        await wait_until(lambda: replica.primary_store_error() is not None, timeout=30)
+        with pytest.raises(FragmentStoreUnhealthyError):
+            await asyncio.wait_for(c.append(j, b"refused"), 30)
+
+        folder.unlink()
+        (tmp_path / "outage-aside").rename(folder)
+        await wait_until(lambda: replica.store_error is None, timeout=30)
+        after = await asyncio.wait_for(c.append(j, b"after"), 30)
+    assert after.begin == first.end

@@ -21,7 +21,14 @@ what consistency means there), as it places journals on brokers (``JOURNALS``, t
 """
 
 from tidings.allocator.announce import Announcement, MemberConflictError, announce
-from tidings.allocator.converge import Allocator, AllocatorStats, Change, advertise_consistency, plan
+from tidings.allocator.converge import (
+    Allocator,
+    AllocatorStats,
+    Change,
+    advertise_consistency,
+    advertise_route,
+    plan,
+)
 from tidings.allocator.keys import AssignKey, assign_key, item_key, member_key, parse_assign_key
 from tidings.allocator.kind import JOURNALS, SHARDS, Kind
 from tidings.allocator.solver import Current, Slot, SolverItem, SolverMember, solve
@@ -46,6 +53,7 @@ __all__ = [
     "SolverMember",
     "State",
     "advertise_consistency",
+    "advertise_route",
     "announce",
     "assign_key",
     "item_key",

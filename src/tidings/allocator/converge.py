@@ -31,16 +31,17 @@ All changes of one journal share a transaction. After a failed transaction the l
 the next KeySpace revision and recomputes; after a successful one it waits until its KeySpace
 has reached the transaction's revision.
 
-``advertise_consistency`` is the broker side of the protocol: a primary that synchronized a Route
-writes it into every assignment of the journal, which is what lets the allocator remove
-undesired assignments (Invariant 5).
+``advertise_consistency`` (``advertise_route``) is the broker side of the protocol: a primary that
+synchronized a Route writes it into every assignment of the journal, which is what lets the
+allocator remove undesired assignments (Invariant 5). The write is guarded by the assignments the
+primary resolved its Route from, so a stale view never overwrites a newer primary's values.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -61,7 +62,15 @@ from tidings.keyspace import (
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import TransportError, UsageError
 
-__all__ = ["MAX_TXN_OPS", "Allocator", "AllocatorStats", "Change", "advertise_consistency", "plan"]
+__all__ = [
+    "MAX_TXN_OPS",
+    "Allocator",
+    "AllocatorStats",
+    "Change",
+    "advertise_consistency",
+    "advertise_route",
+    "plan",
+]
 
 log = logging.getLogger(__name__)
 
@@ -216,18 +225,31 @@ def _transactions(changes: list[Change], root: str, fixed: list[Compare], limit:
 
 
 async def advertise_consistency(etcd: Etcd, state: State, journal: str, route: pb.Route) -> tuple[bool, int]:
-    """Write ``route`` into every assignment of ``journal``, guarded by their mod revisions.
-
-    Called by a journal's primary once it has synchronized ``route`` with every replica. Values
-    are rewritten keeping each key's lease (its member's). Returns (ok, revision): not ok if any
-    assignment changed since ``state`` (re-resolve at the new revision). When every value already
-    equals ``route`` nothing is written and the revision is ``state.revision``.
+    """Write ``route`` into every assignment of ``journal`` in ``state``, guarded by their mod revisions
+    (``advertise_route``). When every value already equals ``route`` nothing is written and the
+    revision is ``state.revision``.
     """
     assigned = state.assignments.get(journal, [])
+    if all(a.value == route for a in assigned):
+        return True, state.revision
+    return await advertise_route(etcd, assigned, route)
+
+
+async def advertise_route(etcd: Etcd, assigned: Sequence[Assignment], route: pb.Route) -> tuple[bool, int]:
+    """Write ``route`` into each of ``assigned`` (a journal's assignments as one view of etcd had them),
+    guarded by the mod revisions of them all (Gazette's ``updateAssignments``).
+
+    Called by a journal's primary once it has synchronized ``route`` with every replica, with the
+    assignments it resolved that route from: a primary whose view went stale (the allocator moved the
+    journal, or a newer primary advertised its own route since) writes nothing. Values are rewritten
+    keeping each key's lease (its member's). Returns (ok, revision), the revision being etcd's at the
+    transaction whether it applied or not (re-resolve there: it includes whatever change made it
+    fail); (True, 0) when every value already equals ``route`` (nothing to write).
+    """
     raw = route.SerializeToString()
     ops = [put_op(a.key, raw, ignore_lease=True) for a in assigned if a.value != route]
     if not ops:
-        return True, state.revision
+        return True, 0
     return await etcd.txn([mod_revision_is(a.key, a.mod_revision) for a in assigned], ops)
 
 

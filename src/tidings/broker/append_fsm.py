@@ -11,11 +11,26 @@ Expected refusals set `self.status` (REGISTER_MISMATCH, WRONG_APPEND_OFFSET, ...
 `self.error` with the gRPC code the client should see (`error_code`). Only `append_api.py` turns
 the end state into a response.
 
+Fragment store health (Gazette's FRAGMENT_STORE_UNHEALTHY). tidings runs no health check of its own:
+a replica's store listings are the check (its refresh loop lists every refresh interval, and after a
+failure again soon, backing off from 0.25 s to 5 s). The primary appends only once the journal's
+stores were listed once (it must know the journal's furthest extent), then refuses appends with
+FRAGMENT_STORE_UNHEALTHY while the latest listing of the journal's primary store (the spec's first,
+where fragments persist) failed: an append accepted then might never be persisted. The refusal
+lasts only until a listing succeeds again, with no operator step. Clients retry it in place
+(`protocol.status.RETRIABLE_IN_PLACE`). Unlike Gazette, which waits for up to five further health
+checks before it refuses, an append does not wait for the next listing: it would hold the pipeline,
+and every append queued behind it, for up to the backoff. Once the first listing is done, a failed
+listing of a further store (read from, never persisted to) refuses nothing, as in Gazette.
+
 Cancellation (a client that goes away, a deadline, the pulse's timeout, a broker stopping) may
 arrive at any await. It never leaves a token behind and never lets another append read this
 one's acknowledgements: acknowledgements are read by the pipeline's own task (`pipeline.py`);
 a cancelled append that had streamed content rolls it back from a replica task, keeping the
-pipeline; one cancelled anywhere else the pipeline's state is uncertain shuts the pipeline down
+pipeline; one cancelled after its commit proposal went out (while it drains, or while awaiting
+the acknowledgements) undoes nothing: the proposal is with every peer, so it commits as they
+acknowledge it, and counts as a commit (`tidings_commits_total`) once they all did, never as a
+roll-back; one cancelled anywhere else the pipeline's state is uncertain shuts the pipeline down
 (its spool returns at once) so the next append builds a new one.
 """
 
@@ -32,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from tidings.allocator import keys
-from tidings.allocator.converge import advertise_consistency
+from tidings.allocator.converge import advertise_route
 from tidings.broker import _metrics as metrics
 from tidings.broker.pipeline import Acknowledgements, Pipeline
 from tidings.broker.replica import Replica, acquire
@@ -166,6 +181,7 @@ class AppendFSM:
         self._summer = hashlib.sha1()
         self._commit_requested = False
         self._rolled_back = False
+        self._final_sent = False  # our commit (or roll-back) proposal is out to every peer
         self._held: bytes | None = None  # the latest chunk, forwarded with the next message
         self._acks: asyncio.Future[Acknowledgements] | None = None
         self._handlers: dict[AppendState, Callable[[], Awaitable[AppendState]]] = {
@@ -243,6 +259,15 @@ class AppendFSM:
         self.owns_pipeline, self.pipeline = False, None
         if pln is None:
             replica.pipeline_slot.put_nowait(None)
+        elif self.state is S.STREAM_CONTENT and self._final_sent:
+            # Cancelled while our final proposal drained: it is out to every peer, nothing is undone.
+            # The pipeline reads its acknowledgements (a commit counts once they are OK), and goes on.
+            self._count_when_acknowledged()
+            if pln.usable:
+                replica.pipeline_slot.put_nowait(pln)
+            else:
+                pln.shutdown()
+                replica.pipeline_slot.put_nowait(None)
         elif self.state is S.STREAM_CONTENT and pln.usable:
             if self._sent:  # peers hold partial content: roll it back, keeping the pipeline
                 _roll_back_abandoned(replica, pln)
@@ -449,20 +474,25 @@ class AppendFSM:
     async def _on_update_assignments(self) -> AppendState:
         """Advertise in etcd that the synchronized Route is consistent.
 
-        -> AWAIT_DESIRED_REPLICAS if assignments already carry the Route; else write them and
-        -> RESOLVE at the revision of that write.
+        The write is guarded by the assignments the Route was resolved from (Gazette's
+        updateAssignments with `resolved.assignments`), not by the KeySpace's view now: a primary
+        whose resolution went stale (the journal moved, and a newer primary may have advertised its
+        own Route since) writes nothing, and re-resolves.
+
+        -> AWAIT_DESIRED_REPLICAS if the resolved assignments already carry the Route; else write
+        them and -> RESOLVE at etcd's revision of that transaction, applied or not.
         """
         assert self.resolved is not None
-        state = self.broker.resolver.state
         route = self.resolved.route
-        current = state.assignments.get(self.journal, [])
-        if current and all(routes_equivalent(a.value, route) for a in current):
+        assigned = self.resolved.assignments
+        if assigned and all(routes_equivalent(a.value, route) for a in assigned):
             return S.AWAIT_DESIRED_REPLICAS
         try:
-            ok, revision = await advertise_consistency(self.broker.etcd, state, self.journal, route)
+            _ok, revision = await advertise_route(self.broker.etcd, assigned, route)
         except TidingsError as exc:
             return self._fail(pb.OK, f"advertising the synchronized route in etcd failed: {exc}")
-        self.read_through_rev = revision if ok else self.broker.keyspace.revision + 1
+        # (a transaction that did not apply answers a revision that includes the change that failed it)
+        self.read_through_rev = revision
         return S.RESOLVE
 
     async def _on_await_desired_replicas(self) -> AppendState:
@@ -508,6 +538,9 @@ class AppendFSM:
         journal's last brokers when they stopped with everything persisted) rolls forward to it; the
         offset is cleared before the first append that may go past it (not by a pulse at exactly it).
 
+        Stores (see the module docstring): wait for the journal's first store listing; after it, refuse
+        while the latest listing of the primary store failed.
+
         -> RESOLVE if the route changes while awaiting the first store listing; ERROR on a failed
         check (FRAGMENT_STORE_UNHEALTHY, REGISTER_MISMATCH, WRONG_APPEND_OFFSET,
         INDEX_HAS_GREATER_OFFSET); SEND_PIPELINE_SYNC to re-sync at a resume or reset-head offset;
@@ -516,7 +549,7 @@ class AppendFSM:
         assert self.resolved is not None and self.resolved.spec is not None
         replica = self.replica
         store_error: str | None = None
-        if not replica.index.first_refresh or replica.store_error is not None:
+        if not replica.index.first_refresh:  # the first listing (of every store): the journal's extent
             ready = asyncio.ensure_future(replica.wait_ready())
             inval = asyncio.ensure_future(self._invalidated.wait())
             try:
@@ -527,8 +560,11 @@ class AppendFSM:
             if ready not in done:
                 return S.RESOLVE
             store_error = ready.result()
+        else:  # then the health of the primary store, where what we accept must persist
+            store_error = replica.primary_store_error()
         if store_error is not None:
-            return self._fail(pb.FRAGMENT_STORE_UNHEALTHY, f"listing {replica.stores[0]}: {store_error}")
+            # (the store whose listing failed: the spec may have changed the journal's stores since)
+            return self._fail(pb.FRAGMENT_STORE_UNHEALTHY, f"listing {replica.failed_store}: {store_error}")
         spool = self.spool
         req = self.req
         if req.check_registers.include.labels or req.check_registers.exclude.labels:
@@ -727,8 +763,8 @@ class AppendFSM:
             invalid = isinstance(self.client_error, ValidationError)
             self.error_code = code or (grpc.StatusCode.INVALID_ARGUMENT if invalid else grpc.StatusCode.ABORTED)
         spool = self.spool
+        metrics.ROLLBACKS.inc()  # (counted before the proposal drains: a cancellation there ends no other way)
         await self._send_final(pb.ReplicateRequest(), spool.fragment)
-        metrics.ROLLBACKS.inc()
 
     async def _send_final(self, req: pb.ReplicateRequest, proposal: Fragment) -> None:
         """Send the acknowledged proposal, then give up the send side (Gazette's
@@ -739,7 +775,9 @@ class AppendFSM:
         req.registers.CopyFrom(self.registers)
         req.acknowledge = True
         self._sent = True
-        self._acks = await pln.scatter(req, require_ok=True)
+        self._acks = pln.send_nowait(req, require_ok=True)
+        self._final_sent = True  # (out to every peer: a cancellation of the drain changes nothing)
+        await pln.drain()
         if pln.send_error() is not None:
             self._shut_down_pipeline()
         self._release_pipeline()
@@ -749,22 +787,45 @@ class AppendFSM:
         """Wait for every peer's acknowledgement of our proposal (read for us, in order, by the pipeline).
 
         -> FINISHED once all peers acknowledge; ERROR if this append was rolled back or a peer
-        failed (a failed pipeline is rebuilt by its next owner).
+        failed (a failed pipeline is rebuilt by its next owner). Cancelled while waiting, the append
+        still counts as a commit once they all acknowledge it.
         """
         assert self._acks is not None
-        acks = await self._acks
+        try:  # (shielded: the pipeline still reads them for us if we are cancelled)
+            acks = await asyncio.shield(self._acks)
+        except asyncio.CancelledError:
+            self._count_when_acknowledged()  # our proposal is out to every peer: it commits or not all the same
+            raise
         if self._rolled_back:
             return S.ERROR
         if acks.error is not None:
             self.commit = None
             return self._fail(pb.OK, f"replication failed: {acks.error}")
+        self._count_commit()
+        return S.FINISHED
+
+    def _count_commit(self) -> None:
+        """Count this append (or pulse) committed: every peer acknowledged its commit proposal."""
         if self.pulse:
             metrics.PULSES.inc()
-        else:
-            metrics.COMMITS.inc()
-            metrics.APPENDED_BYTES.inc(self._length)
-            metrics.APPEND_SECONDS.observe(time.monotonic() - self._born)
-            if self.broker.config.metrics_journals:
-                metrics.JOURNAL_COMMITS.labels(self.journal).inc()
-                metrics.JOURNAL_APPENDED_BYTES.labels(self.journal).inc(self._length)
-        return S.FINISHED
+            return
+        metrics.COMMITS.inc()
+        metrics.APPENDED_BYTES.inc(self._length)
+        metrics.APPEND_SECONDS.observe(time.monotonic() - self._born)
+        if self.broker.config.metrics_journals:
+            metrics.JOURNAL_COMMITS.labels(self.journal).inc()
+            metrics.JOURNAL_APPENDED_BYTES.labels(self.journal).inc(self._length)
+
+    def _count_when_acknowledged(self) -> None:
+        """A commit proposal abandoned once it was out (cancelled while it drained, or while awaiting
+        its acknowledgements) still commits if every peer acknowledges it: count it then, as
+        READ_ACKNOWLEDGEMENTS would have (a roll-back was counted when sent)."""
+        acks = self._acks
+        if self._rolled_back or acks is None:
+            return
+
+        def counted(fut: asyncio.Future[Acknowledgements]) -> None:
+            if not fut.cancelled() and fut.result().error is None:
+                self._count_commit()
+
+        acks.add_done_callback(counted)

@@ -108,8 +108,18 @@ class Pipeline:
 
         The request is written to every peer's stream at once, without awaiting (never a commit on
         a subset of peers because a client went away); only then does the caller wait for the
-        streams' buffers to drain, and a cancellation there just stops it waiting.
+        streams' buffers to drain, and a cancellation there just stops it waiting. That is
+        `send_nowait` then `drain`, for a caller that must hold the future before it waits.
         """
+        fut = self.send_nowait(req, require_ok)
+        await self.drain()
+        return fut
+
+    def send_nowait(
+        self, req: pb.ReplicateRequest, require_ok: bool = False
+    ) -> asyncio.Future[Acknowledgements] | None:
+        """`scatter` without the wait for the streams' buffers to drain (`drain()` next): once it
+        returns, `req` is applied to our spool and written to every peer that has not failed."""
         if self._closing:
             raise PipelineError("the pipeline was shut down")
         resp = self.spool.apply(req, primary=True)
@@ -122,7 +132,6 @@ class Pipeline:
             self._expected.append((fut, require_ok, req.proposal.end if req.HasField("proposal") else -1))
             self._wake.set()
         self._send_all(req)
-        await self._drain()
         return fut
 
     def _send_all(self, req: pb.ReplicateRequest) -> None:
@@ -134,7 +143,8 @@ class Pipeline:
                 except StreamError as exc:
                     self._fail_send(i, exc)
 
-    async def _drain(self) -> None:
+    async def drain(self) -> None:
+        """Wait for the streams' buffers to drain (a peer whose send fails is failed)."""
         for i, stream in enumerate(self.streams):
             if self._send_errs[i] is None:
                 try:
@@ -218,7 +228,7 @@ class Pipeline:
                 for i, stream in enumerate(self.streams):
                     if self._send_errs[i] is None:
                         stream.close_send()
-                await self._drain()
+                await self.drain()
                 for i, stream in enumerate(self.streams):  # each peer now ends its stream (Gazette's gatherEOF)
                     if self._recv_errs[i] is None and self._send_errs[i] is None:
                         try:

@@ -104,6 +104,7 @@ class Replica:
         self.closed = asyncio.Event()
         self.route_changed = asyncio.Event()  # set (and replaced) whenever the route or spec changes
         self.store_error: str | None = None  # why the latest store listing failed, if it did
+        self.failed_store: str | None = None  # the store whose listing failed then (with `store_error`)
         self._refreshed = asyncio.Event()  # set after every listing attempt, successful or not
         self._recovered = recovered
         self._recovery = recovery
@@ -313,15 +314,16 @@ class Replica:
     async def _refresh_locked(self) -> None:
         started = time.monotonic()
         found: list[Fragment] = []
+        url = ""
         try:
-            for url in self.stores:
+            for url in self.stores:  # in order: the primary store (where fragments persist) first
                 found.extend(await asyncio.to_thread(_list, url, self.journal))
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
-                self.store_error = f"{type(exc).__name__}: {exc}"
+                self.store_error, self.failed_store = f"{type(exc).__name__}: {exc}", url
                 self._wake_refresh_waiters()
             raise
-        self.store_error = None
+        self.store_error = self.failed_store = None
         self._refreshed_at = started  # a listing begun then sees everything persisted before
         for frag, file in self.index.replace_remote(found):
             if isinstance(file, SpoolFile):
@@ -349,6 +351,16 @@ class Replica:
     def _wake_refresh_waiters(self) -> None:
         refreshed, self._refreshed = self._refreshed, asyncio.Event()
         refreshed.set()
+
+    def primary_store_error(self) -> str | None:
+        """Why the latest listing of the journal's primary store failed, or None while it is healthy
+        (or the journal has no store). The primary store is the spec's first, where fragments persist;
+        a listing stops at the first store that fails, so a failure of a further one means the primary
+        store listed well. An error recorded for a store the spec no longer names first is not its."""
+        stores = self.stores
+        if self.store_error is not None and stores and self.failed_store == stores[0]:
+            return self.store_error
+        return None
 
     async def wait_ready(self) -> str | None:
         """Wait for the first store listing; None once it is applied, or the store's error while

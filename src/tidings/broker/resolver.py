@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from tidings.allocator.state import State
+from tidings.allocator.state import Assignment, State
 from tidings.broker.replica import Replica
 from tidings.keyspace import KeySpace
 from tidings.protocol import protocol_pb2 as pb
@@ -36,6 +36,9 @@ class Resolution:
     header: pb.Header
     spec: pb.JournalSpec | None = None
     replica: Replica | None = None
+    # The journal's assignments the route was derived from (at the header's revision): a primary
+    # advertises its synchronized route guarded by these, never by a later view (Gazette's).
+    assignments: tuple[Assignment, ...] = ()
 
     @property
     def route(self) -> pb.Route:
@@ -128,7 +131,8 @@ class Resolver:
             return Resolution(pb.JOURNAL_NOT_FOUND, self.header(pb.Route(primary=-1)))
         route = state.route(journal)
         status = pb.SUSPENDED if item.spec.suspend.level == pb.JournalSpec.Suspend.FULL else pb.OK
-        return Resolution(status, self.header(route), item.spec, self.replicas.get(journal))
+        assigned = tuple(state.assignments.get(journal, ()))
+        return Resolution(status, self.header(route), item.spec, self.replicas.get(journal), assigned)
 
     async def aclose(self) -> None:
         """Close every replica (their spools complete and go to the persister); ignore later updates."""
