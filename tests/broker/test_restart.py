@@ -18,6 +18,7 @@ import pytest
 from tests.support.cluster import FAST_BROKER_FLAGS, TestCluster
 from tests.support.waiting import wait_until
 from tidings.allocator.keys import item_key
+from tidings.broker.pulse import pulse_once
 from tidings.broker.service import Broker
 from tidings.client import AppendResult, AsyncClient
 from tidings.cluster import LocalCluster
@@ -231,7 +232,7 @@ async def test_a_resume_offset_recorded_while_the_primary_still_runs_is_not_clea
             await c.apply([pb.ApplyRequest.Change(upsert=spec, expect_mod_revision=item.mod_revision)])
             await wait_until(lambda: _suspend_offset(tc.brokers[0]) == last.end, 10)
             primary = next(b for b in tc.brokers if b.resolver.replicas.get(J) and _is_primary(b))
-            await primary._pulse_once(primary.resolver.replicas[J])
+            await pulse_once(primary, primary.resolver.replicas[J])
             assert (await _spec_in_etcd(etcd, etcd_root)).suspend.offset == last.end, "cleared by a pulse"
             resumed = await c.append(J, b"resumed\n")
             assert resumed.begin == last.end

@@ -11,10 +11,12 @@ import json
 from collections import Counter
 
 import grpc
+import pytest
 
 from tests.cli._support import run
 from tests.support.cluster import TestCluster
 from tests.support.waiting import wait_until
+from tidings.broker import pulse
 from tidings.protocol import protocol_pb2 as pb
 
 FULL, PARTIAL = pb.JournalSpec.Suspend.FULL, pb.JournalSpec.Suspend.PARTIAL
@@ -31,17 +33,16 @@ async def _suspend(name: str, ep: str, *flags: str) -> dict:
     return json.loads(r.stdout)
 
 
-def _count_pulses(cluster) -> Counter:
-    """Pulses run per journal from now on, on every broker of `cluster`."""
+def _count_pulses(monkeypatch: pytest.MonkeyPatch) -> Counter:
+    """Pulses run per journal from now on, on every broker of this process (the cluster's)."""
     pulses: Counter = Counter()
-    for b in cluster.brokers:
-        pulse_once = b._pulse_once
+    pulse_once = pulse.pulse_once
 
-        async def counted(replica, mode, pulse_once=pulse_once) -> None:
-            pulses[replica.journal] += 1
-            await pulse_once(replica, mode)
+    async def counted(broker, replica, mode=pb.AppendRequest.SUSPEND_NO_RESUME) -> None:
+        pulses[replica.journal] += 1
+        await pulse_once(broker, replica, mode)
 
-        b._pulse_once = counted
+    monkeypatch.setattr(pulse, "pulse_once", counted)
     return pulses
 
 
@@ -68,7 +69,9 @@ async def test_a_journal_holding_nothing_is_fully_suspended_and_an_append_resume
     assert not journal.spec.HasField("suspend") and len(journal.route.members) == 3
 
 
-async def test_an_idle_journal_is_partially_suspended_serves_reads_and_costs_no_pulse(cluster) -> None:
+async def test_an_idle_journal_is_partially_suspended_serves_reads_and_costs_no_pulse(
+    cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ep = cluster.brokers[0].endpoint
     await cluster.create_journal("idle/orders", 3, fragment={"flush_interval": "1s"})
     await cluster.create_journal("busy/control", 3)
@@ -89,7 +92,7 @@ async def test_an_idle_journal_is_partially_suspended_serves_reads_and_costs_no_
     await wait_until(lambda: len(cluster.route("idle/orders").members) == 1, 30)
     assert (await run("journals", "read", "idle/orders", broker=ep)).stdout == b"one\n"  # its replica serves reads
 
-    pulses = _count_pulses(cluster)
+    pulses = _count_pulses(monkeypatch)
     await wait_until(lambda: pulses["busy/control"] >= 4, 30)
     assert pulses["idle/orders"] == 0, pulses  # four pulse intervals, and none for the suspended journal
 

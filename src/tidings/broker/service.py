@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import logging
 import shutil
-from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import cast
@@ -36,23 +35,23 @@ from tidings.allocator.kind import JOURNALS
 from tidings.allocator.state import State
 from tidings.broker import _metrics as metrics
 from tidings.broker.append_api import serve_append
-from tidings.broker.append_fsm import AppendFSM
+from tidings.broker.fragments_api import serve_list_fragments
+from tidings.broker.list_apply_api import serve_apply, serve_list, serve_list_members
+from tidings.broker.pulse import pulse
 from tidings.broker.read_api import serve_read
 from tidings.broker.recovery import RecoveryChecks, verify_unassigned
-from tidings.broker.replica import Replica, spool_directory, stores_of
+from tidings.broker.replica import Replica, spool_directory
 from tidings.broker.replicate_api import serve_replicate
 from tidings.broker.resolver import Resolver, same_process
 from tidings.broker.transport import Dialer, FailedStream, ReplicaStream, ReplicationServer
 from tidings.fragment.fragment import Fragment
 from tidings.fragment.persister import Persister
 from tidings.fragment.spool import Recovered, SpoolFile, recover
-from tidings.fragment.store import check_store_url, store_for
 from tidings.keyspace.etcd import mod_revision_is, put_op
 from tidings.member import MemberProcess, counted
-from tidings.protocol import labels, validate
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
-from tidings.protocol.status import TidingsError, TransportError, UsageError, ValidationError
+from tidings.protocol.status import TidingsError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +75,6 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
-AUTO_SUSPEND_PULSES = 15  # stable pulses (no route change) before an idle journal may be suspended (Gazette's)
 CLOSE_TIMEOUT = 5.0  # seconds for the replicas to close while stopping (they take milliseconds, unless stuck)
 
 
@@ -106,7 +104,7 @@ class BrokerConfig:
     # fragment.retention lets go (Kafka's log.retention.check.interval: 5 minutes). 0: never (prune by hand).
     prune_interval: float = 300.0
     metrics_journals: bool = False  # per-journal series (one per journal: mind the cardinality)
-    auto_suspend: bool = False  # suspend idle journals (Gazette's AutoSuspend; see Broker._pulse)
+    auto_suspend: bool = False  # suspend idle journals (Gazette's AutoSuspend; see broker/pulse.py)
 
 
 class Broker(MemberProcess):
@@ -132,7 +130,7 @@ class Broker(MemberProcess):
         undo.push_async_callback(self.persister.aclose)
         revisions = {j: it.create_revision for j, it in State.from_keyspace(self.keyspace).items.items()}
         self._recovered = await asyncio.to_thread(_recover_all, Path(cfg.data_dir), revisions)
-        self.resolver = Resolver(self.keyspace, self.process_id, self._new_replica, self._pulse)
+        self.resolver = Resolver(self.keyspace, self.process_id, self._new_replica, functools.partial(pulse, self))
         undo.push_async_callback(self.resolver.aclose)
 
     def _add_servicer(self, server: grpc.aio.Server) -> None:
@@ -343,193 +341,6 @@ class Broker(MemberProcess):
                 except Exception as exc:  # a store outage: the next pass tries again
                     log.warning("journal %s: enforcing retention failed: %s", replica.journal, exc)
 
-    async def _pulse(self, replica: Replica) -> None:
-        """Keep the pipeline synchronized and consistency advertised when no client appends.
-
-        The pulse is a zero-byte append through the same AppendFSM; it also runs at once when
-        the route changes. When this broker is no longer primary its pipeline is shut down so
-        the new primary can take the spool. A pulse that overruns its timeout is cancelled, which
-        the FSM survives at any state (it gives back what it holds).
-
-        A pulse never resumes a suspended journal (SUSPEND_NO_RESUME), and a suspended journal is
-        pulsed only when its route changes. With `auto_suspend` (Gazette's AutoSuspend), a pulse after
-        AUTO_SUSPEND_PULSES stable ones (no route change) asks to suspend the journal if it is idle.
-        """
-        stable = 0
-        while not replica.closed.is_set():
-            changed = replica.route_changed
-            auto = self.config.auto_suspend and stable >= AUTO_SUSPEND_PULSES
-            mode = pb.AppendRequest.SUSPEND_IF_FLUSHED if auto else pb.AppendRequest.SUSPEND_NO_RESUME
-            try:
-                async with asyncio.timeout(max(5.0, self.config.pulse_interval * 3)):
-                    await self._pulse_once(replica, mode)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.debug("journal %s: pulse: %s", replica.journal, exc)
-            if replica.spec.suspend.level != pb.JournalSpec.Suspend.NONE:
-                await changed.wait()  # suspended: no periodic pulse
-            else:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.config.pulse_interval):
-                        await changed.wait()
-            stable = 0 if changed.is_set() else stable + 1
-
-    async def _pulse_once(
-        self, replica: Replica, mode: pb.AppendRequest.Suspend = pb.AppendRequest.SUSPEND_NO_RESUME
-    ) -> None:
-        res = await self.resolver.resolve(replica.journal)
-        if res.status != pb.OK or res.replica is not replica:
-            return
-        if not res.is_primary:
-            await _tear_down_pipeline(replica)
-            return
-        messages = iter([pb.AppendRequest(), None])
-
-        async def next_message() -> pb.AppendRequest | None:
-            return next(messages)
-
-        req = pb.AppendRequest(journal=replica.journal, do_not_proxy=True, suspend=mode)
-        fsm = AppendFSM(self, req, pulse=True)
-        await fsm.run(next_message)
-        if fsm.error:
-            log.debug("journal %s: pulse ended in %s: %s", replica.journal, fsm.state, fsm.error)
-
-    # -- List / Apply / ListFragments -------------------------------------------------------
-
-    def list_response(self, selector: pb.LabelSelector) -> pb.ListResponse:
-        state = self.resolver.state
-        resp = pb.ListResponse(status=pb.OK, header=self.resolver.header(pb.Route(primary=-1)))
-        for name in sorted(state.items):
-            item = state.items[name]
-            spec_labels = labels.union(item.spec.labels, labels.label_set({"name": name}))
-            if not labels.matches(selector, spec_labels):
-                continue
-            resp.journals.append(
-                pb.ListResponse.Journal(
-                    spec=item.spec,
-                    mod_revision=item.mod_revision,
-                    create_revision=item.create_revision,
-                    route=state.route(name),
-                    consistent=state.is_consistent(name),
-                )
-            )
-        return resp
-
-    async def apply(self, req: pb.ApplyRequest) -> pb.ApplyResponse:
-        root = self.config.root
-        compares, ops, created = [], [], []
-        for i, change in enumerate(req.changes):
-            if change.HasField("upsert"):
-                validate.journal_spec(change.upsert, f"changes[{i}].upsert")
-                for j, url in enumerate(change.upsert.fragment.stores):  # a first import of a backend may be slow
-                    await asyncio.to_thread(check_store_url, url, f"changes[{i}].upsert.fragment.stores[{j}]")
-                key = keys.item_key(root, change.upsert.name)
-                spec = change.upsert
-                current = self.resolver.state.items.get(spec.name)
-                if current is None:
-                    created.append(spec)
-                if not spec.HasField("suspend") and current is not None and current.spec.HasField("suspend"):
-                    spec = pb.JournalSpec()  # the brokers' resume offset survives a spec that omits it
-                    spec.CopyFrom(change.upsert)
-                    spec.suspend.CopyFrom(current.spec.suspend)
-                ops.append(put_op(key, spec.SerializeToString()))
-            elif change.delete:
-                validate.journal_name(change.delete, f"changes[{i}].delete")
-                key = keys.item_key(root, change.delete)
-                ops.extend(self.resolver.state.delete_ops(root, change.delete))
-            else:
-                raise ValidationError(f"changes[{i}]", "expected an upsert or a delete")
-            compares.append(mod_revision_is(key, change.expect_mod_revision))
-        warnings = await self._stale_fragments(created)  # (before the journal exists: none of its own yet)
-        ok, revision = await self.etcd.txn(compares, ops)
-        await self.keyspace.wait_for_revision(revision, timeout=10)
-        status = pb.OK if ok else pb.ETCD_TRANSACTION_FAILED
-        warnings = warnings if ok else []
-        return pb.ApplyResponse(status=status, header=self.resolver.header(pb.Route(primary=-1)), warnings=warnings)
-
-    STALE_CHECK_TIMEOUT = 5.0  # seconds Apply spends listing created journals' stores
-
-    async def _stale_fragments(self, created: list[pb.JournalSpec]) -> list[str]:
-        """A warning per created journal whose store already holds fragments: an earlier journal of the
-        name left them, and its first append is refused (INDEX_HAS_GREATER_OFFSET) until reset-head, as
-        in Gazette. Found at apply, not at the first append; a store that cannot be listed in time is
-        left to the journal's replicas (they report it)."""
-
-        def listed(spec: pb.JournalSpec) -> str | None:
-            for url in stores_of(spec, self.config.default_store):
-                frags = store_for(url).list(spec.name)
-                if frags:
-                    end = max(f.end for f in frags)
-                    return (
-                        f"journal {spec.name}: its store {url} already holds {len(frags)} fragments to offset {end} "
-                        f"(an earlier journal of this name): appends are refused until `tidings journals reset-head "
-                        f"{spec.name}` (reads then include them), or delete them from the store first"
-                    )
-            return None
-
-        checks = [asyncio.ensure_future(asyncio.to_thread(listed, spec)) for spec in created]
-        if checks:
-            await asyncio.wait(checks, timeout=self.STALE_CHECK_TIMEOUT)
-        warnings: list[str] = []
-        for spec, check in zip(created, checks, strict=True):
-            if not check.done():  # (a store down or slow: the replicas report it)
-                check.cancel()
-            elif check.exception() is not None:
-                log.info("apply: listing the store of created journal %s failed: %s", spec.name, check.exception())
-            elif warning := check.result():
-                warnings.append(warning)
-        return warnings
-
-    def members_response(self) -> pb.MembersResponse:
-        """Every live member (its spec from etcd), with the journals assigned to it and those it leads."""
-        state = self.resolver.state
-        journals: Counter[tuple[str, str]] = Counter()
-        primaries: Counter[tuple[str, str]] = Counter()
-        for name in state.items:
-            for a in state.assignments.get(name, []):
-                journals[a.member] += 1
-            route = state.route(name)
-            if route.primary >= 0:
-                lead = route.members[route.primary]
-                primaries[(lead.zone, lead.suffix)] += 1
-        resp = pb.MembersResponse(status=pb.OK, header=self.resolver.header(pb.Route(primary=-1)))
-        for mid in sorted(state.members):
-            resp.members.append(
-                pb.MembersResponse.Member(
-                    spec=state.members[mid].spec, journals=journals[mid], primaries=primaries[mid]
-                )
-            )
-        return resp
-
-    async def list_fragments(self, req: pb.FragmentsRequest) -> pb.FragmentsResponse:
-        validate.journal_name(req.journal, "fragments.journal")
-        res = await self.resolver.resolve(req.journal, req.header.etcd.revision if req.HasField("header") else 0)
-        if res.status != pb.OK:
-            return pb.FragmentsResponse(status=res.status, header=res.header)
-        if res.replica is None:
-            if req.do_not_proxy or not res.route.members:
-                return pb.FragmentsResponse(status=pb.NOT_JOURNAL_BROKER, header=res.header)
-            fwd = pb.FragmentsRequest(header=res.header, journal=req.journal, do_not_proxy=True)
-            stub = pb_grpc.JournalStub(self.channel(res.route.endpoints[0]))  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
-            proxied: pb.FragmentsResponse = await stub.ListFragments(fwd)
-            return proxied
-        await res.replica.index.wait_first_refresh()
-        resp = pb.FragmentsResponse(status=pb.OK, header=res.header)
-        for frag, _path in res.replica.index.fragments():
-            url = store_for(frag.backing_store).url(frag) if frag.backing_store else ""
-            resp.fragments.append(pb.FragmentsResponse.Entry(spec=frag.to_proto(), url=url))
-        return resp
-
-
-async def _tear_down_pipeline(replica: Replica) -> None:
-    pipeline = await replica.pipeline_slot.get()
-    try:
-        if pipeline is not None:
-            pipeline.shutdown()
-    finally:
-        replica.pipeline_slot.put_nowait(None)
-
 
 def _recover_all(data_dir: Path, revisions: dict[str, int]) -> dict[str, Recovered]:
     """Every journal's spool directory under `data_dir`, recovered (blocking: run in a thread).
@@ -571,43 +382,15 @@ class _Servicer(pb_grpc.JournalServicer):
             outcome.append(await serve_read(self.broker, request, context))
 
     async def List(self, request: pb.ListRequest, context: grpc.aio.ServicerContext) -> None:
-        with counted(metrics.RPC_STATUS, "list", context) as outcome:
-            try:
-                validate.selector(request.selector)
-            except ValidationError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            broker = self.broker
-            while True:
-                revision = broker.keyspace.revision
-                await context.write(broker.list_response(request.selector))
-                if not request.watch:
-                    outcome.append(pb.OK)
-                    return
-                await broker.keyspace.wait_for_update(revision)
+        await serve_list(self.broker, request, context)
 
     async def Apply(self, request: pb.ApplyRequest, context: grpc.aio.ServicerContext) -> pb.ApplyResponse:
-        with counted(metrics.RPC_STATUS, "apply", context) as outcome:
-            try:
-                resp = await self.broker.apply(request)
-            except ValidationError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except TransportError as exc:  # etcd is unreachable: the client may retry
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"apply: {exc}")
-            outcome.append(resp.status)
-            return resp
+        return await serve_apply(self.broker, request, context)
 
     async def ListMembers(self, request: pb.MembersRequest, context: grpc.aio.ServicerContext) -> pb.MembersResponse:
-        with counted(metrics.RPC_STATUS, "list_members", context) as outcome:
-            outcome.append(pb.OK)
-            return self.broker.members_response()
+        return await serve_list_members(self.broker, request, context)
 
     async def ListFragments(
         self, request: pb.FragmentsRequest, context: grpc.aio.ServicerContext
     ) -> pb.FragmentsResponse:
-        with counted(metrics.RPC_STATUS, "list_fragments", context) as outcome:
-            try:
-                resp = await self.broker.list_fragments(request)
-            except ValidationError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            outcome.append(resp.status)
-            return resp
+        return await serve_list_fragments(self.broker, request, context)
