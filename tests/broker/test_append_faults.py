@@ -251,7 +251,6 @@ async def test_a_failure_while_building_the_pipeline_gives_the_spool_back(cluste
 async def test_a_replica_closed_right_after_an_abort_gets_its_pipeline_token_back(cluster) -> None:
     """A roll-back task cancelled before its first step (the replica closes in the same loop turn)
     still returns the pipeline token: the close does not hang."""
-    from tidings.broker.append_fsm import _roll_back_abandoned
 
     j = "it/abort-then-close"
     await cluster.create_journal(j, 3)
@@ -261,7 +260,7 @@ async def test_a_replica_closed_right_after_an_abort_gets_its_pipeline_token_bac
         await asyncio.wait_for(_synchronize(cluster, j), 30)
         pipeline = await replica.pipeline_slot.get()
     assert pipeline is not None
-    _roll_back_abandoned(replica, pipeline)  # what abort() does for an append cancelled mid-stream
+    replica.roll_back_abandoned(pipeline)  # what abort() does for an append cancelled mid-stream
     await asyncio.wait_for(replica.aclose(), 30)
 
 

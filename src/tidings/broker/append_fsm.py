@@ -53,7 +53,7 @@ from tidings.broker.pipeline import Acknowledgements, Pipeline
 from tidings.broker.replica import Replica, acquire
 from tidings.broker.resolver import Resolution
 from tidings.fragment.fragment import EMPTY_SUM, Fragment
-from tidings.fragment.spool import Spool, apply_registers
+from tidings.fragment.spool import Spool, apply_registers, maybe_roll
 from tidings.keyspace import mod_revision_is, put_op
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
@@ -95,56 +95,6 @@ TERMINAL = frozenset({S.ERROR, S.PROXY, S.FINISHED})
 
 class ClientStreamError(Exception):
     """The client's stream broke under us (not a cancellation of this append's task)."""
-
-
-def maybe_roll(spool: Spool, roll_to_offset: int, spec: pb.JournalSpec.FragmentSpec) -> Fragment:
-    """The spool's current Fragment, or an empty one rolled to its end (or to `roll_to_offset`) under
-    the spec's codec: when the fragment is empty, over its target length, past its flush interval, or
-    a larger offset is asked for (Gazette's `maybeRollFragment`)."""
-    cur = spool.fragment
-    cl = cur.content_length
-    flush = cl == 0 or cl > spec.length or (roll_to_offset != 0 and roll_to_offset != cur.begin)
-    if spec.flush_interval_ms > 0 and spool.first_append_time:
-        interval = spec.flush_interval_ms / 1000
-        if int(spool.first_append_time / interval) != int(time.time() / interval):
-            flush = True  # the fragment holds content of an earlier flush interval
-    if not flush:
-        return cur
-    end = cur.end
-    if roll_to_offset:
-        if end > roll_to_offset:
-            raise AssertionError(f"cannot roll a spool ending at {end} back to {roll_to_offset}")
-        end = roll_to_offset
-    return Fragment(journal=cur.journal, begin=end, end=end, sum=EMPTY_SUM, codec=spec.compression_codec)
-
-
-def _roll_back_abandoned(replica: Replica, pipeline: Pipeline) -> None:
-    """An append was cancelled after streaming content: roll it back on every replica from a task of
-    the replica's, then hand the pipeline on (its acknowledgements are read by the pipeline, in
-    order). The token goes back on every path, even if that task is cancelled before it starts."""
-    returned = False
-
-    def give_back(token: Pipeline | None) -> None:
-        nonlocal returned
-        if not returned:
-            returned = True
-            if token is None:
-                pipeline.shutdown()
-            replica.pipeline_slot.put_nowait(token)
-
-    async def roll_back() -> None:
-        try:
-            spool = pipeline.spool
-            req = pb.ReplicateRequest(proposal=spool.fragment.to_proto(), registers=spool.registers, acknowledge=True)
-            await pipeline.scatter(req, require_ok=True)
-        except BaseException:
-            give_back(None)
-            raise
-        give_back(pipeline)
-        metrics.ROLLBACKS.inc()
-
-    task = replica.spawn(roll_back(), f"rollback:{pipeline.spool.journal}")
-    task.add_done_callback(lambda _: give_back(None))
 
 
 class AppendFSM:
@@ -270,7 +220,7 @@ class AppendFSM:
                 replica.pipeline_slot.put_nowait(None)
         elif self.state is S.STREAM_CONTENT and pln.usable:
             if self._sent:  # peers hold partial content: roll it back, keeping the pipeline
-                _roll_back_abandoned(replica, pln)
+                replica.roll_back_abandoned(pln)
             else:
                 replica.pipeline_slot.put_nowait(pln)
         elif pln.usable and self.state not in (S.STREAM_CONTENT, S.SEND_PIPELINE_SYNC, S.RECV_PIPELINE_SYNC):

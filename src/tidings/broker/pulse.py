@@ -62,7 +62,7 @@ async def pulse_once(
     if res.status != pb.OK or res.replica is not replica:
         return
     if not res.is_primary:
-        await tear_down_pipeline(replica)
+        await replica.tear_down_pipeline()
         return
     messages = iter([pb.AppendRequest(), None])
 
@@ -74,13 +74,3 @@ async def pulse_once(
     await fsm.run(next_message)
     if fsm.error:
         log.debug("journal %s: pulse ended in %s: %s", replica.journal, fsm.state, fsm.error)
-
-
-async def tear_down_pipeline(replica: Replica) -> None:
-    """Shut the replica's pipeline down (once no append holds it), leaving the slot empty."""
-    pipeline = await replica.pipeline_slot.get()
-    try:
-        if pipeline is not None:
-            pipeline.shutdown()
-    finally:
-        replica.pipeline_slot.put_nowait(None)

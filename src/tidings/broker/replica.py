@@ -30,6 +30,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tidings.broker import _metrics as metrics
 from tidings.fragment import retention
 from tidings.fragment.fragment import Fragment
 from tidings.fragment.index import FragmentIndex
@@ -171,6 +172,45 @@ class Replica:
             file.mark_persisted(fragment.end)
         if not self.closed.is_set():
             self.spawn(self.refresh_now(), f"refresh-now:{self.journal}")
+
+    def roll_back_abandoned(self, pipeline: Pipeline) -> None:
+        """An append was cancelled after streaming content: roll it back on every replica from a task of
+        ours, then hand the pipeline on (its acknowledgements are read by the pipeline, in order). The
+        token goes back on every path, even if that task is cancelled before it starts."""
+        returned = False
+
+        def give_back(token: Pipeline | None) -> None:
+            nonlocal returned
+            if not returned:
+                returned = True
+                if token is None:
+                    pipeline.shutdown()
+                self.pipeline_slot.put_nowait(token)
+
+        async def roll_back() -> None:
+            try:
+                spool = pipeline.spool
+                req = pb.ReplicateRequest(
+                    proposal=spool.fragment.to_proto(), registers=spool.registers, acknowledge=True
+                )
+                await pipeline.scatter(req, require_ok=True)
+            except BaseException:
+                give_back(None)
+                raise
+            give_back(pipeline)
+            metrics.ROLLBACKS.inc()
+
+        task = self.spawn(roll_back(), f"rollback:{pipeline.spool.journal}")
+        task.add_done_callback(lambda _: give_back(None))
+
+    async def tear_down_pipeline(self) -> None:
+        """Shut the pipeline down (once no append holds it), leaving the slot empty."""
+        pipeline = await self.pipeline_slot.get()
+        try:
+            if pipeline is not None:
+                pipeline.shutdown()
+        finally:
+            self.pipeline_slot.put_nowait(None)
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         """Run `coro` as one of the replica's tasks (cancelled and awaited by aclose). A task may be
@@ -381,12 +421,7 @@ class Replica:
         self.route_changed.set()
         await cancel_and_wait(*self._tasks)
         self._release_spool()  # closed before it was recovered
-        pipeline = await self.pipeline_slot.get()
-        try:
-            if pipeline is not None:
-                pipeline.shutdown()
-        finally:
-            self.pipeline_slot.put_nowait(None)
+        await self.tear_down_pipeline()
         spool = await self.spool_slot.get()
         try:
             # Persisted at once, not after the replicas' delay: the journal's other replicas may be leaving

@@ -551,3 +551,24 @@ def _committed_part(
         return None
     codec = named.codec if named is not None else (current_codec or pb.NONE)
     return Fragment(journal=journal, begin=begin, end=end, sum=digest, codec=codec)
+
+
+def maybe_roll(spool: Spool, roll_to_offset: int, spec: pb.JournalSpec.FragmentSpec) -> Fragment:
+    """The spool's current Fragment, or an empty one rolled to its end (or to `roll_to_offset`) under
+    the spec's codec: when the fragment is empty, over its target length, past its flush interval, or
+    a larger offset is asked for (Gazette's `maybeRollFragment`)."""
+    cur = spool.fragment
+    cl = cur.content_length
+    flush = cl == 0 or cl > spec.length or (roll_to_offset != 0 and roll_to_offset != cur.begin)
+    if spec.flush_interval_ms > 0 and spool.first_append_time:
+        interval = spec.flush_interval_ms / 1000
+        if int(spool.first_append_time / interval) != int(time.time() / interval):
+            flush = True  # the fragment holds content of an earlier flush interval
+    if not flush:
+        return cur
+    end = cur.end
+    if roll_to_offset:
+        if end > roll_to_offset:
+            raise AssertionError(f"cannot roll a spool ending at {end} back to {roll_to_offset}")
+        end = roll_to_offset
+    return Fragment(journal=cur.journal, begin=end, end=end, sum=EMPTY_SUM, codec=spec.compression_codec)
