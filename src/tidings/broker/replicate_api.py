@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from tidings.allocator.state import routes_equivalent
 from tidings.broker import _metrics as metrics
 from tidings.broker.replica import acquire
 from tidings.broker.transport import PeerStream
 from tidings.fragment.spool import Spool
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import validate
+from tidings.protocol.route import routes_equivalent
 from tidings.protocol.status import ValidationError
 
 if TYPE_CHECKING:
