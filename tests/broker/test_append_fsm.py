@@ -680,6 +680,14 @@ async def test_validate_preconditions_offsets(broker):
     assert await step(fsm, S.VALIDATE_PRECONDITIONS) is S.STREAM_CONTENT
     fsm.abort()
 
+    # Case: an offset of 0 set explicitly asks for an empty journal (a lone writer's attempt at head 0),
+    # where an unset one means "any".
+    fsm = broker.fsm(offset=0)
+    assert fsm.req.HasField("offset")
+    await fsm.run_to(S.VALIDATE_PRECONDITIONS)
+    assert await step(fsm, S.VALIDATE_PRECONDITIONS) is S.ERROR
+    assert outcome(fsm) == (S.ERROR, "WRONG_APPEND_OFFSET", "the write head is 459, not 0")
+
     # Case: the spool holds the journal's first known write: the append rolls it first, so it is persisted
     # promptly (a broker recovering later then finds the index dirty rather than a journal that looks new).
     await append(broker, "fresh/journal", b"first")

@@ -534,14 +534,15 @@ class AppendFSM:
         index_min, index_max = replica.index.begin_offset, replica.index.end_offset
         max_offset = max(spool.end, index_max)
         writable = self.resolved.spec.flags != pb.JournalSpec.O_RDONLY
-        if spool.end != max_offset and req.offset == 0 and writable:
+        expected = req.offset != 0 or req.HasField("offset")  # (an explicit 0: the journal must be empty)
+        if spool.end != max_offset and not expected and writable:
             return self._fail(
                 pb.INDEX_HAS_GREATER_OFFSET,
                 f"the fragment index ends at {index_max}, past the synchronized write head {spool.end}",
             )
-        if req.offset != 0 and req.offset != max_offset:
+        if expected and req.offset != max_offset:
             return self._fail(pb.WRONG_APPEND_OFFSET, f"the write head is {max_offset}, not {req.offset}")
-        if req.offset != 0 and spool.end != max_offset:
+        if expected and spool.end != max_offset:
             self.roll_to_offset = max_offset  # the operator's explicit reset-head
             return S.SEND_PIPELINE_SYNC
         suspending = self._suspension(level, index_min == index_max)

@@ -40,6 +40,7 @@ from tidings.protocol.status import (
     TidingsError,
     TransportError,
     UsageError,
+    WrongAppendOffsetError,
     for_status,
     map_grpc_error,
 )
@@ -214,6 +215,17 @@ class AsyncClient:
         with grpc.aio while a broker dies) would otherwise never come. Streams have none by default.
         """
         first = first_append_request(journal, offset, check_registers, union_registers, subtract_registers, suspend)
+        return await self._append(first, content, timeout, retry_unknown)
+
+    async def _append(
+        self,
+        first: pb.AppendRequest,
+        content: Content | Callable[[], Content],
+        timeout: float | None,
+        retry_unknown: bool,
+    ) -> AppendResult:
+        """`append`'s attempts: the opening message `first` is built."""
+        journal = first.journal
         whole = isinstance(content, bytes | bytearray | memoryview)
         replayable = whole or callable(content)
         if timeout is None and isinstance(content, bytes | bytearray | memoryview):  # (`whole`)
@@ -246,35 +258,46 @@ class AsyncClient:
         the journal once, even when an attempt's answer is lost in transport, for a writer that is the
         journal's only one while it appends (as `tidings journals append`).
 
-        A zero-byte append first takes the write head. After a lost answer (a transport failure, or
-        none within `timeout`) another tells what happened: the journal did not move (nothing landed:
-        tried again, within the retry policy), it moved by exactly `size` bytes holding this content
-        (it landed: that span is returned), or anything else (a TidingsError: whether it landed
-        cannot be told). Refusals, which leave nothing written, are retried as by `append`. The
+        A zero-byte append first takes the write head, and every attempt asks for exactly that offset
+        (or `offset`, when given), so that of attempts racing to the journal (one whose answer was lost
+        may still be on its way to the primary) at most one lands. After a lost answer (a transport
+        failure, or none within `timeout`) another zero-byte append tells what happened: the journal did
+        not move (nothing landed: tried again, within the retry policy), it moved by exactly `size`
+        bytes holding this content (it landed: that span is returned), or anything else (a
+        TidingsError: whether it landed cannot be told). An attempt refused for its offset after a lost
+        answer is that same question. Refusals, which leave nothing written, are retried as by `append`;
+        an `offset` that is not the write head to begin with raises WrongAppendOffsetError. The
         AppendService finds a lost batch of messages by their UUIDs instead (`_find_committed`).
         """
         head = (await self.append(journal, b"")).end
-        attempt, failing_since = 0, 0.0
+        first = first_append_request(journal)
+        first.offset = offset or head  # (set even when 0: an empty journal is asked for, not "any")
+        attempt, failing_since, lost = 0, 0.0, ""
         while True:
             try:
-                return await self.append(journal, content, offset=offset, retry_unknown=False, timeout=timeout)
+                return await self._append(first, content, timeout, retry_unknown=False)
+            except WrongAppendOffsetError:
+                if not lost:
+                    raise  # (the caller's offset, or a head that moved before anything was sent)
             except TransportError as exc:
                 failing_since = failing_since or time.monotonic()
-                lost = exc.retriable or exc.code == grpc.StatusCode.DEADLINE_EXCEEDED
-                if not lost or self.retry.gives_up(attempt, failing_since):
+                if not (exc.retriable or exc.code == grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                lost = str(exc)
+                if self.retry.gives_up(attempt, failing_since):
                     raise
                 await self.backoff(attempt)
                 attempt += 1
-                now = (await self.append(journal, b"")).end
-                if now == head:
-                    continue
-                if now == head + size and (sha1 := await self._holds(journal, head, content())):
-                    return AppendResult(journal, head, now, {}, sha1)
-                raise TidingsError(
-                    f"journal {journal!r}: an attempt's answer was lost ({exc}) and the journal moved from {head} "
-                    f"to {now} meanwhile: whether the content landed is unknown; read the journal from offset "
-                    f"{head} to check before appending it again"
-                ) from None
+            now = (await self.append(journal, b"")).end
+            if now == head:
+                continue
+            if now == head + size and (sha1 := await self._holds(journal, head, content())):
+                return AppendResult(journal, head, now, {}, sha1)
+            raise TidingsError(
+                f"journal {journal!r}: an attempt's answer was lost ({lost}) and the journal moved from {head} "
+                f"to {now} meanwhile: whether the content landed is unknown; read the journal from offset "
+                f"{head} to check before appending it again"
+            ) from None
 
     async def _holds(self, journal: str, begin: int, content: Content) -> str:
         """The content's SHA1 (hex) if the journal holds exactly it from `begin`, else ""."""

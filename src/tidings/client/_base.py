@@ -84,8 +84,10 @@ def first_append_request(
     subtract_registers: pb.LabelSet | None = None,
     suspend: pb.AppendRequest.Suspend = pb.AppendRequest.SUSPEND_RESUME,
 ) -> pb.AppendRequest:
-    """The metadata message that opens an Append stream."""
-    first = pb.AppendRequest(journal=journal, offset=offset, suspend=suspend)
+    """The metadata message that opens an Append stream (an `offset` of 0, "any", is left unset)."""
+    first = pb.AppendRequest(journal=journal, suspend=suspend)
+    if offset:
+        first.offset = offset
     if check_registers is not None:
         first.check_registers.CopyFrom(check_registers)
     if union_registers is not None:
