@@ -16,12 +16,13 @@ from __future__ import annotations
 import asyncio
 import functools
 
+import msgspec
 import pytest
 
 from tests.consumer.test_commit_barrier import outputs, publish_ids, relay_spec
 from tests.support.apps import Relay, seen
 from tests.support.waiting import wait_until
-from tidings.consumer.shard import Shard, serve_primary
+from tidings.consumer.shard import Shard, _message_type, serve_primary
 from tidings.protocol.specs import shard_from_dict
 from tidings.protocol.status import UsageError
 
@@ -169,3 +170,18 @@ async def test_an_application_that_is_no_application_is_refused_before_it_runs(c
     async with cluster.client() as c:
         with pytest.raises(UsageError, match=r"DuckTyped is no tidings\.consumer\.Application"):
             await serve_primary(c, spec, DuckTyped(), asyncio.Event())  # type: ignore[arg-type]
+
+
+class Typed(msgspec.Struct):
+    id: str
+
+
+async def test_a_new_message_set_on_the_application_object_chooses_the_type(cluster) -> None:
+    """`new_message` is a hook like the others: one given to the object (not its class) is used too,
+    not silently passed over for the framing's default."""
+    await cluster.create_journal("hooks/typed", 1)
+    app = Relay()
+    app.new_message = lambda spec: Typed  # type: ignore[method-assign]
+    async with cluster.client() as c:
+        assert await _message_type(c, app, ["hooks/typed"]) is Typed
+        assert await _message_type(c, Relay(), ["hooks/typed"]) is None

@@ -266,7 +266,7 @@ async def _write_recovered(
 async def _message_type(client: AsyncClient, app: Application, journals: list[str]) -> Any:
     """What the sources' messages decode into: the application's `new_message(journal_spec)` (one type
     for all sources), else the framing's default (dicts for JSON)."""
-    if type(app).new_message is Application.new_message:
+    if getattr(app.new_message, "__func__", None) is Application.new_message:  # (the class's or the object's)
         return None  # (no List call for an application that does not choose)
     specs = [await client.spec(journal) for journal in journals]
     types = {app.new_message(spec) for spec in specs}
