@@ -41,8 +41,9 @@ from typing import Any, TypeVar, cast
 import grpc
 
 from tidings.allocator import keys
+from tidings.allocator.decoded import Assignment
 from tidings.allocator.kind import SHARDS
-from tidings.allocator.state import Assignment, State
+from tidings.allocator.state import State
 from tidings.client import AsyncClient
 from tidings.consumer import _metrics as metrics
 from tidings.consumer.client import STAT_MARGIN
