@@ -29,8 +29,7 @@ import msgspec
 import uvloop
 
 from tidings.client import AsyncClient
-from tidings.consumer import Application, SQLiteStore
-from tidings.consumer.shard import Shard, serve_primary
+from tidings.consumer import Application, Shard, SQLiteStore, serve_primary
 from tidings.logplayer.target import APPLIED_TABLE, KV_TABLE, apply_key_values
 from tidings.logplayer.wal import WalEntry, WalMutation
 from tidings.protocol import protocol_pb2 as pb

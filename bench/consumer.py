@@ -34,8 +34,7 @@ from _common import create_journal, emit, run
 from tidings.client import AppendService, AsyncClient
 from tidings.cluster import LocalCluster
 from tidings.cluster.postgres import PostgresProcess
-from tidings.consumer import Application, PostgresStore, SQLiteStore
-from tidings.consumer.shard import Shard, serve_primary
+from tidings.consumer import Application, PostgresStore, Shard, SQLiteStore, serve_primary
 from tidings.message import Publisher
 from tidings.protocol import protocol_pb2 as pb
 

@@ -1,7 +1,8 @@
 """A stub broker for driving the AppendFSM one state at a time (STYLE.md, *Tests*; Gazette's
 `broker/teststub` and `append_fsm_test.go`), and helpers that force an interleaving.
 
-`StubBroker` is what `AppendFSM` touches of a `Broker`, with the real parts kept where they are cheap:
+`StubBroker` is what `AppendFSM` touches of a broker (`broker.host.Host`), with the real parts kept where
+they are cheap:
 
 - `etcd`: a `StubEtcd`, an in-memory etcd (revisions, `txn` with compares) whose writes reach the
   broker's KeySpace at once, or only when the test says so (`withheld()`, `deliver()`); a txn can be
@@ -31,9 +32,9 @@ from typing import Any
 from tests.support.waiting import wait_until
 from tidings.allocator import keys
 from tidings.broker.append_fsm import AppendFSM, AppendState
+from tidings.broker.host import BrokerConfig
 from tidings.broker.replica import Replica
 from tidings.broker.resolver import Resolver
-from tidings.broker.service import BrokerConfig
 from tidings.broker.transport import FailedStream, ReplicaStream, StreamError
 from tidings.fragment.spool import Spool
 from tidings.keyspace import KV, Compare, KeySpace, RequestOp, decoder, delete_op, put_op

@@ -22,9 +22,8 @@ from tests.support.apps import SEEN, Relay, seen
 from tests.support.consumer_procs import ConsumerProcs
 from tests.support.waiting import wait_until
 from tidings.client import AppendService
-from tidings.consumer import SQLiteStore
+from tidings.consumer import Shard, SQLiteStore, serve_primary
 from tidings.consumer.client import ShardClient
-from tidings.consumer.shard import Shard, serve_primary
 from tidings.message import Publisher, read_committed
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import shard_from_dict

@@ -22,7 +22,8 @@ import pytest
 from tests.consumer.test_commit_barrier import outputs, publish_ids, relay_spec
 from tests.support.apps import Relay, seen
 from tests.support.waiting import wait_until
-from tidings.consumer.shard import Shard, _message_type, serve_primary
+from tidings.consumer import Shard, serve_primary
+from tidings.consumer.shard import _message_type
 from tidings.protocol.specs import shard_from_dict
 from tidings.protocol.status import UsageError
 

@@ -25,8 +25,7 @@ from tests.consumer.test_shard import (
 from tests.support.apps import Relay, seen
 from tests.support.waiting import wait_until
 from tidings.client import AppendService
-from tidings.consumer import SQLiteStore
-from tidings.consumer.shard import Shard, serve_primary
+from tidings.consumer import Shard, SQLiteStore, serve_primary
 from tidings.message import Publisher, read_uncommitted
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import shard_from_dict

@@ -178,7 +178,7 @@ async def test_stat_waits_across_a_spec_change_and_ignores_journals_that_are_not
 ) -> None:
     """A Stat waiting while the shard's primary restarts under a changed spec is answered by the new
     primary (the shard never moved); offsets of journals the shard does not read are ignored (Gazette)."""
-    from tidings.consumer.shard import Shard
+    from tidings.consumer import Shard
 
     a = await two_shards_served(cluster, consumers)
     entered = asyncio.Event()

@@ -18,8 +18,7 @@ import psycopg
 import pytest
 
 from tests.support.waiting import wait_until
-from tidings.consumer import Application, PostgresStore, SQLiteStore
-from tidings.consumer.shard import Shard, serve_primary
+from tidings.consumer import Application, PostgresStore, Shard, SQLiteStore, serve_primary
 from tidings.message import Publisher, read_committed, read_uncommitted
 from tidings.protocol import protocol_pb2 as pb
 
@@ -165,8 +164,7 @@ ZOMBIE = """
 import asyncio, sys
 from tests.consumer.test_shard import WordCount, spec
 from tidings.client import AsyncClient
-from tidings.consumer import FenceError
-from tidings.consumer.shard import Shard, serve_primary
+from tidings.consumer import FenceError, Shard, serve_primary
 
 async def main(endpoint, path):
     async with AsyncClient(endpoint) as c:

@@ -20,9 +20,9 @@ from tests.support.consumers import PRIMARY, WORDS, counts
 from tests.support.waiting import wait_until
 from tidings.client import AppendService
 from tidings.client._base import CHUNK
+from tidings.consumer import Shard, serve_primary
 from tidings.consumer import service as consumer_service
 from tidings.consumer.client import ShardClient
-from tidings.consumer.shard import Shard, serve_primary
 from tidings.message import Publisher
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import shard_from_dict

@@ -16,8 +16,7 @@ import pytest
 
 from tests.consumer.test_shard import WordCount, produce, spec, stored_counts
 from tests.support.waiting import wait_until
-from tidings.consumer import SQLiteStore
-from tidings.consumer.shard import serve_primary
+from tidings.consumer import SQLiteStore, serve_primary
 
 HOLD_LOCK = """
 import sys, apsw
@@ -107,7 +106,7 @@ ZOMBIE = """
 import asyncio, os, signal, sys
 from tests.consumer.test_shard import WordCount, spec
 from tidings.client import AsyncClient
-from tidings.consumer.shard import serve_primary
+from tidings.consumer import serve_primary
 
 def pause(n):
     if n == 30:

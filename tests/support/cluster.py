@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from tidings.broker.service import Broker, BrokerConfig
+from tidings.broker.host import BrokerConfig
+from tidings.broker.service import Broker
 from tidings.client import AsyncClient
 from tidings.cluster import LocalCluster
 from tidings.protocol import protocol_pb2 as pb

@@ -29,10 +29,11 @@ from tidings.allocator.converge import (
     advertise_route,
     plan,
 )
+from tidings.allocator.decoded import Assignment, Item, Member
 from tidings.allocator.keys import AssignKey, assign_key, item_key, member_key, parse_assign_key
 from tidings.allocator.kind import JOURNALS, SHARDS, Kind
 from tidings.allocator.solver import Current, Slot, SolverItem, SolverMember, solve
-from tidings.allocator.state import Assignment, Item, Member, State, route_of, routes_equivalent
+from tidings.allocator.state import State, route_of, routes_equivalent
 
 __all__ = [
     "JOURNALS",

@@ -46,9 +46,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tidings.allocator import keys
+from tidings.allocator.decoded import Assignment, MemberId
 from tidings.allocator.kind import JOURNALS, Kind
 from tidings.allocator.solver import Current, SolverItem, SolverMember, solve
-from tidings.allocator.state import Assignment, MemberId, State
+from tidings.allocator.state import State
 from tidings.keyspace import (
     Compare,
     Etcd,

@@ -13,16 +13,14 @@ Shards: the replica is a STANDBY or the PRIMARY (caught up), or failed while the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
+from tidings.allocator.decoded import Assignment
 from tidings.keyspace import decode
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import validate
 from tidings.protocol.specs import desired_replication
 from tidings.protocol.status import ValidationError
-
-if TYPE_CHECKING:
-    from tidings.allocator.state import Assignment
 
 __all__ = ["JOURNALS", "SHARDS", "Journals", "Kind", "Shards"]
 

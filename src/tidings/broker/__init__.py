@@ -7,7 +7,8 @@ journal has a `Replica` (its Spool, fragment index and daemons); the journal's p
 every replica of its Route; offsets are never assigned twice; readers see only committed bytes;
 every replica validates every proposal (DESIGN.md invariants 1-4, 6).
 
-Modules: resolver (journal -> Route, replicas), replica (ownership tokens), pipeline (barrier),
-append_fsm, append_api (response mapping, proxy), replicate_api (peer side), read_api, service
-(the Broker: wiring, pulse, List/Apply/ListFragments), _metrics.
+Modules: transport (replication streams), pipeline (barrier), replica (ownership tokens), resolver
+(journal -> Route, replicas), host (`BrokerConfig`, and `Host`: what the broker lends the modules
+above), append_fsm, append_api (response mapping, proxy), replicate_api (peer side), read_api,
+list_apply_api, fragments_api, pulse, recovery, service (the Broker: wiring), _metrics.
 """

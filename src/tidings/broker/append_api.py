@@ -31,7 +31,7 @@ from tidings.protocol.status import ValidationError
 from tidings.tasks import cancelled_under_us
 
 if TYPE_CHECKING:
-    from tidings.broker.service import Broker
+    from tidings.broker.host import Host
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class _ClientStream:
     that long the stream must average at least `min_append_rate` bytes per second.
     """
 
-    def __init__(self, broker: Broker, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, broker: Host, context: grpc.aio.ServicerContext) -> None:
         self._context = context
         self._cfg = broker.config
         self._started = time.monotonic()
@@ -101,7 +101,7 @@ class _ClientStream:
                     dropped += len(msg.content)
 
 
-async def serve_append(broker: Broker, context: grpc.aio.ServicerContext) -> pb.AppendResponse:
+async def serve_append(broker: Host, context: grpc.aio.ServicerContext) -> pb.AppendResponse:
     """Serve one Append RPC; see the module docstring for how each outcome is answered."""
     journal: list[str] = []  # filled with the journal's name once the first message is read
     try:
@@ -120,7 +120,7 @@ async def serve_append(broker: Broker, context: grpc.aio.ServicerContext) -> pb.
     raise AssertionError("unreachable")
 
 
-async def _serve_append(broker: Broker, context: grpc.aio.ServicerContext, journal: list[str]) -> pb.AppendResponse:
+async def _serve_append(broker: Host, context: grpc.aio.ServicerContext, journal: list[str]) -> pb.AppendResponse:
     first = await context.read()
     if first is grpc.aio.EOF:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "append: empty stream; send the journal first")
@@ -170,7 +170,7 @@ def _respond(rpc: str, resp: pb.AppendResponse) -> pb.AppendResponse:
 
 
 async def _proxy(
-    broker: Broker, fsm: AppendFSM, first: pb.AppendRequest, client: _ClientStream, context: grpc.aio.ServicerContext
+    broker: Host, fsm: AppendFSM, first: pb.AppendRequest, client: _ClientStream, context: grpc.aio.ServicerContext
 ) -> pb.AppendResponse:
     """Forward the whole stream to the primary, with our Header so it reads through our revision."""
     assert fsm.resolved is not None

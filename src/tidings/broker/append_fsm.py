@@ -63,7 +63,7 @@ from tidings.protocol.status import TidingsError, ValidationError
 from tidings.tasks import cancelled_under_us
 
 if TYPE_CHECKING:
-    from tidings.broker.service import Broker
+    from tidings.broker.host import Host
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class ClientStreamError(Exception):
 class AppendFSM:
     """Drives one AppendRequest (the first message of an Append RPC) through the states."""
 
-    def __init__(self, broker: Broker, req: pb.AppendRequest, pulse: bool = False) -> None:
+    def __init__(self, broker: Host, req: pb.AppendRequest, pulse: bool = False) -> None:
         self.broker = broker
         self.req = req
         self.pulse = pulse  # the replica's own keep-alive, not a client's append

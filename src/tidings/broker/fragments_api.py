@@ -17,11 +17,11 @@ from tidings.protocol import validate
 from tidings.protocol.status import ValidationError
 
 if TYPE_CHECKING:
-    from tidings.broker.service import Broker
+    from tidings.broker.host import Host
 
 
 async def serve_list_fragments(
-    broker: Broker, req: pb.FragmentsRequest, context: grpc.aio.ServicerContext
+    broker: Host, req: pb.FragmentsRequest, context: grpc.aio.ServicerContext
 ) -> pb.FragmentsResponse:
     with counted(metrics.RPC_STATUS, "list_fragments", context) as outcome:
         try:
@@ -32,7 +32,7 @@ async def serve_list_fragments(
         return resp
 
 
-async def list_fragments(broker: Broker, req: pb.FragmentsRequest) -> pb.FragmentsResponse:
+async def list_fragments(broker: Host, req: pb.FragmentsRequest) -> pb.FragmentsResponse:
     validate.journal_name(req.journal, "fragments.journal")
     res = await broker.resolver.resolve(req.journal, req.header.etcd.revision if req.HasField("header") else 0)
     if res.status != pb.OK:

@@ -29,14 +29,14 @@ from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import TransportError, ValidationError
 
 if TYPE_CHECKING:
-    from tidings.broker.service import Broker
+    from tidings.broker.host import Host
 
 log = logging.getLogger(__name__)
 
 STALE_CHECK_TIMEOUT = 5.0  # seconds Apply spends listing created journals' stores
 
 
-async def serve_list(broker: Broker, req: pb.ListRequest, context: grpc.aio.ServicerContext) -> None:
+async def serve_list(broker: Host, req: pb.ListRequest, context: grpc.aio.ServicerContext) -> None:
     """Serve one List RPC: a response now, and with `watch` another after every KeySpace update."""
     with counted(metrics.RPC_STATUS, "list", context) as outcome:
         try:
@@ -52,7 +52,7 @@ async def serve_list(broker: Broker, req: pb.ListRequest, context: grpc.aio.Serv
             await broker.keyspace.wait_for_update(revision)
 
 
-async def serve_apply(broker: Broker, req: pb.ApplyRequest, context: grpc.aio.ServicerContext) -> pb.ApplyResponse:
+async def serve_apply(broker: Host, req: pb.ApplyRequest, context: grpc.aio.ServicerContext) -> pb.ApplyResponse:
     """Serve one Apply RPC: INVALID_ARGUMENT naming a bad change, UNAVAILABLE while etcd is unreachable."""
     with counted(metrics.RPC_STATUS, "apply", context) as outcome:
         try:
@@ -66,14 +66,14 @@ async def serve_apply(broker: Broker, req: pb.ApplyRequest, context: grpc.aio.Se
 
 
 async def serve_list_members(
-    broker: Broker, req: pb.MembersRequest, context: grpc.aio.ServicerContext
+    broker: Host, req: pb.MembersRequest, context: grpc.aio.ServicerContext
 ) -> pb.MembersResponse:
     with counted(metrics.RPC_STATUS, "list_members", context) as outcome:
         outcome.append(pb.OK)
         return members_response(broker)
 
 
-def list_response(broker: Broker, selector: pb.LabelSelector) -> pb.ListResponse:
+def list_response(broker: Host, selector: pb.LabelSelector) -> pb.ListResponse:
     """The journals matching `selector`, by name, each with its spec, revisions, route and consistency."""
     state = broker.resolver.state
     resp = pb.ListResponse(status=pb.OK, header=broker.resolver.header(pb.Route(primary=-1)))
@@ -94,7 +94,7 @@ def list_response(broker: Broker, selector: pb.LabelSelector) -> pb.ListResponse
     return resp
 
 
-async def apply(broker: Broker, req: pb.ApplyRequest) -> pb.ApplyResponse:
+async def apply(broker: Host, req: pb.ApplyRequest) -> pb.ApplyResponse:
     """Apply `req`'s changes in one etcd transaction, once the KeySpace has reached it."""
     root = broker.config.root
     state = broker.resolver.state
@@ -129,7 +129,7 @@ async def apply(broker: Broker, req: pb.ApplyRequest) -> pb.ApplyResponse:
     return pb.ApplyResponse(status=status, header=broker.resolver.header(pb.Route(primary=-1)), warnings=warnings)
 
 
-async def stale_fragments(broker: Broker, created: list[pb.JournalSpec]) -> list[str]:
+async def stale_fragments(broker: Host, created: list[pb.JournalSpec]) -> list[str]:
     """A warning per created journal whose store already holds fragments: an earlier journal of the
     name left them, and its first append is refused (INDEX_HAS_GREATER_OFFSET) until reset-head, as
     in Gazette. Found at apply, not at the first append; a store that cannot be listed in time is
@@ -162,7 +162,7 @@ async def stale_fragments(broker: Broker, created: list[pb.JournalSpec]) -> list
     return warnings
 
 
-def members_response(broker: Broker) -> pb.MembersResponse:
+def members_response(broker: Host) -> pb.MembersResponse:
     """Every live member (its spec from etcd), with the journals assigned to it and those it leads."""
     state = broker.resolver.state
     journals: Counter[tuple[str, str]] = Counter()

@@ -16,15 +16,15 @@ from tidings.broker.append_fsm import AppendFSM
 from tidings.protocol import protocol_pb2 as pb
 
 if TYPE_CHECKING:
+    from tidings.broker.host import Host
     from tidings.broker.replica import Replica
-    from tidings.broker.service import Broker
 
 log = logging.getLogger(__name__)
 
 AUTO_SUSPEND_PULSES = 15  # stable pulses (no route change) before an idle journal may be suspended (Gazette's)
 
 
-async def pulse(broker: Broker, replica: Replica) -> None:
+async def pulse(broker: Host, replica: Replica) -> None:
     """Pulse `replica`'s journal every pulse interval, and at once when its route changes, until it closes.
 
     A pulse that overruns its timeout is cancelled, which the FSM survives at any state (it gives
@@ -55,7 +55,7 @@ async def pulse(broker: Broker, replica: Replica) -> None:
 
 
 async def pulse_once(
-    broker: Broker, replica: Replica, mode: pb.AppendRequest.Suspend = pb.AppendRequest.SUSPEND_NO_RESUME
+    broker: Host, replica: Replica, mode: pb.AppendRequest.Suspend = pb.AppendRequest.SUSPEND_NO_RESUME
 ) -> None:
     """One pulse: a zero-byte append if this broker is the journal's primary, else give its pipeline up."""
     res = await broker.resolver.resolve(replica.journal)

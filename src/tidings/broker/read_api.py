@@ -36,8 +36,8 @@ from tidings.protocol.status import ValidationError
 if TYPE_CHECKING:
     from prometheus_client import Counter
 
+    from tidings.broker.host import Host
     from tidings.broker.resolver import Resolution
-    from tidings.broker.service import Broker
     from tidings.fragment.fragment import Fragment
     from tidings.fragment.index import FragmentIndex
 
@@ -47,7 +47,7 @@ CHUNK = 256 * 1024
 READ_REFRESH_TIMEOUT = 10.0  # seconds a read at a hole below the write head waits for a store listing
 
 
-async def serve_read(broker: Broker, req: pb.ReadRequest, context: grpc.aio.ServicerContext) -> int:
+async def serve_read(broker: Host, req: pb.ReadRequest, context: grpc.aio.ServicerContext) -> int:
     """Serve one Read RPC; the Status it ended with (for the RPC counter)."""
     try:
         validate.read_request(req)
@@ -221,7 +221,7 @@ async def _send(context: grpc.aio.ServicerContext, offset: int, data: bytes, cou
     return offset + len(data)
 
 
-async def _proxy(broker: Broker, req: pb.ReadRequest, res: Resolution, context: grpc.aio.ServicerContext) -> None:
+async def _proxy(broker: Host, req: pb.ReadRequest, res: Resolution, context: grpc.aio.ServicerContext) -> None:
     """Relay the read from a replica of the route (preferring one in our zone)."""
     route = res.route
     order = sorted(range(len(route.members)), key=lambda i: route.members[i].zone != broker.process_id.zone)

@@ -62,8 +62,8 @@ from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.protocol_pb2_grpc import JournalStub
 
 if TYPE_CHECKING:
+    from tidings.broker.host import Host
     from tidings.broker.replica import Replica
-    from tidings.broker.service import Broker
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ def drop_from(pending: list[tuple[Fragment, SpoolFile]], i: int) -> int:
     return begin
 
 
-async def _journal_refuses_appends(broker: Broker, journal: str) -> bool | None:
+async def _journal_refuses_appends(broker: Host, journal: str) -> bool | None:
     """Whether a zero-byte append (a barrier: it writes nothing) through this broker answers
     INDEX_HAS_GREATER_OFFSET (None: no answer now)."""
     stub = JournalStub(broker.channel(broker.endpoint))  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
@@ -232,7 +232,7 @@ def _members(route: pb.Route, me: pb.ProcessId) -> list[str]:
 class RecoveryChecks:
     """A broker's checks of its replicas' recovered fragments (see the module docstring)."""
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: Host) -> None:
         self.broker = broker
 
     async def _members(self, replica: Replica) -> list[str] | None:
@@ -298,7 +298,7 @@ async def _list_store(url: str, journal: str) -> list[Fragment] | None:
         return None
 
 
-async def verify_unassigned(broker: Broker, journal: str, fragments: list[tuple[Fragment, SpoolFile]]) -> None:
+async def verify_unassigned(broker: Host, journal: str, fragments: list[tuple[Fragment, SpoolFile]]) -> None:
     """Check fragments recovered for a journal this broker does not replicate against its route's
     members and stores; persist those some member is already past (see the module docstring). The
     broker cancels it when the journal is assigned here (the replica recovers the directory itself);

@@ -28,7 +28,7 @@ import shutil
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tidings.broker import _metrics as metrics
 from tidings.fragment import retention
@@ -40,7 +40,6 @@ from tidings.protocol import protocol_pb2 as pb
 
 if TYPE_CHECKING:
     from tidings.broker.pipeline import Pipeline
-    from tidings.broker.recovery import RecoveryChecks
     from tidings.fragment.persister import Persister
 
 log = logging.getLogger(__name__)
@@ -60,6 +59,21 @@ def spool_directory(data_dir: Path, journal: str) -> Path:
     return data_dir / "spools" / journal.replace("/", "%2F")
 
 
+class Verifier(Protocol):
+    """Checks the fragments a replica recovered before they are served or persisted (the broker's:
+    `broker.recovery.RecoveryChecks`, which asks the journal's other members, so it sits above this
+    module and is handed in)."""
+
+    async def before_sync(self, replica: Replica) -> int | None:
+        """Before the spool resumes: drop what the journal contradicts -> where to resume instead
+        (None: at the recovered end)."""
+        ...
+
+    async def after_sync(self, replica: Replica) -> None:
+        """Once a pipeline synchronized the spool: adopt or drop each fragment still unverified."""
+        ...
+
+
 class Replica:
     """A local replica of `journal`: created when this broker is assigned it, closed when unassigned.
 
@@ -70,8 +84,7 @@ class Replica:
     * `recovered` - what this broker's previous process left for the journal, if already read.
     * `journal_revision` - the create revision of the journal's spec (a journal deleted and
       created again does not inherit the old one's spool).
-    * `recovery` - checks the recovered fragments (`broker.recovery.RecoveryChecks`); without it they
-      are adopted as found.
+    * `recovery` - checks the recovered fragments (a `Verifier`); without it they are adopted as found.
     """
 
     def __init__(
@@ -85,7 +98,7 @@ class Replica:
         persist_delay: float = 60.0,
         recovered: Recovered | None = None,
         journal_revision: int = 0,
-        recovery: RecoveryChecks | None = None,
+        recovery: Verifier | None = None,
     ) -> None:
         self.journal = journal
         self.spec = spec

@@ -32,12 +32,12 @@ from tidings.protocol.route import routes_equivalent
 from tidings.protocol.status import ValidationError
 
 if TYPE_CHECKING:
-    from tidings.broker.service import Broker
+    from tidings.broker.host import Host
 
 log = logging.getLogger(__name__)
 
 
-async def serve_replicate(broker: Broker, stream: PeerStream) -> None:
+async def serve_replicate(broker: Host, stream: PeerStream) -> None:
     first = await stream.recv()
     if first is None:
         return

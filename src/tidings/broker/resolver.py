@@ -17,7 +17,8 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from tidings.allocator.state import Assignment, State
+from tidings.allocator.decoded import Assignment
+from tidings.allocator.state import State
 from tidings.broker.replica import Replica
 from tidings.keyspace import KeySpace
 from tidings.protocol import protocol_pb2 as pb

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import shutil
@@ -36,6 +35,7 @@ from tidings.allocator.state import State
 from tidings.broker import _metrics as metrics
 from tidings.broker.append_api import serve_append
 from tidings.broker.fragments_api import serve_list_fragments
+from tidings.broker.host import BrokerConfig
 from tidings.broker.list_apply_api import serve_apply, serve_list, serve_list_members
 from tidings.broker.pulse import pulse
 from tidings.broker.read_api import serve_read
@@ -76,35 +76,6 @@ SERVER_OPTIONS = [
     ("grpc.http2.max_ping_strikes", 0),
 ]
 CLOSE_TIMEOUT = 5.0  # seconds for the replicas to close while stopping (they take milliseconds, unless stuck)
-
-
-@dataclasses.dataclass
-class BrokerConfig:
-    """Flags of `tidings broker`, one for one with TIDINGS_* environment variables."""
-
-    etcd: str
-    zone: str = "local"
-    suffix: str = "broker-0"
-    listen: str = "127.0.0.1:0"
-    data_dir: Path = Path("data")
-    root: str = "/tidings/cluster"
-    journal_limit: int = 1024
-    stall_timeout: float = 10.0  # a client silent this long is cut off
-    min_append_rate: int = 16 * 1024  # bytes/s a client must average after stall_timeout
-    # Seconds between a primary's zero-byte health-check appends of each journal (Gazette's healthCheckInterval:
-    # a minute). Route changes pulse at once; dead connections are found by the transport's keep-alive.
-    pulse_interval: float = 60.0
-    lease_ttl: int = 5
-    metrics_listen: str | None = None  # HOST:PORT serving /metrics; "auto": the gRPC port + 1000 (or any free one)
-    exit_timeout: float = 60.0
-    default_store: str = ""  # the fragment store of journals whose spec names none ("": local only)
-    persist_delay: float = 60.0  # seconds a replica waits before persisting what the primary did not
-    replication_listen: str = ""  # HOST:PORT for peers' replication streams ("": --listen's host, any port)
-    # Seconds between retention passes: each journal's primary removes the persisted fragments its
-    # fragment.retention lets go (Kafka's log.retention.check.interval: 5 minutes). 0: never (prune by hand).
-    prune_interval: float = 300.0
-    metrics_journals: bool = False  # per-journal series (one per journal: mind the cardinality)
-    auto_suspend: bool = False  # suspend idle journals (Gazette's AutoSuspend; see broker/pulse.py)
 
 
 class Broker(MemberProcess):

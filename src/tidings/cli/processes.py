@@ -158,8 +158,9 @@ def broker(
     if it serves /metrics); SIGTERM hands
     its journals to other brokers (at most --exit-timeout seconds), then exits. It exits with 1 if
     its etcd lease is lost (etcd unreachable for longer than --lease-ttl)."""
+    from tidings.broker.host import BrokerConfig
     from tidings.broker.malloc import tune_malloc
-    from tidings.broker.service import Broker, BrokerConfig
+    from tidings.broker.service import Broker
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tune_malloc()

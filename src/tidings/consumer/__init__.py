@@ -4,6 +4,7 @@ consumer framework; seed: gazette-exactly-once.txt, "Consumer Shard Transaction 
 
 - `store`: the Store interface a shard commits its Checkpoint through: `SQLiteStore` (a file per
   shard) and `PostgresStore` (a PostgreSQL database), whose fences stop a zombie primary.
+- `application`: the `Application` a user subclasses, and the `Shard` its hooks are given.
 - `shard`: `serve_primary` runs a shard's pipelined transactions for an `Application` (restore the
   checkpoint, re-write its ACK intents, read sources committed, consume, commit the store with
   the checkpoint after the downstream appends, then write the ACKs).
@@ -18,7 +19,8 @@ The shards themselves are items of the same allocator that places journals on br
 (`tidings.allocator.kind.SHARDS`).
 """
 
-from tidings.consumer.shard import Application, Shard, serve_primary
+from tidings.consumer.application import Application, Shard
+from tidings.consumer.shard import serve_primary
 from tidings.consumer.store import FenceError, PostgresStore, SQLiteStore, Store
 
 __all__ = ["Application", "FenceError", "PostgresStore", "SQLiteStore", "Shard", "Store", "serve_primary"]

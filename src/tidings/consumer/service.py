@@ -41,13 +41,16 @@ from typing import Any, TypeVar, cast
 import grpc
 
 from tidings.allocator import keys
+from tidings.allocator.decoded import Assignment
 from tidings.allocator.kind import SHARDS
-from tidings.allocator.state import Assignment, State
+from tidings.allocator.state import State
 from tidings.client import AsyncClient
 from tidings.consumer import _metrics as metrics
+from tidings.consumer.application import Application, Shard, TxnStats
 from tidings.consumer.client import STAT_MARGIN
-from tidings.consumer.shard import Application, OutputFailedError, Shard, TxnStats, serve_primary
+from tidings.consumer.shard import serve_primary
 from tidings.consumer.store import FenceError
+from tidings.consumer.transaction import OutputFailedError
 from tidings.keyspace.etcd import Compare, RequestOp, delete_op, mod_revision_is, put_op
 from tidings.member import MemberProcess, counted
 from tidings.protocol import labels, validate

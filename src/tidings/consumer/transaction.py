@@ -15,6 +15,7 @@ import time
 import types
 from typing import TYPE_CHECKING, Any
 
+from tidings.consumer.application import Application, Shard, TxnStats
 from tidings.consumer.store import Store
 from tidings.message import AckIntent, Checkpoint, Envelope, JournalCheckpoint, ProducerState, Publisher
 from tidings.protocol import protocol_pb2 as pb
@@ -22,21 +23,10 @@ from tidings.protocol.status import TidingsError
 
 if TYPE_CHECKING:
     from tidings.client import AppendResult
-    from tidings.consumer.shard import Application, Shard
 
-__all__ = ["OutputFailedError", "Transactions", "TxnStats", "called", "checkpoint_from_proto", "checkpoint_to_proto"]
+__all__ = ["OutputFailedError", "Transactions", "called", "checkpoint_from_proto", "checkpoint_to_proto"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(slots=True)
-class TxnStats:
-    """A finished transaction, for metrics: messages consumed and seconds spent in each phase."""
-
-    messages: int
-    consuming: float  # first message to close
-    committing: float  # finalize_txn, the previous ACKs, the store commit
-    acknowledging: float = 0.0  # writing the ACKs after the commit
 
 
 def checkpoint_to_proto(checkpoint: Checkpoint, intents: list[AckIntent]) -> pb.Checkpoint:
