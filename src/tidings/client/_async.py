@@ -13,7 +13,7 @@ import builtins
 import hashlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, ClassVar
 
 import grpc
@@ -23,11 +23,14 @@ from tidings.client._base import (
     DEFINITE_CODES,
     GRPC_OPTIONS,
     AppendResult,
+    Content,
     Outage,
     ReadChunk,
     RetryPolicy,
     RouteCache,
+    chunks,
     first_append_request,
+    nbytes,
     registers_dict,
 )
 from tidings.fragment.fragment import Fragment
@@ -50,7 +53,6 @@ __all__ = ["Appender", "AsyncClient", "Reader"]
 
 log = logging.getLogger(__name__)
 
-Content = bytes | bytearray | memoryview | Iterable[bytes] | AsyncIterable[bytes]
 """What an append sends: bytes, or chunks (sync or async). `append` also takes a function returning a
 fresh Content, which it calls for each attempt, so that such content is retried like bytes."""
 DOWN_FOR = 2.0  # seconds an unreachable endpoint is avoided
@@ -229,7 +231,7 @@ class AsyncClient:
         whole = isinstance(content, bytes | bytearray | memoryview)
         replayable = whole or callable(content)
         if timeout is None and isinstance(content, bytes | bytearray | memoryview):  # (`whole`)
-            timeout = ATTEMPT_TIMEOUT + _nbytes(content) / (1 << 20)
+            timeout = ATTEMPT_TIMEOUT + nbytes(content) / (1 << 20)
         attempt, failing_since = 0, 0.0
         while True:
             endpoint = self._append_endpoint(journal)
@@ -333,7 +335,7 @@ class AsyncClient:
                 failed.append(exc)
                 raise
 
-        if isinstance(content, bytes | bytearray | memoryview) and _nbytes(content) <= CHUNK:
+        if isinstance(content, bytes | bytearray | memoryview) and nbytes(content) <= CHUNK:
             whole = pb.AppendRequest(content=bytes(content), commit=True)  # the whole append, one message
             whole.MergeFrom(first)
             call = self._append_whole(endpoint)(whole, timeout=timeout)
@@ -785,34 +787,3 @@ class Reader:
                 yield chunk
         finally:
             await asyncio.to_thread(src.close)
-
-
-def _nbytes(content: bytes | bytearray | memoryview) -> int:
-    """Bytes, not items: a memoryview of wider items is longer than its len()."""
-    return content.nbytes if isinstance(content, memoryview) else len(content)
-
-
-async def chunks(content: Content) -> AsyncIterator[bytes]:
-    """`content` (bytes, or a sync or async iterable of bytes) in `bytes` of at most CHUNK bytes."""
-    if isinstance(content, bytes | bytearray | memoryview):
-        parts: Iterable[bytes | bytearray | memoryview] = (content,)
-    elif isinstance(content, AsyncIterable):
-        async for chunk in content:
-            for piece in _split(chunk):
-                yield piece
-        return
-    else:
-        parts = content
-    for part in parts:
-        for piece in _split(part):
-            yield piece
-
-
-def _split(part: bytes | bytearray | memoryview) -> Iterator[bytes]:
-    if len(part) <= CHUNK and isinstance(part, bytes):
-        if part:
-            yield part
-        return
-    view = memoryview(part)
-    for i in range(0, len(view), CHUNK):
-        yield bytes(view[i : i + CHUNK])

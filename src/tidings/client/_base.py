@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import random
 import time
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -223,3 +224,39 @@ class RouteCache:
         if route.primary >= 0:
             return route.endpoints[route.primary]
         return route.endpoints[0]
+
+
+# --- Content: what an append sends ------------------------------------------------------------------------
+
+Content = bytes | bytearray | memoryview | Iterable[bytes] | AsyncIterable[bytes]
+
+
+def nbytes(content: bytes | bytearray | memoryview) -> int:
+    """Bytes, not items: a memoryview of wider items is longer than its len()."""
+    return content.nbytes if isinstance(content, memoryview) else len(content)
+
+
+async def chunks(content: Content) -> AsyncIterator[bytes]:
+    """`content` (bytes, or a sync or async iterable of bytes) in `bytes` of at most CHUNK bytes."""
+    if isinstance(content, bytes | bytearray | memoryview):
+        parts: Iterable[bytes | bytearray | memoryview] = (content,)
+    elif isinstance(content, AsyncIterable):
+        async for chunk in content:
+            for piece in _split(chunk):
+                yield piece
+        return
+    else:
+        parts = content
+    for part in parts:
+        for piece in _split(part):
+            yield piece
+
+
+def _split(part: bytes | bytearray | memoryview) -> Iterator[bytes]:
+    if len(part) <= CHUNK and isinstance(part, bytes):
+        if part:
+            yield part
+        return
+    view = memoryview(part)
+    for i in range(0, len(view), CHUNK):
+        yield bytes(view[i : i + CHUNK])

@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 import uvloop
 
-from tidings.client._async import Appender, AsyncClient, Content, Reader
-from tidings.client._base import AppendResult, ReadChunk
+from tidings.client._async import Appender, AsyncClient, Reader
+from tidings.client._base import AppendResult, Content, ReadChunk
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import UsageError
 
