@@ -121,3 +121,51 @@ async def test_an_offset_the_writer_gave_that_is_not_the_head_is_its_mistake(clu
         assert await c.read_all(journal) == b"first\n"
         span = await c.append_once(journal, lambda: CONTENT, len(CONTENT), offset=6)
         assert (span.begin, span.end) == (6, 6 + len(CONTENT))
+
+
+async def test_a_stale_offset_after_a_lost_answer_fails_within_the_retry_policy(cluster, monkeypatch) -> None:
+    """The writer's --offset is not the head, and its first attempt's answer is lost: the refusals that
+    follow are definite (nothing of it can land), so it fails, not retries for ever."""
+    journal = "once/stale"
+    await cluster.create_journal(journal, 3)
+    lost = []
+
+    async def lose_the_first(broker: Any, context: grpc.aio.ServicerContext) -> pb.AppendResponse:
+        messages = []
+        while (msg := await context.read()) is not grpc.aio.EOF:
+            messages.append(msg)
+        if any(m.content for m in messages) and messages[0].HasField("offset") and not lost:
+            lost.append(messages)
+            await asyncio.Event().wait()  # the answer is lost
+        return await serve_append(broker, _Replayed(context, messages))
+
+    monkeypatch.setattr(service, "serve_append", lose_the_first)
+    async with AsyncClient(cluster.brokers[0].endpoint, retries=3) as c:
+        await c.append(journal, b"first\n")
+        with pytest.raises(WrongAppendOffsetError):
+            await asyncio.wait_for(c.append_once(journal, lambda: CONTENT, len(CONTENT), offset=3, timeout=1.0), 60)
+        assert lost and await c.read_all(journal) == b"first\n"
+
+
+async def test_another_writer_moving_the_head_is_no_failure(cluster) -> None:
+    """Without --offset, appends of other writers between the probe and the attempt only make it try
+    again at the new head (each try is still at most once)."""
+    journal = "once/busy"
+    await cluster.create_journal(journal, 3)
+    async with AsyncClient(cluster.brokers[0].endpoint) as c, AsyncClient(cluster.brokers[1].endpoint) as other:
+        stop = asyncio.Event()
+
+        async def busy() -> int:
+            n = 0
+            while not stop.is_set():
+                await other.append(journal, b"other\n")
+                n += 1
+            return n
+
+        writer = asyncio.ensure_future(busy())
+        spans = [await c.append_once(journal, lambda: CONTENT, len(CONTENT)) for _ in range(20)]
+        stop.set()
+        others = await writer
+        content = await c.read_all(journal)
+    assert content.count(CONTENT) == 20 and content.count(b"other\n") == others > 0
+    assert all(content[s.begin : s.end] == CONTENT for s in spans)

@@ -514,7 +514,8 @@ class AppendFSM:
             store_error = replica.primary_store_error()
         if store_error is not None:
             # (the store whose listing failed: the spec may have changed the journal's stores since)
-            return self._fail(pb.FRAGMENT_STORE_UNHEALTHY, f"listing {replica.failed_store}: {store_error}")
+            where = replica.failed_store or "the journal's stores"  # (a listing since may have cleared it)
+            return self._fail(pb.FRAGMENT_STORE_UNHEALTHY, f"listing {where}: {store_error}")
         spool = self.spool
         req = self.req
         if req.check_registers.include.labels or req.check_registers.exclude.labels:
@@ -714,10 +715,9 @@ class AppendFSM:
             invalid = isinstance(self.client_error, ValidationError)
             self.error_code = code or (grpc.StatusCode.INVALID_ARGUMENT if invalid else grpc.StatusCode.ABORTED)
         spool = self.spool
-        metrics.ROLLBACKS.inc()  # (counted before the proposal drains: a cancellation there ends no other way)
-        await self._send_final(pb.ReplicateRequest(), spool.fragment)
+        await self._send_final(pb.ReplicateRequest(), spool.fragment, rollback=True)
 
-    async def _send_final(self, req: pb.ReplicateRequest, proposal: Fragment) -> None:
+    async def _send_final(self, req: pb.ReplicateRequest, proposal: Fragment, rollback: bool = False) -> None:
         """Send the acknowledged proposal, then give up the send side (Gazette's
         stateReadAcknowledgements): a pipeline with a failed send is shut down instead."""
         assert self.pipeline is not None
@@ -728,6 +728,8 @@ class AppendFSM:
         self._sent = True
         self._acks = pln.send_nowait(req, require_ok=True)
         self._final_sent = True  # (out to every peer: a cancellation of the drain changes nothing)
+        if rollback:
+            metrics.ROLLBACKS.inc()  # (counted once sent, before the drain: a cancellation there ends no other way)
         await pln.drain()
         if pln.send_error() is not None:
             self._shut_down_pipeline()

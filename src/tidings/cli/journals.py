@@ -275,6 +275,8 @@ def journals_append(
             try:  # (refusals, which leave nothing written, are retried by the client until the deadline)
                 return await c.append_once(journal, src.chunks, src.size, offset=offset, timeout=wait)
             except WrongAppendOffsetError:
+                if not offset:
+                    raise  # (refused at the head itself: the broker's reason says why)
                 raise TidingsError(
                     f"journal {journal!r}: --offset {offset} is not its write head {await c.write_head(journal)}: "
                     "nothing was appended; append at that --offset, or 0 for wherever the head is"

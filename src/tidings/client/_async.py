@@ -53,10 +53,9 @@ __all__ = ["Appender", "AsyncClient", "Reader"]
 
 log = logging.getLogger(__name__)
 
-"""What an append sends: bytes, or chunks (sync or async). `append` also takes a function returning a
-fresh Content, which it calls for each attempt, so that such content is retried like bytes."""
 DOWN_FOR = 2.0  # seconds an unreachable endpoint is avoided
 ATTEMPT_TIMEOUT = 30.0  # seconds an append of bytes may wait for its answer (plus one per MiB)
+RACES = 8  # races to the head an append_once may lose to other writers in a row before it appends anywhere
 APPEND_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Journal'].full_name}/Append"
 
 
@@ -257,49 +256,72 @@ class AsyncClient:
         timeout: float | None = None,
     ) -> AppendResult:
         """Append `content` (`size` bytes; a function giving a fresh iteration of them per attempt) into
-        the journal once, even when an attempt's answer is lost in transport, for a writer that is the
-        journal's only one while it appends (as `tidings journals append`).
+        the journal once, even when an attempt's answer is lost in transport (as `tidings journals
+        append`).
 
-        A zero-byte append first takes the write head, and every attempt asks for exactly that offset
-        (or `offset`, when given), so that of attempts racing to the journal (one whose answer was lost
-        may still be on its way to the primary) at most one lands. After a lost answer (a transport
-        failure, or none within `timeout`) another zero-byte append tells what happened: the journal did
-        not move (nothing landed: tried again, within the retry policy), it moved by exactly `size`
-        bytes holding this content (it landed: that span is returned), or anything else (a
-        TidingsError: whether it landed cannot be told). An attempt refused for its offset after a lost
-        answer is that same question. Refusals, which leave nothing written, are retried as by `append`;
-        an `offset` that is not the write head to begin with raises WrongAppendOffsetError. The
-        AppendService finds a lost batch of messages by their UUIDs instead (`_find_committed`).
+        Every attempt asks for an exact offset (`offset` if given, else the write head a zero-byte
+        append just took; an explicit 0 asks for an empty journal), so an attempt whose answer was lost
+        and that reaches the primary late can land only where nothing else did. After a lost answer
+        another zero-byte append tells what happened: the head did not move (nothing landed: the same
+        offset is tried again), it moved and this content is at the attempt's offset (it landed: that
+        span is returned), or it moved otherwise (other writers' appends: no attempt of ours can land
+        any more, so it tries again at the new head; with `offset`, WrongAppendOffsetError).
+
+        Without `offset`, an attempt refused because another writer's append took the head first is
+        tried again at once at the new head; after RACES such races lost in a row (a journal other
+        writers keep busy), one attempt goes without an offset, as any writer's: its answer lost, it is
+        not tried again (a copy may still land), and whether it landed is left to the caller
+        (TidingsError naming the offsets to read). An offset refused while the head stays where it was
+        is definite (WrongAppendOffsetError). Failures are retried within the client's retry policy.
+        The AppendService finds a lost batch of messages by their UUIDs instead (`_find_committed`).
         """
-        head = (await self.append(journal, b"")).end
         first = first_append_request(journal)
-        first.offset = offset or head  # (set even when 0: an empty journal is asked for, not "any")
-        attempt, failing_since, lost = 0, 0.0, ""
+        at = offset or (await self.append(journal, b"")).end
+        attempt, failing_since, raced = 0, 0.0, 0
         while True:
+            unfenced = not offset and raced >= RACES and not failing_since
+            if unfenced:
+                first.ClearField("offset")
+            else:
+                first.offset = at  # (set even when 0: an empty journal is asked for, not "any")
             try:
                 return await self._append(first, content, timeout, retry_unknown=False)
-            except WrongAppendOffsetError:
-                if not lost:
-                    raise  # (the caller's offset, or a head that moved before anything was sent)
+            except WrongAppendOffsetError as exc:
+                failure: TidingsError = exc
+                if offset and not failing_since:
+                    raise  # (the caller's offset is not the head: nothing was sent that could land)
+                if not failing_since:  # (nothing of ours is in flight: a race lost, or a definite refusal)
+                    moved = (await self.append(journal, b"")).end
+                    if moved == at:
+                        raise  # (refused at the head itself)
+                    at, raced = moved, raced + 1
+                    continue
             except TransportError as exc:
-                failing_since = failing_since or time.monotonic()
                 if not (exc.retriable or exc.code == grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
-                lost = str(exc)
-                if self.retry.gives_up(attempt, failing_since):
-                    raise
-                await self.backoff(attempt)
-                attempt += 1
+                if unfenced:
+                    raise TidingsError(
+                        f"journal {journal!r}: the answer of an append made while other writers kept the head "
+                        f"moving was lost ({exc}): whether it landed is unknown; read the journal from offset {at} "
+                        "to check before appending it again"
+                    ) from None
+                failure = exc
+            failing_since = failing_since or time.monotonic()
+            if self.retry.gives_up(attempt, failing_since):
+                raise failure
+            await self.backoff(attempt)
+            attempt += 1
             now = (await self.append(journal, b"")).end
-            if now == head:
-                continue
-            if now == head + size and (sha1 := await self._holds(journal, head, content())):
-                return AppendResult(journal, head, now, {}, sha1)
-            raise TidingsError(
-                f"journal {journal!r}: an attempt's answer was lost ({lost}) and the journal moved from {head} "
-                f"to {now} meanwhile: whether the content landed is unknown; read the journal from offset "
-                f"{head} to check before appending it again"
-            ) from None
+            if now == at:
+                if isinstance(failure, WrongAppendOffsetError):
+                    raise failure  # (refused at the head itself: definite, and nothing of ours landed)
+                continue  # (nothing landed: the same offset again)
+            if now >= at + size and (sha1 := await self._holds(journal, at, content())):
+                return AppendResult(journal, at, at + size, {}, sha1)
+            if offset:
+                detail = f"the head moved from {at} to {now} meanwhile, and this content is not at {at}"
+                raise WrongAppendOffsetError(journal, detail) from failure
+            at = now  # (the head moved past `at`: no attempt at `at` can land any more)
 
     async def _holds(self, journal: str, begin: int, content: Content) -> str:
         """The content's SHA1 (hex) if the journal holds exactly it from `begin`, else ""."""

@@ -229,6 +229,8 @@ class RouteCache:
 # --- Content: what an append sends ------------------------------------------------------------------------
 
 Content = bytes | bytearray | memoryview | Iterable[bytes] | AsyncIterable[bytes]
+"""What an append sends: bytes, or chunks (sync or async). `append` also takes a function returning a
+fresh Content, which it calls for each attempt, so that such content is retried like bytes."""
 
 
 def nbytes(content: bytes | bytearray | memoryview) -> int:

@@ -208,6 +208,7 @@ class Sequencer(_BatchPath, _AdvancePath):
             else:
                 p.max_clock = clock
                 oldest = None if p.ring_start == -1 else self._ring[p.ring_start]
+                assert oldest is not None or p.ring_start == -1  # (a partial's ring indices point at filled slots)
                 first = -1 if oldest is None else oldest[0].begin
                 if first == p.begin:
                     return self._commit(QueueOutcome.ACK_COMMIT_RING, p, env, None)
