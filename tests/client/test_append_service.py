@@ -344,8 +344,11 @@ async def test_appends_checking_a_register_another_writer_moved_are_refused_and_
     append moved the register the service's appends check, its next batch is refused
     (REGISTER_MISMATCH), the batches behind it fail unwritten, and nothing of theirs lands."""
     from tidings.client import EarlierAppendFailedError
-    from tidings.consumer.recoverylog.ops import fence
+    from tidings.protocol.labels import label_set
     from tidings.protocol.status import RegisterMismatchError
+
+    def fence(author: int) -> pb.LabelSet:
+        return label_set({"author": f"{author:08x}"})
 
     await cluster.create_journal("as/fenced", 3)
     async with cluster.client(0) as c:
