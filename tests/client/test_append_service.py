@@ -354,8 +354,8 @@ async def test_appends_checking_a_register_another_writer_moved_are_refused_and_
     async with cluster.client(0) as c:
         svc = AppendService(c)
         svc.expect("as/fenced", pb.LabelSelector(include=fence(1)))
-        await c.append("as/fenced", b"", union_registers=fence(1))  # author 1 holds the log
-        assert (await (await svc.append("as/fenced", b"one\n"))).begin == 0
+        await c.append("as/fenced", b"zero\n", union_registers=fence(1))  # author 1 holds the log
+        assert (await (await svc.append("as/fenced", b"one\n"))).begin == 5
         await c.append("as/fenced", b"handoff\n", union_registers=fence(2))  # author 2 takes it over
         refused = await svc.append("as/fenced", b"two\n")
         await asyncio.wait([refused])
@@ -364,5 +364,5 @@ async def test_appends_checking_a_register_another_writer_moved_are_refused_and_
             await refused
         with pytest.raises(EarlierAppendFailedError):
             await later
-        assert await c.read_all("as/fenced") == b"one\nhandoff\n"
+        assert await c.read_all("as/fenced") == b"zero\none\nhandoff\n"
         await svc.abort()

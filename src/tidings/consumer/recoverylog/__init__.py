@@ -4,5 +4,6 @@ recovery-log journal, so that any process can play it back byte for byte, a hot 
 and a zombie recorder is fenced by the log's `author` register.
 
 Modules: `ops` (operations on the wire, the author fence), `segment` (runs of the log by one author,
-merged and checked), `fsm` (applies operations in order; builds and follows hints).
+merged and checked), `fsm` (applies operations in order; builds and follows hints), `recorder`
+(records a directory's operations, fenced by the log's author register).
 """
