@@ -96,6 +96,11 @@ class FSM:
         return bool(self._hinted_segments or self._hinted_fnodes)
 
     @property
+    def hinted_segments(self) -> tuple[Segment, ...]:
+        """The hinted segments not yet read through, in order."""
+        return tuple(self._hinted_segments)
+
+    @property
     def next_hinted_segment(self) -> Segment | None:
         return self._hinted_segments[0] if self._hinted_segments else None
 

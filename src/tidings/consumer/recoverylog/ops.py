@@ -17,7 +17,7 @@ import dataclasses
 import secrets
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Generator
 
 from google.protobuf.message import DecodeError
 
@@ -100,7 +100,7 @@ class OpReader:
     def pending(self) -> int:
         return len(self._buf)
 
-    def feed(self, chunk: bytes | memoryview) -> Iterator[Decoded | Garbage]:
+    def feed(self, chunk: bytes | memoryview) -> Generator[Decoded | Garbage, None, None]:
         self._buf += chunk
         buf = self._buf
         pos = 0
