@@ -19,7 +19,7 @@ from tidings.consumer.recoverylog.fsm import FSM
 from tidings.consumer.recoverylog.ops import Decoded, OpReader, new_author
 from tidings.consumer.recoverylog.player import Player
 from tidings.consumer.recoverylog.recorder import Recorder
-from tidings.consumer.store_recorded import DATABASE, RecordedSQLiteStore
+from tidings.consumer.store_recorded import DATABASE, JSONFileStore, RecordedSQLiteStore
 from tidings.protocol import protocol_pb2 as pb
 
 LOG = "recovery/wc-0"
@@ -159,3 +159,36 @@ async def test_every_prefix_of_the_log_is_a_database_sqlite_recovers(cluster, lo
             db.close()
         seen.add(n)
     assert seen == set(range(1, 14)), "each cut holds a whole transaction's state, and every one is reached"
+
+
+async def json_primary(c: AsyncClient, dir: Path, hints: pb.FSMHints | None = None) -> JSONFileStore:
+    player = Player(c, hints or pb.FSMHints(log=LOG), dir)
+    author = new_author()
+    player.inject_handoff(author)
+    played = await player.play()
+    return JSONFileStore(Recorder(AppendService(c), LOG, played.fsm, author, played.write_head), dir)
+
+
+async def test_a_json_document_store_plays_back_its_last_document_only(cluster, log, tmp_path) -> None:
+    async with cluster.client() as c:
+        a = await json_primary(c, tmp_path / "a")
+        assert await a.restore_checkpoint("wc/0") == pb.Checkpoint() and a.state == {}
+        for i in range(1, 51):
+            a.state = {"count": i, "padding": "x" * 10_000}
+            await a.start_commit("wc/0", checkpoint(i))
+        hints = await a.recorder.build_hints()
+        log_size = await c.write_head(LOG)
+        b = await json_primary(c, tmp_path / "b", hints)
+        assert await b.restore_checkpoint("wc/0") == checkpoint(50)
+        assert b.state == {"count": 50, "padding": "x" * 10_000}
+        b.state["count"] = 51
+        with pytest.raises(FenceError):  # (a's log was taken over by b)
+            await a.start_commit("wc/0", checkpoint(99))
+        await b.start_commit("wc/0", checkpoint(51))
+        player = Player(c, pb.FSMHints(log=LOG), tmp_path / "c")
+        player.finish_at_write_head()
+        await player.play()
+    assert (tmp_path / "c" / "state.json").read_bytes() == (tmp_path / "b" / "state.json").read_bytes()
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["state.json"]
+    (node,) = hints.live_nodes  # the last document: its ops begin after the 49 others
+    assert log_size > 50 * 10_000 and node.segments[0].first_offset > log_size - 2 * 10_100

@@ -19,10 +19,17 @@ consistently (its own recovery rolls back a transaction whose commit frame never
 
 Limits: one connection (exclusive locking); the database file is rewritten in place, so the log
 grows with its history until a rollover (not yet: the playback horizon is the whole history).
+
+JSONFileStore (Gazette's JSONFileStore) is for an application whose state is a small document: each
+commit writes the whole document with the checkpoint to `next.json`, renames it over `state.json`
+(both recorded), and returns once the log holds them. A player needs only the last document's
+operations: the horizon is bounded by itself.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import collections
 import itertools
 import os
@@ -32,16 +39,18 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import apsw
+import msgspec
 
 from tidings.consumer.recoverylog.recorder import Recorder, RecorderError
 from tidings.consumer.store import SQLiteStore
 from tidings.protocol import protocol_pb2 as pb
 
-__all__ = ["DATABASE", "RecordedSQLiteStore"]
+__all__ = ["DATABASE", "STATE", "JSONFileStore", "RecordedSQLiteStore"]
 
 T = TypeVar("T")
 
 DATABASE = "store.db"  # the database's file in the store's directory
+STATE = "state.json"  # a JSONFileStore's document
 _RECORDED = apsw.SQLITE_OPEN_MAIN_DB | apsw.SQLITE_OPEN_MAIN_JOURNAL | apsw.SQLITE_OPEN_WAL
 _FLAGS = apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_CREATE
 _names = itertools.count(1)
@@ -176,3 +185,54 @@ class _RecordingFile(apsw.VFSFile):
 
     def xSync(self, flags: int) -> None:
         return None  # (durability is the recovery log)
+
+
+class JSONFileStore:
+    """A shard's state as one JSON document in `dir` (see the module docstring): `state` is the
+    application's (a `state_type`, decoded by msgspec: a dict by default), committed whole."""
+
+    def __init__(self, recorder: Recorder, dir: str | Path, state_type: type[Any] = dict) -> None:
+        self.recorder, self.dir, self.state_type = recorder, Path(dir), state_type
+        self.state: Any = state_type()
+
+    async def restore_checkpoint(self, shard: str) -> pb.Checkpoint:
+        """The last committed document's checkpoint; `state` becomes its state (a new one if none)."""
+        path = self.dir / STATE
+        raw = await asyncio.to_thread(path.read_bytes) if path.exists() else b""
+        checkpoint = pb.Checkpoint()
+        if raw:
+            doc = msgspec.json.decode(raw, type=_Document)
+            checkpoint.ParseFromString(base64.b64decode(doc.checkpoint))
+            self.state = msgspec.convert(doc.state, self.state_type)
+        else:
+            self.state = self.state_type()
+        return checkpoint
+
+    async def start_commit(
+        self, shard: str, checkpoint: pb.Checkpoint, wait_for: Iterable[Awaitable[object]] = ()
+    ) -> None:
+        """Write `state` with `checkpoint` (after every `wait_for`), returned once the log holds it."""
+        for op in wait_for:
+            await op
+        doc = _Document(base64.b64encode(checkpoint.SerializeToString()).decode(), msgspec.to_builtins(self.state))
+        data = msgspec.json.encode(doc)
+        rec = self.recorder
+        await asyncio.to_thread(_write_file, self.dir / "next.json", data)
+        rec.write_at(rec.create("next.json"), data, 0)
+        await asyncio.to_thread(os.replace, self.dir / "next.json", self.dir / STATE)
+        rec.rename("next.json", STATE)
+        await rec.barrier()
+
+    def destroy(self) -> None:
+        """Nothing to close: the document is written whole at each commit."""
+
+
+class _Document(msgspec.Struct):
+    checkpoint: str  # base64 of the Checkpoint
+    state: Any
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
