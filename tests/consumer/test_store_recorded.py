@@ -68,6 +68,7 @@ async def test_a_committed_transaction_plays_back_in_another_directory(cluster, 
         for name in ("store.db", "store.db-wal"):
             assert (b / name).read_bytes() == (tmp_path / "a" / name).read_bytes(), name
         a.destroy()
+        assert not (tmp_path / "a").exists(), "a destroyed store's directory no longer matches the log: gone"
         assert rows(b) == {"hello": 2, "world": 1}
 
         again = await primary(c, tmp_path / "c")  # the next primary

@@ -33,6 +33,7 @@ import base64
 import collections
 import itertools
 import os
+import shutil
 import threading
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
@@ -66,12 +67,16 @@ class RecordedSQLiteStore(SQLiteStore):
 
     def __init__(self, recorder: Recorder, dir: str | Path, schema: Iterable[str] = ()) -> None:
         self.recorder = recorder
-        self.dir = Path(dir)
+        self.dir = Path(dir).resolve()  # (SQLite's symlink handling fails through a Python VFS)
         self._events: collections.deque[_Event] = collections.deque()
         self._recording = True
         self._loop_thread = threading.get_ident()
         self._vfs = _RecordingVFS(f"tidings-recorded-{next(_names)}", self)
-        super().__init__(self.dir / DATABASE, schema)
+        try:
+            super().__init__(self.dir / DATABASE, schema)
+        except BaseException:
+            self._vfs.unregister()
+            raise
 
     def _connect(self) -> apsw.Connection:
         return apsw.Connection(self.path, flags=_FLAGS, vfs=self._vfs.name)
@@ -99,14 +104,16 @@ class RecordedSQLiteStore(SQLiteStore):
         await self.recorder.barrier()
 
     def destroy(self) -> None:
-        """Close the database without recording (its close checkpoints the WAL: the directory is done
-        with, and the recorder may be fenced), then forget the VFS."""
+        """Close the database without recording (its close checkpoints the WAL: the recorder may be
+        fenced) and remove the directory, which no longer matches the log: a replica plays the log
+        into a fresh one each time it serves the shard."""
         self._recording = False
         self._events.clear()
         try:
             super().destroy()
         finally:
             self._vfs.unregister()
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     # -- recording -----------------------------------------------------------------------------
 
@@ -161,9 +168,11 @@ class _RecordingVFS(apsw.VFS):
             return super().xOpen(name, flags)
         filename = name.filename() if isinstance(name, apsw.URIFilename) else name
         path = self._path(filename)
-        if not os.path.exists(filename):
+        created = not os.path.exists(filename)
+        file = _RecordingFile(self.store, name, flags, path)
+        if created:  # (once it exists: an open that failed recorded nothing)
             self.store._event(("create", path))
-        return _RecordingFile(self.store, name, flags, path)
+        return file
 
     def xDelete(self, name: str, syncdir: bool) -> None:
         super().xDelete(name, syncdir)

@@ -228,3 +228,15 @@ async def test_an_fsm_author_fence_is_set_by_the_handoff(cluster, tmp_path) -> N
         rec.create("y")
         await rec.barrier()  # (the handed-off author records on)
         await service.aclose()
+
+
+async def test_tailing_is_set_whenever_the_head_is_reached(cluster, tmp_path) -> None:
+    """Also by a playback asked to finish before it started (a primary's own recovery): anything
+    waiting for the replica to be caught up does not wait for ever."""
+    await a_log(cluster)
+    async with cluster.client() as c:
+        await c.append(LOG, encode(pb.RecordedOp(seq_no=1, author=1, create=pb.RecordedOp.Create(path="x"))))
+        player = Player(c, pb.FSMHints(log=LOG), tmp_path / "b")
+        player.finish_at_write_head()
+        await player.play()
+    assert player.tailing.is_set()

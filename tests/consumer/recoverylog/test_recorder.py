@@ -5,12 +5,14 @@ over, nothing more of this recorder lands (DESIGN.md invariant 10) and it is tol
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from tidings.client import AppendService
+from tidings.client import AppendResult, AppendService
 from tidings.consumer.recoverylog.fsm import FSM, FnodeNotTrackedError
 from tidings.consumer.recoverylog.ops import MAX_WRITE_OP, Decoded, OpReader, encode, fence, new_author
-from tidings.consumer.recoverylog.recorder import Recorder, RecorderError, RecorderFencedError
+from tidings.consumer.recoverylog.recorder import APPEND_BYTES, Recorder, RecorderError, RecorderFencedError
 from tidings.protocol import protocol_pb2 as pb
 
 LOG = "recovery/shard-0"
@@ -128,3 +130,41 @@ async def test_recording_what_never_happened_is_a_bug_not_a_record(cluster) -> N
         fsm, _ = played(await c.read_all(LOG))
         assert fsm.links == {"store.db": db}
         await service.aclose()
+
+
+class Batches:
+    """What a recorder hands its AppendService, batch by batch (the layer under test is the recorder's
+    batching; landing them is the AppendService's, tested with real brokers above)."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+        self.end = 0
+
+    def expect(self, journal: str, check_registers: pb.LabelSelector) -> None:
+        pass
+
+    def append_nowait(self, journal: str, content: bytes) -> asyncio.Future[AppendResult]:
+        self.sent.append(bytes(content))
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(AppendResult(journal, self.end, self.end + len(content), {}, ""))
+        self.end += len(content)
+        return fut
+
+
+async def test_a_rename_is_handed_over_in_one_batch_wherever_the_threshold_falls() -> None:
+    """A log cut between a rename's ops (a crash, a fence) would leave neither file: the recorder hands
+    a rename's ops (and a create over an existing file) over in one batch, wherever its threshold falls."""
+    for size in range(APPEND_BYTES - 400, APPEND_BYTES + 4, 3):
+        batches = Batches()
+        rec = Recorder(batches, LOG, FSM(pb.FSMHints(log=LOG)), 7, write_head=0)  # type: ignore[arg-type]
+        rec.write_at(rec.create("state.json"), b"old", 0)
+        for _ in range(2):
+            rec.write_at(rec.create("next.json"), b"x" * size, 0)
+            rec.rename("next.json", "state.json")
+        await rec.barrier()
+        for content in batches.sent:
+            ops = [d.op.WhichOneof("op") for d in OpReader(0).feed(content) if isinstance(d, Decoded)]
+            for i, kind in enumerate(ops):
+                if kind == "link":  # a rename: unlink state.json, link next.json's fnode, unlink next.json
+                    assert ops[i - 1 : i + 2] == ["unlink", "link", "unlink"], (size, ops)
+        assert len(batches.sent) > 1

@@ -13,7 +13,9 @@ finish:
   out of sequence), read on and inject again. The new primary then records as `author`.
 
 States (one `_on_<state>` each): BACKFILL (reading what the log held at start) -> TAIL (following the
-head) -> EXIT_AT_HEAD or INJECT_HANDOFF_AT_HEAD -> READ_HANDOFF_BARRIER -> COMPLETE. A hinted segment
+head) -> EXIT_AT_HEAD or INJECT_HANDOFF_AT_HEAD -> READ_HANDOFF_BARRIER -> COMPLETE. Reads up to a
+head known to be written (a log's head when playback began, our handoff's end) block; only past it
+does a read that ends mean the write head was reached. A hinted segment
 past the log's write head, or an offset jump over a hinted segment, is data loss: playback fails
 rather than build a store from a history with a hole. A cancelled or failed playback removes the
 directory.
@@ -28,7 +30,7 @@ import enum
 import logging
 import os
 import shutil
-from collections.abc import Awaitable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from tidings.client import AsyncClient, ReadChunk, Reader
@@ -42,6 +44,7 @@ from tidings.consumer.recoverylog.fsm import (
 from tidings.consumer.recoverylog.ops import Decoded, Garbage, OpReader, encode, fence
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import TidingsError
+from tidings.tasks import to_the_end
 
 __all__ = ["STAGING", "PlaybackError", "Played", "Player", "PlayerState", "PlayerStatistics"]
 
@@ -125,7 +128,7 @@ class Player:
         """Play until completion (as requested): what was played. On failure or cancellation the
         directory is removed."""
         try:
-            await asyncio.to_thread(_prepare, self.dir)
+            await to_the_end(asyncio.to_thread(_prepare, self.dir))
             self._fsm = fsm = FSM(self.hints)
             await self._read_heads(fsm)
             handlers = {
@@ -137,14 +140,14 @@ class Player:
             }
             while self.state is not S.COMPLETE:
                 self.state = await handlers[self.state]()
-            await _uninterrupted(asyncio.to_thread(_make_live, self.dir, fsm, self._files))
+            await to_the_end(asyncio.to_thread(_make_live, self.dir, fsm, self._files))
             log.info(
                 "recovery log %s: played into %s (%d ops applied, %d skipped, %d bytes read)",
                 self.hints.log, self.dir, self.stats.applied, self.stats.skipped, self.stats.bytes_read,
             )  # fmt: skip
             return Played(self.hints.log, fsm, self.dir, self._read_through)
         except BaseException:
-            await _uninterrupted(asyncio.to_thread(_abort, self.dir, self._files))
+            await to_the_end(asyncio.to_thread(_abort, self.dir, self._files))
             raise
 
     async def _read_heads(self, fsm: FSM) -> None:
@@ -188,9 +191,9 @@ class Player:
         """Read what the log held when playback began -> TAIL (tailing set) once at its head, or at once
         EXIT_AT_HEAD / INJECT_HANDOFF_AT_HEAD if finishing was asked for."""
         await self._read(block=False)
+        self._at_head()
         if self._requested.is_set():
             return S.INJECT_HANDOFF_AT_HEAD if self._handoff else S.EXIT_AT_HEAD
-        self.tailing.set()
         return S.TAIL
 
     async def _on_tail(self) -> PlayerState:
@@ -203,6 +206,7 @@ class Player:
         """Read to the write head; then -> COMPLETE (EXIT_AT_HEAD), or inject the handoff no-op there ->
         READ_HANDOFF_BARRIER."""
         await self._read(block=False)
+        self._at_head()
         if self.state is S.EXIT_AT_HEAD:
             assert self._reader is not None
             self._read_through = self._reader.offset
@@ -220,6 +224,19 @@ class Player:
         found = await self._read(block=True, until_author=self._handoff)
         return S.COMPLETE if found else S.INJECT_HANDOFF_AT_HEAD
 
+    def _at_head(self) -> None:
+        """Reached the log's write head: every hinted op must have been read by now (else content the
+        hints need is gone), and `tailing` is set (in any state: a standby is caught up)."""
+        fsm = self._fsm
+        assert fsm is not None
+        seg = fsm.next_hinted_segment
+        if seg is not None:
+            raise PlaybackError(
+                f"recovery log {seg.log}: read to its write head with hinted ops {seg.first_seq_no}-"
+                f"{seg.last_seq_no} never found: possible data loss"
+            )
+        self.tailing.set()
+
     # -- reading -------------------------------------------------------------------------------
 
     async def _read(self, block: bool, until: asyncio.Event | None = None, until_author: int = 0) -> bool:
@@ -230,8 +247,13 @@ class Player:
             self._position()
             r = self._reader
             assert r is not None
-            end = self._read_through if until_author else 0
-            reader = self.client.reader(self._log, r.offset + r.pending, block=block, end_offset=end)
+            at = r.offset + r.pending
+            end, blk = (self._read_through, True) if until_author else (0, block)
+            if not blk and at < self._read_through:
+                # A non-blocking read ends where a replica has nothing more (a hole in its index, say),
+                # not only at the head: up to the head known to be written, read blocking (Gazette's).
+                end, blk = self._read_through, True
+            reader = self.client.reader(self._log, at, block=blk, end_offset=end)
             try:
                 outcome = await self._read_from(reader, r, until, until_author)
             finally:
@@ -244,6 +266,8 @@ class Player:
                 return False
             if until_author:  # (the barrier's end was reached without our op: it was not ours to see)
                 return False
+            if not block and end and (until is None or not until.is_set()):
+                continue  # (read to the known head: now on to the head, non-blocking)
             return True
 
     async def _read_from(self, reader: Reader, r: OpReader, until: asyncio.Event | None, until_author: int) -> str:
@@ -320,7 +344,7 @@ class Player:
                     outcome = "seek"
                     break
         if actions:
-            await _uninterrupted(asyncio.to_thread(_reenact, self.dir, self._files, actions))
+            await to_the_end(asyncio.to_thread(_reenact, self.dir, self._files, actions))
         return outcome
 
     def _apply(self, fsm: FSM, d: Decoded) -> bool:
@@ -426,15 +450,3 @@ def _abort(dir: Path, files: dict[int, int]) -> None:
             os.close(fd)
     files.clear()
     shutil.rmtree(dir, ignore_errors=True)
-
-
-async def _uninterrupted(work: Awaitable[None]) -> None:
-    """Await work that must finish even if we are cancelled meanwhile (files being written): the
-    cancellation is raised once it did."""
-    task = asyncio.ensure_future(work)
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        with contextlib.suppress(BaseException):
-            await task
-        raise

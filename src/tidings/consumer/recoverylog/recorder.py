@@ -17,7 +17,9 @@ operation twice; players skip the duplicate (its sequence number is behind the F
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 from tidings.client import AppendResult, AppendService, EarlierAppendFailedError
 from tidings.consumer.recoverylog.fsm import FSM, FSMError
@@ -58,6 +60,7 @@ class Recorder:
         self._pending = bytearray()
         self._last: asyncio.Future[AppendResult] | None = None
         self._ops = self._bytes = 0
+        self._depth = 0  # nesting of operations that must land in one append (a rename's three ops)
 
     # -- operations ----------------------------------------------------------------------------
 
@@ -65,43 +68,62 @@ class Recorder:
         """The fnode `path` is a link of, if any."""
         return self.fsm.links.get(path)
 
+    @contextlib.contextmanager
+    def _together(self) -> Iterator[None]:
+        """The ops recorded inside go to the log in one append (the buffer is handed over only after
+        the outermost call): a log cut between them, a crash or a fence, never splits a rename."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if not self._depth and len(self._pending) >= APPEND_BYTES:
+                self._flush()
+
     def create(self, path: str) -> int:
-        """Record a new file at `path` (an existing one there is unlinked first, as O_TRUNC makes it
-        new); its fnode."""
-        if path in self.fsm.links:
-            self.unlink(path)
-        self._record(pb.RecordedOp(create=pb.RecordedOp.Create(path=path)))
-        return self.fsm.links[path]
+        """Record a new file at `path` (an existing one there is unlinked first, in the same append, as
+        O_TRUNC makes a file new); its fnode."""
+        with self._together():
+            if path in self.fsm.links:
+                self.unlink(path)
+            self._record(pb.RecordedOp(create=pb.RecordedOp.Create(path=path)))
+            return self.fsm.links[path]
 
     def write_at(self, fnode: int, data: bytes | memoryview, offset: int) -> None:
-        """Record `data` written to `fnode` at `offset` (split into operations of MAX_WRITE_OP bytes)."""
+        """Record `data` written to `fnode` at `offset` (split into operations of MAX_WRITE_OP bytes, which
+        may go in several appends: a write cut short is one a crash could have cut too)."""
         view = memoryview(data)
         for i in range(0, max(len(view), 1), MAX_WRITE_OP):
-            part = view[i : i + MAX_WRITE_OP]
-            write = pb.RecordedOp.Write(fnode=fnode, offset=offset + i, length=len(part))
-            self._record(pb.RecordedOp(write=write), part)
+            with self._together():
+                part = view[i : i + MAX_WRITE_OP]
+                write = pb.RecordedOp.Write(fnode=fnode, offset=offset + i, length=len(part))
+                self._record(pb.RecordedOp(write=write), part)
 
     def truncate(self, fnode: int, size: int) -> None:
-        self._record(pb.RecordedOp(truncate=pb.RecordedOp.Truncate(fnode=fnode, size=size)))
+        with self._together():
+            self._record(pb.RecordedOp(truncate=pb.RecordedOp.Truncate(fnode=fnode, size=size)))
 
     def link(self, fnode: int, path: str) -> None:
-        self._record(pb.RecordedOp(link=pb.RecordedOp.Link(fnode=fnode, path=path)))
+        with self._together():
+            self._record(pb.RecordedOp(link=pb.RecordedOp.Link(fnode=fnode, path=path)))
 
     def unlink(self, path: str) -> None:
         fnode = self.fsm.links.get(path)
         if fnode is None:
             raise RecorderError(f"recovery log {self.log}: unlink of {path!r}, which the recorder never saw")
-        self._record(pb.RecordedOp(unlink=pb.RecordedOp.Link(fnode=fnode, path=path)))
+        with self._together():
+            self._record(pb.RecordedOp(unlink=pb.RecordedOp.Link(fnode=fnode, path=path)))
 
     def rename(self, src: str, dst: str) -> None:
-        """Record `src` renamed to `dst`, replacing a file there: unlink dst, link, unlink src."""
+        """Record `src` renamed to `dst`, replacing a file there: unlink dst, link, unlink src, in one append."""
         fnode = self.fsm.links.get(src)
         if fnode is None:
             raise RecorderError(f"recovery log {self.log}: rename of {src!r}, which the recorder never saw")
-        if dst in self.fsm.links:
-            self.unlink(dst)
-        self.link(fnode, dst)
-        self.unlink(src)
+        with self._together():
+            if dst in self.fsm.links:
+                self.unlink(dst)
+            self.link(fnode, dst)
+            self.unlink(src)
 
     def _record(self, op: pb.RecordedOp, data: bytes | memoryview = b"") -> None:
         fsm = self.fsm
@@ -119,8 +141,6 @@ class Recorder:
         self._pending += frame
         self._ops += 1
         self._bytes += len(frame)
-        if len(self._pending) >= APPEND_BYTES:
-            self._flush()
 
     def _flush(self) -> None:
         if not self._pending:
