@@ -337,3 +337,32 @@ async def test_abort_settles_appends_whose_journal_task_never_ran(cluster) -> No
             await asyncio.wait_for(barrier, 5)
         await asyncio.wait_for(svc.flush(), 5)
         assert svc.statistics().buffered_bytes == 0
+
+
+async def test_appends_checking_a_register_another_writer_moved_are_refused_and_write_nothing(cluster) -> None:
+    """The register fence (DESIGN.md invariant 10, as a recovery log's recorder uses it): once another
+    append moved the register the service's appends check, its next batch is refused
+    (REGISTER_MISMATCH), the batches behind it fail unwritten, and nothing of theirs lands."""
+    from tidings.client import EarlierAppendFailedError
+    from tidings.protocol.labels import label_set
+    from tidings.protocol.status import RegisterMismatchError
+
+    def fence(author: int) -> pb.LabelSet:
+        return label_set({"author": f"{author:08x}"})
+
+    await cluster.create_journal("as/fenced", 3)
+    async with cluster.client(0) as c:
+        svc = AppendService(c)
+        svc.expect("as/fenced", pb.LabelSelector(include=fence(1)))
+        await c.append("as/fenced", b"zero\n", union_registers=fence(1))  # author 1 holds the log
+        assert (await (await svc.append("as/fenced", b"one\n"))).begin == 5
+        await c.append("as/fenced", b"handoff\n", union_registers=fence(2))  # author 2 takes it over
+        refused = await svc.append("as/fenced", b"two\n")
+        await asyncio.wait([refused])
+        later = svc.append_nowait("as/fenced", b"three\n")
+        with pytest.raises(RegisterMismatchError):
+            await refused
+        with pytest.raises(EarlierAppendFailedError):
+            await later
+        assert await c.read_all("as/fenced") == b"zero\none\nhandoff\n"
+        await svc.abort()

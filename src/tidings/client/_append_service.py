@@ -70,6 +70,7 @@ from typing import Any, BinaryIO
 
 from tidings.client._async import ATTEMPT_TIMEOUT, AsyncClient
 from tidings.client._base import CHUNK, DEFINITE_CODES, AppendResult, first_append_request
+from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import StatusError, TidingsError, TransportError, UsageError
 
 __all__ = [
@@ -273,6 +274,7 @@ class AppendService:
         self.attempt_timeout = attempt_timeout
         self.dedup_wait = 60.0  # seconds a span may stay unreadable while looking for a batch
         self._queues: dict[str, _JournalQueue] = {}
+        self._expect: dict[str, pb.LabelSelector] = {}  # journal -> the registers its appends check
         self._pending: dict[asyncio.Future[AppendResult], _Batch] = {}  # each unsettled future's batch
         # Outcomes of futures their caller cancelled before the batch settled (for later dependants).
         self._cancelled: weakref.WeakKeyDictionary[asyncio.Future[AppendResult], BaseException | None] = (
@@ -344,6 +346,12 @@ class AppendService:
         if q.task is None:
             q.task = asyncio.create_task(self._append_loop(q), name=f"append-service:{journal}")
         return fut
+
+    def expect(self, journal: str, check_registers: pb.LabelSelector) -> None:
+        """Make every later batch appended to `journal` check its registers (Gazette's register fence,
+        as a recovery log's recorder uses it): a batch whose check fails is refused with
+        REGISTER_MISMATCH, writes nothing, and, a definite failure, stops the journal."""
+        self._expect[journal] = check_registers
 
     def pending(self, except_journal: str = "") -> dict[str, asyncio.Future[None]]:
         """Everything appended so far, as a barrier (Gazette's PendingExcept): per journal (but
@@ -566,7 +574,7 @@ class AppendService:
         append committed, so before the retry `_find_committed` looks for the batch in the journal.
         """
         client, journal = self.client, q.journal
-        first = first_append_request(journal)
+        first = first_append_request(journal, check_registers=self._expect.get(journal))
         if q.head is None:
             with contextlib.suppress(TidingsError):  # (unknown: a later scan starts at offset 0)
                 q.head = await client.write_head(journal)  # a lower bound of where this batch lands

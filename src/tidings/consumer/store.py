@@ -142,7 +142,7 @@ class SQLiteStore:
     def __init__(self, path: str | Path, schema: Iterable[str] = ()) -> None:
         self.path = str(path)
         self.schema = list(schema)  # the application's CREATE statements, run with the restore
-        self.db = apsw.Connection(self.path)
+        self.db = self._connect()
         # Another connection may hold the write lock (a zombie's open transaction while a newer primary
         # restores, or the other way round): retry every millisecond, so a writer between two of its
         # transactions (committing, then writing its ACKs) lets the other in (SQLite's own busy timeout
@@ -153,6 +153,9 @@ class SQLiteStore:
         self._fence = 0  # the fence this store restored; 0 before restore_checkpoint
         self._open = False
         self._created = False
+
+    def _connect(self) -> apsw.Connection:
+        return apsw.Connection(self.path)
 
     def _create(self) -> None:
         """WAL mode, the checkpoints table and the application's `schema`: statements that may wait for

@@ -254,3 +254,29 @@ def replicate_request(r: pb.ReplicateRequest, ctx: str = "replicate") -> None:
             raise ValidationError(f"{ctx}.content", f"chunk of {len(r.content)} bytes exceeds {MAX_CHUNK}")
         if r.content_delta < 0:
             raise ValidationError(f"{ctx}.content_delta", "must not be negative")
+
+
+def segment(s: pb.Segment, ctx: str = "segment", implied_log: str = "") -> None:
+    """A recovery-log Segment (Gazette's Segment.Validate); `implied_log` stands for an empty `log`."""
+    if s.author == 0:
+        raise ValidationError(f"{ctx}.author", "is zero; recorders' authors are non-zero")
+    if s.first_seq_no <= 0:
+        raise ValidationError(f"{ctx}.first_seq_no", f"{s.first_seq_no} is invalid; sequence numbers start at 1")
+    if s.first_offset < 0:
+        raise ValidationError(f"{ctx}.first_offset", f"{s.first_offset} is negative")
+    if s.last_seq_no < s.first_seq_no:
+        raise ValidationError(f"{ctx}.last_seq_no", f"{s.last_seq_no} is before first_seq_no {s.first_seq_no}")
+    if s.last_offset != 0 and s.last_offset <= s.first_offset:
+        raise ValidationError(f"{ctx}.last_offset", f"{s.last_offset} is not after first_offset {s.first_offset}")
+    journal_name(s.log or implied_log, f"{ctx}.log")
+
+
+def fsm_hints(h: pb.FSMHints, ctx: str = "hints") -> None:
+    """Recovery-log hints (Gazette's FSMHints.Validate): a log, and segments that name another log or none."""
+    journal_name(h.log, f"{ctx}.log")
+    for i, node in enumerate(h.live_nodes):
+        for j, s in enumerate(node.segments):
+            where = f"{ctx}.live_nodes[{i}].segments[{j}]"
+            if s.log == h.log:
+                raise ValidationError(f"{where}.log", f"repeats the hints' log {h.log!r}; leave it empty")
+            segment(s, where, h.log)

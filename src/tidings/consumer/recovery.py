@@ -1,0 +1,129 @@
+"""A shard's recovery log on this process (Gazette's recovery.go): its hints fetched from etcd, the log
+played into a fresh local directory and tailed (a hot standby: `tailing` once caught up), and, when
+this replica becomes primary, the log handed off to a new recorder there (`complete`).
+
+The recovery log is the journal `{recovery_log_prefix}/{shard id}`; it must exist, labelled
+`content-type: application/x-recoverylog` (a journal of messages would be garbage to a player, and a
+recorder's operations garbage to a message reader). Hints live under the spec's `hint_prefix`, or,
+when it is empty, under `{the consumer's --root}.hints` (outside the consumer's KeySpace, which
+watches `--root/`); `hint_backups` older sets are kept. After the new primary restored its store,
+`store_recovered` rotates the hints it played to into the backups (Gazette's order: only hints a
+store was restored from are kept).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+from pathlib import Path
+
+from tidings.client import AppendService, AsyncClient
+from tidings.consumer.recoverylog.hints import HintKeys, fetch, pick_first, store_recovered
+from tidings.consumer.recoverylog.ops import new_author
+from tidings.consumer.recoverylog.player import Played, Player
+from tidings.consumer.recoverylog.recorder import Recorder
+from tidings.keyspace.etcd import Compare, Etcd
+from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.status import JournalNotFoundError, TidingsError
+
+__all__ = ["CONTENT_TYPE", "Recovery", "RecoveryError", "recovery_log"]
+
+log = logging.getLogger(__name__)
+
+CONTENT_TYPE = "application/x-recoverylog"
+
+
+class RecoveryError(TidingsError):
+    """The shard's recovery log cannot be played (missing, or not a recovery log)."""
+
+
+def recovery_log(spec: pb.ShardSpec) -> str:
+    return f"{spec.recovery_log_prefix}/{spec.id}"
+
+
+class Recovery:
+    """Plays `spec`'s recovery log into `dir` from the moment `start()` is called (see the module docstring)."""
+
+    def __init__(
+        self, client: AsyncClient, etcd: Etcd, spec: pb.ShardSpec, dir: Path, default_hint_prefix: str
+    ) -> None:
+        if not spec.recovery_log_prefix:
+            raise ValueError(f"shard {spec.id!r} has no recovery log")
+        self.client, self.etcd, self.spec, self.dir = client, etcd, spec, Path(dir)
+        self.log = recovery_log(spec)
+        self.keys = HintKeys(spec.hint_prefix or default_hint_prefix, spec.id, spec.hint_backups)
+        self.tailing = asyncio.Event()
+        self.player: Player | None = None
+        self.recovered: pb.FSMHints | None = None  # the hints playback completed with
+        self._author = 0  # the handoff asked for (before the player exists, too)
+        self._asked = asyncio.Event()
+        self._task: asyncio.Task[Played] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._play(), name=f"recovery:{self.spec.id}")
+
+    @property
+    def failed(self) -> BaseException | None:
+        t = self._task
+        return t.exception() if t is not None and t.done() and not t.cancelled() else None
+
+    async def _play(self) -> Played:
+        await self._check_log()
+        hints = pick_first(await fetch(self.etcd, self.keys, self.log), self.log)
+        player = self.player = Player(self.client, hints, self.dir)
+        tailing = asyncio.ensure_future(player.tailing.wait())
+        tailing.add_done_callback(lambda f: None if f.cancelled() else self.tailing.set())
+        asked = asyncio.ensure_future(self._asked.wait())
+        asked.add_done_callback(lambda f: None if f.cancelled() else player.inject_handoff(self._author))
+        try:
+            return await player.play()
+        finally:
+            tailing.cancel()
+            asked.cancel()
+
+    async def _check_log(self) -> None:
+        try:
+            spec = await self.client.spec(self.log)
+        except JournalNotFoundError:
+            raise RecoveryError(
+                f"shard {self.spec.id!r}: its recovery log {self.log!r} does not exist; create it (labels "
+                f"content-type: {CONTENT_TYPE}) or clear the shard's recovery_log_prefix"
+            ) from None
+        kind = next((lb.value for lb in spec.labels.labels if lb.name == "content-type"), "")
+        if kind != CONTENT_TYPE:
+            raise RecoveryError(
+                f"shard {self.spec.id!r}: journal {self.log!r} is labelled content-type {kind or '(none)'!r}, not "
+                f"{CONTENT_TYPE!r}: is it really this shard's recovery log?"
+            )
+
+    async def complete(self) -> Recorder:
+        """Finish playback by handing the log off to a new author, and return the Recorder that records
+        on as it (through its own AppendService) in `dir`."""
+        if self._task is None:
+            self.start()
+        assert self._task is not None
+        self._author = new_author()
+        self._asked.set()
+        played = await self._task
+        self.recovered = played.fsm.build_hints(self.log)
+        return Recorder(AppendService(self.client), self.log, played.fsm, self._author, played.write_head)
+
+    async def store_recovered(self, guard: Compare) -> None:
+        """Rotate the hints playback completed with into etcd's backups (after the store restored)."""
+        assert self.recovered is not None
+        try:
+            if not await store_recovered(self.etcd, self.keys, self.recovered, guard):
+                log.info("shard %s: its recovered hints were not stored: its assignment changed", self.spec.id)
+        except TidingsError as exc:  # (etcd unreachable: hints are an optimisation; the next write catches up)
+            log.warning("shard %s: storing its recovered hints failed: %s", self.spec.id, exc)
+
+    async def aclose(self, remove: bool = True) -> None:
+        """Stop playing (a cancelled playback removes its directory); `remove` the directory anyway."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        if remove:
+            await asyncio.to_thread(shutil.rmtree, self.dir, True)
