@@ -30,6 +30,7 @@ from tidings.client._base import (
     RouteCache,
     chunks,
     first_append_request,
+    first_response,
     nbytes,
     registers_dict,
 )
@@ -256,24 +257,18 @@ class AsyncClient:
         timeout: float | None = None,
     ) -> AppendResult:
         """Append `content` (`size` bytes; a function giving a fresh iteration of them per attempt) into
-        the journal once, even when an attempt's answer is lost in transport (as `tidings journals
-        append`).
+        the journal once, even when an attempt's answer is lost in transport (`tidings journals append`).
 
-        Every attempt asks for an exact offset (`offset` if given, else the write head a zero-byte
-        append just took; an explicit 0 asks for an empty journal), so an attempt whose answer was lost
-        and that reaches the primary late can land only where nothing else did. After a lost answer
-        another zero-byte append tells what happened: the head did not move (nothing landed: the same
-        offset is tried again), it moved and this content is at the attempt's offset (it landed: that
-        span is returned), or it moved otherwise (other writers' appends: no attempt of ours can land
-        any more, so it tries again at the new head; with `offset`, WrongAppendOffsetError).
-
-        Without `offset`, an attempt refused because another writer's append took the head first is
-        tried again at once at the new head; after RACES such races lost in a row (a journal other
-        writers keep busy), one attempt goes without an offset, as any writer's: its answer lost, it is
-        not tried again (a copy may still land), and whether it landed is left to the caller
-        (TidingsError naming the offsets to read). An offset refused while the head stays where it was
-        is definite (WrongAppendOffsetError). Failures are retried within the client's retry policy.
-        The AppendService finds a lost batch of messages by their UUIDs instead (`_find_committed`).
+        Each attempt asks for an exact offset (`offset`, else the head a zero-byte append took; an
+        explicit 0 asks for an empty journal): an attempt reaching the primary late lands only where
+        nothing else did. After a lost answer another zero-byte append tells: head unmoved (the same
+        offset again), this content at the attempt's offset (that span is returned), or moved otherwise
+        (no attempt at that offset can land any more: the new head, or WrongAppendOffsetError with
+        `offset`). Races to the head lost to other writers are tried again at once; after RACES in a
+        row, one attempt without an offset, not tried again if its answer is lost (a TidingsError names
+        the offsets to read). An offset refused at the head itself is definite (WrongAppendOffsetError).
+        Failures are retried within the client's retry policy. (The AppendService finds a lost batch of
+        messages by their UUIDs: `_find_committed`.)
         """
         first = first_append_request(journal)
         at = offset or (await self.append(journal, b"")).end
@@ -300,11 +295,9 @@ class AsyncClient:
                 if not (exc.retriable or exc.code == grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
                 if unfenced:
-                    raise TidingsError(
-                        f"journal {journal!r}: the answer of an append made while other writers kept the head "
-                        f"moving was lost ({exc}): whether it landed is unknown; read the journal from offset {at} "
-                        "to check before appending it again"
-                    ) from None
+                    raise TidingsError(f"journal {journal!r}: an append's answer was lost ({exc}) while other writers "
+                                       f"kept the head moving: read from offset {at} to check before appending "
+                                       "again") from None  # fmt: skip
                 failure = exc
             failing_since = failing_since or time.monotonic()
             if self.retry.gives_up(attempt, failing_since):
@@ -431,7 +424,7 @@ class AsyncClient:
         fragment to read it from (`offset` beyond the one asked when the broker skips a gap retention
         left), or OFFSET_NOT_YET_AVAILABLE when nothing there can be read now; and the write head."""
         req = pb.ReadRequest(journal=journal, offset=offset, metadata_only=True)
-        resp: pb.ReadResponse = await self._unary(journal, lambda stub: _first_response(stub.Read(req)))
+        resp: pb.ReadResponse = await self._unary(journal, lambda stub: first_response(stub.Read(req)))
         if resp.status not in (pb.OK, pb.OFFSET_NOT_YET_AVAILABLE, pb.SUSPENDED):
             raise for_status(resp.status)(journal, header=resp.header)
         return resp
@@ -441,7 +434,7 @@ class AsyncClient:
     async def list(self, selector: pb.LabelSelector | None = None) -> pb.ListResponse:
         """Journals (specs, mod revisions and Routes) matching `selector` (all when None)."""
         resp: pb.ListResponse = await self._unary(
-            "", lambda stub: _first_response(stub.List(pb.ListRequest(selector=selector)))
+            "", lambda stub: first_response(stub.List(pb.ListRequest(selector=selector)))
         )
         self._learn_routes(resp)
         return resp
@@ -549,13 +542,6 @@ class AsyncClient:
                 self.routes.invalidate(journal)
             await self.backoff(attempt)
             attempt += 1
-
-
-async def _first_response(stream: Any) -> Any:
-    async for resp in stream:
-        stream.cancel()
-        return resp
-    raise TransportError("the broker closed the stream without a response", grpc.StatusCode.UNAVAILABLE, True)
 
 
 class Appender:

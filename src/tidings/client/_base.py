@@ -1,4 +1,4 @@
-"""What the async and sync clients share, with no I/O: results, the route cache, the retry policy.
+"""What the async and sync clients share, with no I/O of its own: results, the route cache, the retry policy.
 
 **Routing.** Every broker response carries a Header with the journal's Route (members, primary,
 endpoints) as of an etcd revision. The `RouteCache` keeps the newest Route seen per journal, so
@@ -31,6 +31,7 @@ import grpc
 
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.status import TransportError
 
 __all__ = ["AppendResult", "DEFINITE_CODES", "Outage", "ReadChunk", "RetryPolicy", "RouteCache"]
 
@@ -224,6 +225,14 @@ class RouteCache:
         if route.primary >= 0:
             return route.endpoints[route.primary]
         return route.endpoints[0]
+
+
+async def first_response(stream: Any) -> Any:
+    """The first response of a server stream, which is then cancelled (a List or a metadata-only Read)."""
+    async for resp in stream:
+        stream.cancel()
+        return resp
+    raise TransportError("the broker closed the stream without a response", grpc.StatusCode.UNAVAILABLE, True)
 
 
 # --- Content: what an append sends ------------------------------------------------------------------------
