@@ -115,19 +115,19 @@ async def test_list_yaml_of_a_two_week_retention_applies_and_edits(cluster, tmp_
     and `edit` of the journal applies the user's change."""
     ep = cluster.brokers[0].endpoint
     spec = tmp_path / "two-weeks.yaml"
-    spec.write_text("name: r25/kept\nreplication: 1\nlabels: {app: r25}\nfragment: {retention: 336h}\n")
+    spec.write_text("name: specs/kept\nreplication: 1\nlabels: {app: r25}\nfragment: {retention: 336h}\n")
     r = await run("journals", "apply", str(spec), broker=ep)
-    assert r.returncode == 0 and r.stdout == b"created r25/kept\n", r
+    assert r.returncode == 0 and r.stdout == b"created specs/kept\n", r
 
     listed = tmp_path / "listed.yaml"
     listed.write_bytes((await run("journals", "list", "--yaml", "--selector", "app=r25", broker=ep)).stdout)
     r = await run("journals", "apply", str(listed), broker=ep)
-    assert r.returncode == 0 and r.stdout.decode().splitlines() == ["unchanged r25/kept"], r
+    assert r.returncode == 0 and r.stdout.decode().splitlines() == ["unchanged specs/kept"], r
 
     edit = {"EDITOR": "sed -i 's/replication: 1/replication: 2/'", "TMPDIR": str(tmp_path)}
-    r = await run("journals", "edit", "r25/kept", broker=ep, env=edit)
-    assert r.returncode == 0 and r.stdout.decode().splitlines() == ["updated r25/kept: replication 1 -> 2"], r
-    row = await _listed(ep, "r25/kept")
+    r = await run("journals", "edit", "specs/kept", broker=ep, env=edit)
+    assert r.returncode == 0 and r.stdout.decode().splitlines() == ["updated specs/kept: replication 1 -> 2"], r
+    row = await _listed(ep, "specs/kept")
     assert row["replication"] == 2 and row["fragment"]["retention"] in ("336h", "1209600s"), row
 
 
@@ -135,13 +135,13 @@ async def test_a_quoted_false_delete_does_not_delete(cluster, tmp_path: Path) ->
     """`delete: "false"` (quoted, as a template or `yq` writes it) is a non-empty string, truthy in
     Python: apply refuses it (delete takes true or false) or takes it as false; it never deletes."""
     ep = cluster.brokers[0].endpoint
-    await cluster.create_journal("r25/keep", 1, labels={"app": "r25"})
+    await cluster.create_journal("specs/keep", 1, labels={"app": "r25"})
     f = tmp_path / "quoted.yaml"
-    f.write_text('name: r25/keep\nreplication: 1\nlabels: {app: r25}\ndelete: "false"\n')
+    f.write_text('name: specs/keep\nreplication: 1\nlabels: {app: r25}\ndelete: "false"\n')
     f.write_text(f.read_text() + f"fragment: {{length: 1MiB, stores: ['{cluster.store_url}'], refresh_interval: 1s}}\n")
     r = await run("journals", "apply", str(f), broker=ep)
     listed = (await run("journals", "list", "--json", broker=ep)).stdout
-    assert b'"r25/keep"' in listed, (r, "the journal was deleted")
+    assert b'"specs/keep"' in listed, (r, "the journal was deleted")
     assert b"deleted" not in r.stdout, r
 
 
@@ -149,10 +149,10 @@ async def test_a_revision_that_is_no_number_is_one_line(cluster, tmp_path: Path)
     """`revision: abc`, `revision:` (null) or a list is refused in one line naming the revision (exit 2),
     not a ValueError or TypeError traceback from int()."""
     ep = cluster.brokers[0].endpoint
-    await cluster.create_journal("r25/rev", 1)
+    await cluster.create_journal("specs/rev", 1)
     for value in ("abc", "", "[5]"):
         f = tmp_path / "rev.yaml"
-        f.write_text(f"name: r25/rev\nreplication: 1\nrevision: {value}\n")
+        f.write_text(f"name: specs/rev\nreplication: 1\nrevision: {value}\n")
         r = await run("journals", "apply", str(f), broker=ep)
         err = r.stderr.decode()
         lines = err.splitlines()
@@ -165,7 +165,7 @@ async def test_edit_with_an_editor_that_cannot_run_is_one_line(cluster, tmp_path
     set where there is no `vi`: each is one `error: ` line naming EDITOR, not a FileNotFoundError or
     ValueError traceback (with a temp file left behind, unnamed)."""
     ep = cluster.brokers[0].endpoint
-    await cluster.create_journal("r25/ed", 1)
+    await cluster.create_journal("specs/ed", 1)
     no_vi = tmp_path / "bin"
     no_vi.mkdir()
     base = {"VISUAL": "", "EDITOR": "", "TMPDIR": str(tmp_path)}  # (empty: unset, as the command reads them)
@@ -174,7 +174,7 @@ async def test_edit_with_an_editor_that_cannot_run_is_one_line(cluster, tmp_path
         base | {"EDITOR": "'unbalanced"},
         base | {"PATH": str(no_vi)},
     ):
-        r = await run("journals", "edit", "r25/ed", broker=ep, env=env)
+        r = await run("journals", "edit", "specs/ed", broker=ep, env=env)
         err = r.stderr.decode()
         lines = err.splitlines()
         assert "Traceback" not in err and r.returncode in (1, 2), (env.get("EDITOR"), err)
@@ -188,16 +188,16 @@ async def test_edit_of_a_journal_deleted_meanwhile(cluster, tmp_path: Path) -> N
     import sys
 
     ep = cluster.brokers[0].endpoint
-    await cluster.create_journal("r25/went", 1)
-    delete = f"{shlex.quote(sys.executable)} -m tidings.cli journals delete r25/went --yes --broker {ep} >/dev/null"
+    await cluster.create_journal("specs/went", 1)
+    delete = f"{shlex.quote(sys.executable)} -m tidings.cli journals delete specs/went --yes --broker {ep} >/dev/null"
     script = delete + " && sed -i 's/replication: 1/replication: 2/' \"$0\""
     editor = "sh -c " + shlex.quote(script)
-    r = await run("journals", "edit", "r25/went", broker=ep, env={"EDITOR": editor, "TMPDIR": str(tmp_path)})
+    r = await run("journals", "edit", "specs/went", broker=ep, env={"EDITOR": editor, "TMPDIR": str(tmp_path)})
     lines = r.stderr.decode().splitlines()
     assert r.returncode == 1 and "Traceback" not in r.stderr.decode(), r
-    assert any("journal 'r25/went' does not exist" in line for line in lines), r  # (after "your edit is in")
+    assert any("journal 'specs/went' does not exist" in line for line in lines), r  # (after "your edit is in")
     assert any(line.startswith("your edit is in ") for line in lines) and len(lines) == 2, r
-    assert b"r25/went" not in (await run("journals", "list", "--json", broker=ep)).stdout
+    assert b"specs/went" not in (await run("journals", "list", "--json", broker=ep)).stdout
 
 
 async def test_list_yaml_edit_apply_keeps_a_multi_valued_label(cluster, tmp_path: Path) -> None:
@@ -205,7 +205,7 @@ async def test_list_yaml_edit_apply_keeps_a_multi_valued_label(cluster, tmp_path
     An edit of replication alone in what `list --yaml` prints, applied, keeps both values in etcd (a
     listing of labels as a mapping would keep one, and apply would drop the other unreported)."""
     ep = cluster.brokers[0].endpoint
-    spec = spec_from_dict({"name": "r26/tags", "replication": 1, "fragment": {"stores": [cluster.store_url]}})
+    spec = spec_from_dict({"name": "shapes/tags", "replication": 1, "fragment": {"stores": [cluster.store_url]}})
     spec.labels.CopyFrom(lbl.label_set([("app", "r26"), ("tag", "blue"), ("tag", "red")]))
     async with cluster.client(0) as c:
         await c.apply([pb.ApplyRequest.Change(upsert=spec)])
@@ -218,7 +218,7 @@ async def test_list_yaml_edit_apply_keeps_a_multi_valued_label(cluster, tmp_path
     r = await run("journals", "apply", str(f), broker=ep)
     assert r.returncode == 0, r.stderr
     async with cluster.client(0) as c:
-        now = next(j.spec for j in (await c.list()).journals if j.spec.name == "r26/tags")
+        now = next(j.spec for j in (await c.list()).journals if j.spec.name == "shapes/tags")
     assert now.replication == 2
     assert lbl.pairs(now.labels) == [("app", "r26"), ("tag", "blue"), ("tag", "red")], (
         f"labels changed by an edit of replication: {lbl.pairs(now.labels)}; apply said {r.stdout!r}"
@@ -231,7 +231,7 @@ async def test_list_yaml_apply_round_trip_is_unchanged_for_odd_durations(cluster
     ep = cluster.brokers[0].endpoint
     f = tmp_path / "j.yaml"
     f.write_text(
-        "name: r26/odd\nreplication: 1\nflags: read-only\nmax_append_rate: 1KiB\n"
+        "name: shapes/odd\nreplication: 1\nflags: read-only\nmax_append_rate: 1KiB\n"
         "labels: {app: r26odd, v: 'yes', n: '1.0', e: '', z: '0x10'}\n"
         "fragment: {length: 1048577, compression_codec: zstd, refresh_interval: 1001ms,"
         f" flush_interval: 90m, retention: 1.5s, stores: ['{cluster.store_url}']}}\n"
@@ -242,9 +242,9 @@ async def test_list_yaml_apply_round_trip_is_unchanged_for_odd_durations(cluster
     listed = tmp_path / "listed.yaml"
     listed.write_bytes(r.stdout)
     r = await run("journals", "apply", str(listed), broker=ep)
-    assert r.returncode == 0 and b"unchanged r26/odd" in r.stdout, (r.stdout, r.stderr)
+    assert r.returncode == 0 and b"unchanged shapes/odd" in r.stdout, (r.stdout, r.stderr)
     async with cluster.client(0) as c:
-        s = next(j.spec for j in (await c.list()).journals if j.spec.name == "r26/odd")
+        s = next(j.spec for j in (await c.list()).journals if j.spec.name == "shapes/odd")
     assert (s.fragment.refresh_interval_ms, s.fragment.flush_interval_ms, s.fragment.retention_ms) == (
         1001,
         5_400_000,

@@ -157,34 +157,34 @@ async def test_a_bad_line_with_more_input_behind_it_is_one_line(cluster) -> None
     'coroutine Queue.put was never awaited', no thread's 'Event loop is closed' traceback); nothing
     is published."""
     ep = cluster.brokers[0].endpoint
-    await cluster.create_journal("r25/bad", 1, labels=NDJSON)
+    await cluster.create_journal("lines/bad", 1, labels=NDJSON)
     stdin = b"not json\n" + b'{"n": 1}\n' * 30_000
-    r = await run("publish", "r25/bad", broker=ep, stdin=stdin)
+    r = await run("publish", "lines/bad", broker=ep, stdin=stdin)
     err = r.stderr.decode()
     lines = [line for line in err.splitlines() if line.strip()]
     assert r.returncode == 1 and "Traceback" not in err, err
     assert len(lines) == 1 and lines[0].startswith("error: stdin line 1 is not a JSON object"), err
-    assert await _messages(cluster, "r25/bad") == []
+    assert await _messages(cluster, "lines/bad") == []
 
 
 async def test_an_append_failing_mid_stream_says_what_was_published(cluster) -> None:
     """Two lines committed, then the journal is deleted and a third line fails: the one `error: ` line
     says the 2 messages were published and names line 3 (so the user resends only line 3), with no
     log line of the AppendService's (naming `resume()`, an API) beside it."""
-    await cluster.create_journal("r25/gone", 1, labels=NDJSON)
-    p = await _start_publish(cluster, "r25/gone")
+    await cluster.create_journal("lines/gone", 1, labels=NDJSON)
+    p = await _start_publish(cluster, "lines/gone")
     try:
         assert p.stdin is not None and p.stderr is not None
         p.stdin.write(b'{"n": 1}\n{"n": 2}\n')
         await p.stdin.drain()
 
         async def committed() -> bool:
-            return [m["n"] for m in await _messages(cluster, "r25/gone")] == [1, 2]
+            return [m["n"] for m in await _messages(cluster, "lines/gone")] == [1, 2]
 
         await wait_until(committed, 30)
         async with cluster.client(0) as c:
-            rev = next(j.mod_revision for j in (await c.list()).journals if j.spec.name == "r25/gone")
-            await c.apply([pb.ApplyRequest.Change(delete="r25/gone", expect_mod_revision=rev)])
+            rev = next(j.mod_revision for j in (await c.list()).journals if j.spec.name == "lines/gone")
+            await c.apply([pb.ApplyRequest.Change(delete="lines/gone", expect_mod_revision=rev)])
         p.stdin.write(b'{"n": 3}\n')
         await p.stdin.drain()
         p.stdin.close()
@@ -201,15 +201,15 @@ async def test_an_append_failing_mid_stream_says_what_was_published(cluster) -> 
 async def test_ctrl_c_says_what_was_published(cluster) -> None:
     """Ctrl-C exits 130 with one line saying what committed (here: lines 1-2), so that of what
     `tail -f | tidings publish` was fed the user knows what to feed again."""
-    await cluster.create_journal("r25/int", 1, labels=NDJSON)
-    p = await _start_publish(cluster, "r25/int")
+    await cluster.create_journal("lines/int", 1, labels=NDJSON)
+    p = await _start_publish(cluster, "lines/int")
     try:
         assert p.stdin is not None and p.stderr is not None
         p.stdin.write(b'{"n": 1}\n{"n": 2}\n')
         await p.stdin.drain()
 
         async def committed() -> bool:
-            return [m["n"] for m in await _messages(cluster, "r25/int")] == [1, 2]
+            return [m["n"] for m in await _messages(cluster, "lines/int")] == [1, 2]
 
         await wait_until(committed, 30)
         p.send_signal(signal.SIGINT)
@@ -226,12 +226,12 @@ async def test_partial_long_crlf_lines_each_published_once(cluster) -> None:
     """A 200 KiB line (over the 64 KiB read size), CRLF endings, blank lines and a last line without a
     newline are each published once, in order."""
     ep = cluster.brokers[0].endpoint
-    await cluster.create_journal("r25/shapes", 1, labels=NDJSON)
+    await cluster.create_journal("lines/shapes", 1, labels=NDJSON)
     long = json.dumps({"n": 0, "pad": "x" * 200_000}).encode()
     stdin = long + b"\r\n" + b'{"n": 1}\r\n\r\n\n' + b'{"n": 2}\n' + b'{"n": 3}'
-    r = await run("publish", "r25/shapes", broker=ep, stdin=stdin)
-    assert r.returncode == 0 and r.stderr == b"published 4 messages to r25/shapes\n", r
-    got = await _messages(cluster, "r25/shapes")
+    r = await run("publish", "lines/shapes", broker=ep, stdin=stdin)
+    assert r.returncode == 0 and r.stderr == b"published 4 messages to lines/shapes\n", r
+    got = await _messages(cluster, "lines/shapes")
     assert [m["n"] for m in got] == [0, 1, 2, 3] and len(got[0]["pad"]) == 200_000
 
 
@@ -243,20 +243,20 @@ async def test_kill_9_of_the_primary_mid_publish(local_cluster) -> None:
     from tidings.client import AsyncClient
 
     lc = local_cluster
-    await create_local_journal(lc, "r25/kill9", 3, labels=NDJSON)
+    await create_local_journal(lc, "lines/kill9", 3, labels=NDJSON)
     async with AsyncClient(lc.endpoints[0]) as c:
-        route = next(j.route for j in (await c.list()).journals if j.spec.name == "r25/kill9")
+        route = next(j.route for j in (await c.list()).journals if j.spec.name == "lines/kill9")
     primary = route.members[route.primary].suffix
     via = next(b for b in lc.brokers if b.suffix != primary)
     victim = next(b for b in lc.brokers if b.suffix == primary)
     env = {**os.environ, "TIDINGS_BROKER": via.endpoint}
     p = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tidings.cli", "publish", "r25/kill9",
+        sys.executable, "-m", "tidings.cli", "publish", "lines/kill9",
         stdin=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
     )  # fmt: skip
 
     async def read_back() -> list[int]:
-        r = await run("journals", "read", "r25/kill9", "--committed", broker=via.endpoint)
+        r = await run("journals", "read", "lines/kill9", "--committed", broker=via.endpoint)
         return [json.loads(line)["n"] for line in r.stdout.splitlines()]
 
     try:
@@ -277,31 +277,31 @@ async def test_kill_9_of_the_primary_mid_publish(local_cluster) -> None:
     got = await read_back()
     assert len(got) == len(set(got)), "a line read back twice"
     if code == 0:
-        assert lines[0] == "published 200 messages to r25/kill9" and sorted(got) == list(range(200)), (err, got)
+        assert lines[0] == "published 200 messages to lines/kill9" and sorted(got) == list(range(200)), (err, got)
     else:
         assert lines[0].startswith("error: "), err
 
 
 async def test_a_batch_half_committed_across_journals_is_reported_exactly(cluster) -> None:
-    """50 lines in one batch to a label selector, spread over r26/rw and r26/ro (read-only,
-    NOT_ALLOWED): the lines mapped to r26/rw commit, and the report ("published N messages (stdin
+    """50 lines in one batch to a label selector, spread over flows/rw and flows/ro (read-only,
+    NOT_ALLOWED): the lines mapped to flows/rw commit, and the report ("published N messages (stdin
     lines 1 to L)", resend from L+1) counts exactly those, or resending as told would publish them
     twice (a new run is a new producer: read committed keeps both copies)."""
     ep = cluster.brokers[0].endpoint
-    await cluster.create_journal("r26/rw", 1, labels={**NDJSON, "app": "r26"})
-    await cluster.create_journal("r26/ro", 1, labels={**NDJSON, "app": "r26"}, flags="read-only")
+    await cluster.create_journal("flows/rw", 1, labels={**NDJSON, "app": "r26"})
+    await cluster.create_journal("flows/ro", 1, labels={**NDJSON, "app": "r26"}, flags="read-only")
     stdin = b"".join(b'{"n": %d}\n' % n for n in range(1, 51))
     r = await run("publish", "app=r26", "--flush-interval", "5", broker=ep, stdin=stdin)
     err = r.stderr.decode()
     assert r.returncode == 1 and "Traceback" not in err, err
-    committed = [m["n"] for m in await _messages(cluster, "r26/rw")]
+    committed = [m["n"] for m in await _messages(cluster, "flows/rw")]
     assert committed, "precondition: some lines were mapped to the writable journal"
     # What the report claims was published must be exactly what the journals hold.
     claimed = [m for m in err.split("published ")[1:] if m[:1].isdigit()]
     assert claimed, err
     n_claimed = int(claimed[0].split()[0])
     assert n_claimed == len(committed), (
-        f"report says {n_claimed} published, but r26/rw holds {len(committed)} lines "
+        f"report says {n_claimed} published, but flows/rw holds {len(committed)} lines "
         f"({committed[:5]}...): resending as told duplicates them. stderr: {err!r}"
     )
 
@@ -310,9 +310,9 @@ async def test_many_lines_split_across_reads_each_once_in_order(cluster) -> None
     """25,000 lines (over the 10,000 slots, many 64 KiB reads, lines cut between reads), the last
     without a newline, are each published once, in stdin order."""
     ep = cluster.brokers[0].endpoint
-    await cluster.create_journal("r26/many", 1, labels=NDJSON)
+    await cluster.create_journal("flows/many", 1, labels=NDJSON)
     stdin = b"\n".join(json.dumps({"n": n, "p": "y" * (n % 97)}).encode() for n in range(25_000))
-    r = await run("publish", "r26/many", broker=ep, stdin=stdin)
-    assert r.returncode == 0 and r.stderr == b"published 25000 messages to r26/many\n", r.stderr
-    got = [m["n"] for m in await _messages(cluster, "r26/many")]
+    r = await run("publish", "flows/many", broker=ep, stdin=stdin)
+    assert r.returncode == 0 and r.stderr == b"published 25000 messages to flows/many\n", r.stderr
+    got = [m["n"] for m in await _messages(cluster, "flows/many")]
     assert got == list(range(25_000))

@@ -199,7 +199,7 @@ def test_an_idle_query_with_a_journal_retention_emptied_asks_no_more_than_its_ca
     (read_api). The reader's clock is frozen here, so the counts do not depend on this machine's speed."""
     from tidings.spark import stream  # (its clock frozen below)
 
-    gone = "spark/r24-gone"
+    gone = "spark/ret-gone"
     emptied_journal(local_cluster, gone, {})
     now = [1000.0]
     monkeypatch.setattr(stream.time, "monotonic", lambda: now[0])

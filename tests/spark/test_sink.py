@@ -44,7 +44,7 @@ def test_sink_unknown_journal_or_broker_fails_with_one_line_naming_it(spark, loc
     """An unknown journal or an unreachable broker fails the write in one line naming the option, as
     the source does on the driver: not in every task, deep in the Publisher (a 30-line traceback of
     client internals, hints for the CLI's --broker flag), after a retry cycle per task."""
-    asyncio.run(create_local_journal(local_cluster, "spark/r22-out", 1, **NDJSON))
+    asyncio.run(create_local_journal(local_cluster, "spark/sink-out", 1, **NDJSON))
     df = spark.createDataFrame([(1, "a")], "id BIGINT, name STRING")
 
     def write(**opts: str) -> None:
@@ -54,8 +54,8 @@ def test_sink_unknown_journal_or_broker_fails_with_one_line_naming_it(spark, loc
         w.save()
 
     for opts, names in (
-        ({"journal": "spark/r22-nope"}, "spark/r22-nope"),
-        ({"journal": "spark/r22-out", "broker": "127.0.0.1:9"}, "127.0.0.1:9"),
+        ({"journal": "spark/sink-nope"}, "spark/sink-nope"),
+        ({"journal": "spark/sink-out", "broker": "127.0.0.1:9"}, "127.0.0.1:9"),
     ):
         msg = error_message(lambda opts=opts: write(**opts))
         assert names in msg
@@ -66,9 +66,9 @@ def test_sink_unknown_journal_or_broker_fails_with_one_line_naming_it(spark, loc
 def test_overwrite_mode_is_refused_not_silently_appended(spark, local_cluster) -> None:
     """`mode("overwrite")` cannot truncate a journal: it is refused, as Kafka's sink refuses it, not
     taken for an append."""
-    asyncio.run(create_local_journal(local_cluster, "spark/r22-ow", 1, **NDJSON))
+    asyncio.run(create_local_journal(local_cluster, "spark/sink-ow", 1, **NDJSON))
     df = spark.createDataFrame([(1,)], "id BIGINT")
-    w = df.write.format("tidings").option("broker", local_cluster.endpoints[0]).option("journal", "spark/r22-ow")
+    w = df.write.format("tidings").option("broker", local_cluster.endpoints[0]).option("journal", "spark/sink-ow")
     msg = error_message(lambda: w.mode("overwrite").save())
     assert "overwrite" in msg.lower()
 

@@ -186,11 +186,11 @@ def test_a_metadata_column_of_the_wrong_type_is_refused_in_one_line(spark, local
     """`.schema("offset STRING, ...")` is refused by check_schema in one line naming the column, not
     let through for every task to die with pyarrow's 'ArrowTypeError: Expected bytes, got a 'int'
     object' (building the corrupt batch)."""
-    ndjson_journal(local_cluster, "spark/r22-meta", line(P1, 1, OUTSIDE_TXN, id=1))
+    ndjson_journal(local_cluster, "spark/src-meta", line(P1, 1, OUTSIDE_TXN, id=1))
     df = (
         spark.read.format("tidings")
         .option("broker", local_cluster.endpoints[0])
-        .option("journal", "spark/r22-meta")
+        .option("journal", "spark/src-meta")
         .schema("offset STRING, id BIGINT")
     )
     msg = error_message(lambda: df.load().collect())
@@ -200,26 +200,26 @@ def test_a_metadata_column_of_the_wrong_type_is_refused_in_one_line(spark, local
 def test_offsets_naming_a_journal_the_query_does_not_read_are_refused(spark, local_cluster) -> None:
     """As Kafka's connector refuses specific offsets for partitions it was not asked to read, a typo
     in startingOffsets is refused naming it, not ignored with the whole journal read from earliest."""
-    ndjson_journal(local_cluster, "spark/r22-typo", line(P1, 1, OUTSIDE_TXN, id=1))
+    ndjson_journal(local_cluster, "spark/src-typo", line(P1, 1, OUTSIDE_TXN, id=1))
     r = (
         spark.read.format("tidings")
         .option("broker", local_cluster.endpoints[0])
-        .option("journal", "spark/r22-typo")
-        .option("startingOffsets", json.dumps({"spark/r22-tpyo": 5}))
+        .option("journal", "spark/src-typo")
+        .option("startingOffsets", json.dumps({"spark/src-tpyo": 5}))
         .schema("id BIGINT")
     )
     msg = error_message(lambda: r.load().collect())
-    assert "spark/r22-tpyo" in msg
+    assert "spark/src-tpyo" in msg
 
 
 def test_a_typo_in_option_schema_is_reported_at_the_typo(spark, local_cluster) -> None:
     """A typo in option('schema') is reported at the typo, not (the metadata columns' DDL glued before
     the user's and parsed as a table schema) as "Syntax error at or near 'STRING'" at our first column."""
-    ndjson_journal(local_cluster, "spark/r22-ddl", line(P1, 1, OUTSIDE_TXN, id=1))
+    ndjson_journal(local_cluster, "spark/src-ddl", line(P1, 1, OUTSIDE_TXN, id=1))
 
     def load(ddl: str) -> None:
         r = spark.read.format("tidings").option("broker", local_cluster.endpoints[0])
-        r.option("journal", "spark/r22-ddl").option("schema", ddl).load().collect()
+        r.option("journal", "spark/src-ddl").option("schema", ddl).load().collect()
 
     for ddl, says in (("id BIGNT", '"BIGNT"'), ("id BIGINT name STRING", "near 'name'")):
         msg = error_message(lambda ddl=ddl: load(ddl))
@@ -230,7 +230,7 @@ def test_option_schema_takes_spark_struct_ddl_as_schema_does(spark, local_cluste
     """option('schema') takes Spark's own DDL of a struct type (what `df.schema.simpleString()`
     prints, and what `.schema()` and `StructType.fromDDL` accept): it goes inside struct<...>, so
     it is not refused with a parse error pointing into the source's metadata columns."""
-    journal = "spark/r24-struct-ddl"
+    journal = "spark/src-struct-ddl"
     ndjson_journal(local_cluster, journal, line(P1, 1, OUTSIDE_TXN, id=1, name="one"))
     ddl = "struct<id:bigint,name:string>"
     assert spark.createDataFrame([], ddl).schema.simpleString() == ddl  # (what Spark prints and takes)

@@ -251,7 +251,7 @@ def test_a_horizon_longer_than_a_sink_batch_keeps_its_early_tasks_rows(spark, lo
     (as in Gazette). A horizon must exceed the longest batch (the docs say so; 10m is shorter than
     a batch whose last task starts 11 minutes after its first: skew, a retry, a driver re-running a
     commit). Here one that does (1h), and the 24 h default."""
-    journal = f"spark/r23-horizon-{horizon}"
+    journal = f"spark/st-horizon-{horizon}"
     early, late = 1, 1 + 11 * MINUTE
     ndjson_journal(
         local_cluster,
@@ -271,14 +271,14 @@ def test_a_message_split_across_appends_at_a_micro_batch_end_is_delivered(spark,
     """A micro-batch ends at the write head, taken as a message boundary; a raw append that ended
     mid-line must not split its message into two corrupt rows (the batch planner guards against
     exactly this)."""
-    got = split_across_appends(spark, local_cluster, "spark/r22-split", tmp_path)
+    got = split_across_appends(spark, local_cluster, "spark/st-split", tmp_path)
     assert [i for _, i in got] == [1, 2, 3]
 
 
 def test_a_raw_stream_waits_for_a_line_a_raw_append_left_unfinished(spark, local_cluster, tmp_path) -> None:
     """Read uncommitted (offsets straight to the write heads, no scan), the same: a line is one row."""
     got = split_across_appends(
-        spark, local_cluster, "spark/r22-split-raw", tmp_path, format="raw", readCommitted="false"
+        spark, local_cluster, "spark/st-split-raw", tmp_path, format="raw", readCommitted="false"
     )
     assert [json.loads(v)["id"] for _, v in got] == [1, 2, 3]
 
@@ -290,7 +290,7 @@ def test_a_raw_stream_waits_at_a_torn_head_of_an_ndjson_journal_with_a_charset(s
     read of such a journal died in a TypeError traceback)."""
     labels = {"content-type": "application/x-ndjson; charset=utf-8"}
     got = split_across_appends(
-        spark, local_cluster, "spark/r23-charset", tmp_path, labels, format="raw", readCommitted="false"
+        spark, local_cluster, "spark/st-charset", tmp_path, labels, format="raw", readCommitted="false"
     )
     values = [v for _, v in got]
     assert [json.loads(v)["id"] for v in values] == [1, 2, 3], values
@@ -305,7 +305,7 @@ def test_a_raw_stream_waits_at_a_torn_head_of_a_protobuf_journal(spark, local_cl
 
     from tests.support.cluster import create_local_journal
 
-    journal = "spark/r23-torn-frames"
+    journal = "spark/st-torn-frames"
     labels = {"content-type": "application/x-protobuf-fixed"}
     asyncio.run(create_local_journal(local_cluster, journal, 1, labels=labels))
     payloads = [bytes([i]) * (10 + i) for i in range(1, 4)]
@@ -325,11 +325,11 @@ def test_a_raw_stream_waits_at_a_torn_head_of_a_protobuf_journal(spark, local_cl
 def test_a_stream_starting_offset_past_the_head_names_starting_offsets(spark, local_cluster, tmp_path) -> None:
     """A startingOffsets beyond the write head (a user's mistake) is reported naming the option, not
     as the journal having been 'reset or created again' (which advises failOnDataLoss=false)."""
-    ndjson_journal(local_cluster, "spark/r22-start", line(P1, 1, OUTSIDE_TXN, id=1))
+    ndjson_journal(local_cluster, "spark/st-start", line(P1, 1, OUTSIDE_TXN, id=1))
     msg = error_message(
         lambda: run_available_now(
-            spark, local_cluster, "spark/r22-start", str(tmp_path / "cp"),
-            startingOffsets=json.dumps({"spark/r22-start": 10**9}),
+            spark, local_cluster, "spark/st-start", str(tmp_path / "cp"),
+            startingOffsets=json.dumps({"spark/st-start": 10**9}),
         )
     )  # fmt: skip
     assert "startingOffsets" in msg and "reset or created again" not in msg, msg[:1500]
@@ -339,11 +339,11 @@ def test_a_stream_refuses_ending_offsets_instead_of_ignoring_them(spark, local_c
     """`endingOffsets` on readStream is refused, as Kafka's source refuses it for streams, pointing
     at Trigger.AvailableNow, not silently ignored with the stream reading on past it (refused from
     the reader's first call: PySpark's stream runner buries an error raised in streamReader())."""
-    ndjson_journal(local_cluster, "spark/r22-end", line(P1, 1, OUTSIDE_TXN, id=1))
+    ndjson_journal(local_cluster, "spark/st-end", line(P1, 1, OUTSIDE_TXN, id=1))
     msg = error_message(
         lambda: run_available_now(
-            spark, local_cluster, "spark/r22-end", str(tmp_path / "cp"),
-            endingOffsets=json.dumps({"spark/r22-end": 0}),
+            spark, local_cluster, "spark/st-end", str(tmp_path / "cp"),
+            endingOffsets=json.dumps({"spark/st-end": 0}),
         )
     )  # fmt: skip
     assert "endingOffsets" in msg and "availableNow" in msg, msg[:1500]
@@ -353,11 +353,11 @@ def test_a_stream_refuses_ending_offsets_instead_of_ignoring_them(spark, local_c
 def test_a_stream_with_a_wrong_metadata_column_type_fails_with_our_line(spark, local_cluster, tmp_path) -> None:
     """check_schema's refusal reaches the user as our one line, not raised in streamReader() where
     PySpark's own UnboundLocalError and two tracebacks wrap it."""
-    ndjson_journal(local_cluster, "spark/r22-stream-meta", line(P1, 1, OUTSIDE_TXN, id=1))
+    ndjson_journal(local_cluster, "spark/st-stream-meta", line(P1, 1, OUTSIDE_TXN, id=1))
     df = (
         spark.readStream.format("tidings")
         .option("broker", local_cluster.endpoints[0])
-        .option("journal", "spark/r22-stream-meta")
+        .option("journal", "spark/st-stream-meta")
         .schema("offset STRING, id BIGINT")
         .load()
     )
@@ -377,7 +377,7 @@ def test_a_bad_stream_option_with_an_explicit_schema_fails_with_our_one_line(
     first parsed in streamReader(), and an OptionError raised there would reach the user inside
     PySpark 4.3's stream runner's UnboundLocalError with two tracebacks -- the very failure
     `_usable` defers check_schema's and endingOffsets' errors to avoid."""
-    journal = f"spark/r24-opt-{option}"  # (one per case: the module shares its cluster)
+    journal = f"spark/st-opt-{option}"  # (one per case: the module shares its cluster)
     ndjson_journal(local_cluster, journal, line(P1, 1, OUTSIDE_TXN, id=1))
     df = (
         spark.readStream.format("tidings")

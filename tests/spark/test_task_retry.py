@@ -23,7 +23,7 @@ ROWS = 6000
 
 def test_rows_of_a_failed_task_attempt_are_never_read_committed(local_cluster, tmp_path) -> None:
     ep = local_cluster.endpoints[0]
-    for j in ("spark/r22-retry-batch", "spark/r22-retry-stream"):
+    for j in ("spark/retry-batch", "spark/retry-stream"):
         asyncio.run(create_local_journal(local_cluster, j, 3, **NDJSON))
     cmd = [sys.executable, "-m", "tests.spark.test_task_retry", ep, str(tmp_path)]
     job = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -35,7 +35,7 @@ def test_rows_of_a_failed_task_attempt_are_never_read_committed(local_cluster, t
         job.wait()
     assert job.returncode == 0, err.decode()[-3000:]
     assert len(list(tmp_path.glob("failed-*"))) == 4  # (two tasks each of the batch write and the stream failed once)
-    for j in ("spark/r22-retry-batch", "spark/r22-retry-stream"):
+    for j in ("spark/retry-batch", "spark/retry-stream"):
         ids = sorted(m["id"] for m in cli_committed(ep, j))
         assert ids == list(range(ROWS)), (j, len(ids))
         with Client(ep) as c:  # the failed attempts' rows are in the journal, uncommitted
@@ -69,7 +69,7 @@ def _job(ep: str, marks: str) -> None:
     class Source(TidingsDataSource):
         @classmethod
         def name(cls) -> str:
-            return "tidings_r22"
+            return "tidings_retry"
 
         def writer(self, schema, overwrite):  # type: ignore[no-untyped-def]
             return W(SinkOptions.parse(self.options, schema, streaming=False))
@@ -77,17 +77,17 @@ def _job(ep: str, marks: str) -> None:
         def streamWriter(self, schema, overwrite):  # type: ignore[no-untyped-def]
             return SW(SinkOptions.parse(self.options, schema, streaming=True))
 
-    with local_session("r22-retry", master="local[2,3]") as spark:
+    with local_session("retry", master="local[2,3]") as spark:
         spark.sparkContext.setLogLevel("ERROR")
         spark.dataSource.register(Source)
         df = spark.range(0, ROWS, numPartitions=2).selectExpr("id")
-        df.write.format("tidings_r22").mode("append").option("broker", ep).option(
-            "journal", "spark/r22-retry-batch").save()  # fmt: skip
+        df.write.format("tidings_retry").mode("append").option("broker", ep).option(
+            "journal", "spark/retry-batch").save()  # fmt: skip
         src = Path(marks, "in")
         df.write.parquet(str(src))
         q = (
             spark.readStream.schema("id BIGINT").parquet(str(src)).repartition(2)
-            .writeStream.format("tidings_r22").option("broker", ep).option("journal", "spark/r22-retry-stream")
+            .writeStream.format("tidings_retry").option("broker", ep).option("journal", "spark/retry-stream")
             .option("checkpointLocation", str(Path(marks, "cp"))).trigger(availableNow=True).start()
         )  # fmt: skip
         q.awaitTermination(200)
