@@ -1,19 +1,22 @@
 """consumer: consumer shards whose effects commit exactly once with their stores (Gazette's
-consumer framework; seed: gazette-exactly-once.txt, "Consumer Shard Transaction Lifecycle" and
-"Store Fencing"). Being built in steps (issue 10):
+consumer framework; seed: gazette-exactly-once.txt, "Consumer Shard Transaction Lifecycle", "Store
+Fencing" and "Recovery Logs and Register Fencing").
 
 - `store`: the Store interface a shard commits its Checkpoint through: `SQLiteStore` (a file per
   shard) and `PostgresStore` (a PostgreSQL database), whose fences stop a zombie primary.
+- `store_recorded`: `RecordedSQLiteStore` and `JSONFileStore`, whose file writes are recorded to
+  the shard's recovery log (`recoverylog/`: recorder, player, FSM, hints) so any process can play
+  them back; `recovery`: a shard's recovery log on a process (played, tailed, handed off).
 - `application`: the `Application` a user subclasses, and the `Shard` its hooks are given.
 - `shard`: `serve_primary` runs a shard's pipelined transactions for an `Application` (restore the
   checkpoint, re-write its ACK intents, read sources committed, consume, commit the store with
-  the checkpoint after the downstream appends, then write the ACKs).
+  the checkpoint after the downstream appends, then write the ACKs); `transaction`: that loop.
 - `service`: the consumer process (`tidings consumer`): shards assigned by the allocator, the
   Shard gRPC service, metrics; `client`: ShardClient.
 
-Stores are not recorded: a shard's SQLite file lives in the process's --data-dir (the processes of
-one host share it) or its state in PostgreSQL, so a standby has nothing to tail and a failover
-restores from the store itself.
+A consumer process does not yet run shards on recorded stores (its replicas play no recovery log):
+a shard's SQLite file lives in the process's --data-dir (the processes of one host share it) or
+its state in PostgreSQL, so a failover restores from the store itself.
 
 The shards themselves are items of the same allocator that places journals on brokers
 (`tidings.allocator.kind.SHARDS`).
