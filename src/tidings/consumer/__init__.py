@@ -14,7 +14,7 @@ Fencing" and "Recovery Logs and Register Fencing").
 - `service`: the consumer process (`tidings consumer`): shards assigned by the allocator, the
   Shard gRPC service, metrics; `client`: ShardClient.
 
-A consumer process does not yet run shards on recorded stores (its replicas play no recovery log):
+The consumer process's replicas play no recovery log (`Recovery` is used directly, by embedders):
 a shard's SQLite file lives in the process's --data-dir (the processes of one host share it) or
 its state in PostgreSQL, so a failover restores from the store itself.
 

@@ -18,7 +18,7 @@ after the newer primary's handoff. Every prefix of the log plays back to a datab
 consistently (its own recovery rolls back a transaction whose commit frame never landed).
 
 Limits: one connection (exclusive locking); the database file is rewritten in place, so the log
-grows with its history until a rollover (not yet: the playback horizon is the whole history).
+grows with its history: with no rollover, the playback horizon is the whole history.
 
 JSONFileStore (Gazette's JSONFileStore) is for an application whose state is a small document: each
 commit writes the whole document with the checkpoint to `next.json`, renames it over `state.json`

@@ -10,7 +10,7 @@ and skipped to the next magic word, as Gazette's player resynchronises.
 The checksum chain covers each operation's message and its write data (Gazette's covers the
 message only): after an operation whose data was corrupted, the next one no longer matches the
 chain, so playback stops following that history (the corrupt op itself was already played: a
-per-op checksum of the data alone would refuse it first; not done yet).
+per-op checksum of the data alone would refuse it first).
 """
 
 from __future__ import annotations
