@@ -25,14 +25,14 @@ from tidings.protocol import protocol_pb2 as pb
 LOG = "recovery/wc-0"
 
 
-async def primary(c: AsyncClient, dir: Path) -> RecordedSQLiteStore:
+async def primary(c: AsyncClient, dir: Path, hints: pb.FSMHints | None = None, **options) -> RecordedSQLiteStore:
     """A new primary: play the log into `dir`, take it over, open the store there."""
-    player = Player(c, pb.FSMHints(log=LOG), dir)
+    player = Player(c, hints or pb.FSMHints(log=LOG), dir)
     author = new_author()
     player.inject_handoff(author)
     played = await player.play()
     recorder = Recorder(AppendService(c), LOG, played.fsm, author, played.write_head)
-    return RecordedSQLiteStore(recorder, dir, schema=[COUNTS])
+    return RecordedSQLiteStore(recorder, dir, schema=[COUNTS], **options)
 
 
 async def play(c: AsyncClient, dir: Path) -> Path:
@@ -120,6 +120,13 @@ async def test_a_zombie_primary_commits_nothing_after_a_newer_one_took_the_log(c
         assert rows(await play(c, tmp_path / "played")) == {"before": 1, "newer": 1}
 
 
+def within_one_append(ops: list[Decoded], k: int) -> bool:
+    """A cut before ops[k] falls inside ops the recorder appends together (a rename: unlink, link,
+    unlink; a create over a file: unlink, create), which no log ends between."""
+    kind, before = ops[k].op.WhichOneof("op"), ops[k - 1].op.WhichOneof("op")
+    return kind == "link" or (kind == "unlink" and before == "link") or (kind == "create" and before == "unlink")
+
+
 def play_prefix(ops: list[Decoded], dir: Path) -> None:
     """The directory the first `ops` of the log make (a log cut there: a crash, or a zombie's last op)."""
     fsm, files = FSM(pb.FSMHints(log=LOG)), {}
@@ -135,7 +142,7 @@ async def test_every_prefix_of_the_log_is_a_database_sqlite_recovers(cluster, lo
     have had at a crash: SQLite opens it consistent, holding the last transaction committed before the
     cut or the one in flight, never a torn one."""
     async with cluster.client() as c:
-        a = await primary(c, tmp_path / "a")
+        a = await primary(c, tmp_path / "a", rollover_min_bytes=32 << 10)  # (rollovers among the cuts too)
         await a.restore_checkpoint("wc/0")
         a.db.execute("PRAGMA wal_autocheckpoint=4")
         await add(a, "n")
@@ -145,9 +152,11 @@ async def test_every_prefix_of_the_log_is_a_database_sqlite_recovers(cluster, lo
             await add(a, "n")
             a.transaction().execute("INSERT INTO counts VALUES (?, 1)", (f"pad{i}" + "x" * 3000,))
             await a.start_commit("wc/0", checkpoint(i))
+        rollovers = a.rollovers
         a.destroy()
         ops = [d for d in OpReader(0).feed(await c.read_all(LOG)) if isinstance(d, Decoded)]
-    cuts = [k for k, d in enumerate(ops) if d.first_offset >= start]
+    assert rollovers >= 1
+    cuts = [k for k, d in enumerate(ops) if d.first_offset >= start and not within_one_append(ops, k)] + [len(ops)]
     seen = set()
     for k in cuts:
         dir = tmp_path / f"cut-{k}"
@@ -193,3 +202,37 @@ async def test_a_json_document_store_plays_back_its_last_document_only(cluster, 
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["state.json"]
     (node,) = hints.live_nodes  # the last document: its ops begin after the 49 others
     assert log_size > 50 * 10_000 and node.segments[0].first_offset > log_size - 2 * 10_100
+
+
+async def test_playback_reads_at_most_a_multiple_of_the_live_database(cluster, log, tmp_path) -> None:
+    """However many times rows are rewritten, playing the store back from its hints reads at most
+    rollover_ratio x its size (plus rollover_min_bytes and the transaction in flight), never its history."""
+    async with cluster.client() as c:
+        a = await primary(c, tmp_path / "a", rollover_min_bytes=64 << 10)
+        await a.restore_checkpoint("wc/0")
+        for i in range(1500):
+            await a.begin()  # (as the shard does before a transaction's first message)
+            for j in range(10):
+                a.transaction().execute(
+                    "INSERT INTO counts VALUES (?, 1) ON CONFLICT (word) DO UPDATE SET n = n + 1",
+                    (f"w{(i * 13 + j) % 300}" + "x" * 200,),
+                )
+            await a.start_commit("wc/0", checkpoint(i + 1))
+        hints = await a.recorder.build_hints()
+        live = sum(p.stat().st_size for p in (tmp_path / "a").iterdir() if p.is_file())
+        history = await c.write_head(LOG)
+        expected = dict(a.db.execute("SELECT word, n FROM counts").fetchall())
+        assert a.rollovers >= 3
+        a.destroy()
+        player = Player(c, hints, tmp_path / "b")
+        player.finish_at_write_head()
+        await player.play()
+        b = RecordedSQLiteStore(
+            Recorder(AppendService(c), LOG, FSM(hints), 1, 0), tmp_path / "b", schema=[COUNTS]
+        )  # (read only: nothing here is recorded again)
+        assert dict(b.db.execute("SELECT word, n FROM counts").fetchall()) == expected
+        b._recording = False
+        b.destroy()
+    read = player.statistics().bytes_read
+    assert read <= 2 * live + (64 << 10) + (64 << 10), (read, live, history)
+    assert history > 10 * read, "the log's history is many times what playback read"

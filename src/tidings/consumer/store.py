@@ -142,17 +142,21 @@ class SQLiteStore:
     def __init__(self, path: str | Path, schema: Iterable[str] = ()) -> None:
         self.path = str(path)
         self.schema = list(schema)  # the application's CREATE statements, run with the restore
-        self.db = self._connect()
-        # Another connection may hold the write lock (a zombie's open transaction while a newer primary
-        # restores, or the other way round): retry every millisecond, so a writer between two of its
-        # transactions (committing, then writing its ACKs) lets the other in (SQLite's own busy timeout
-        # backs off to 100 ms and could wait out a busy zombie for ever).
         self._giving_up = threading.Event()  # a cancelled caller: a statement waiting for a lock stops waiting
-        self.db.set_busy_handler(_retry_for(BUSY_TIMEOUT, self._giving_up))
+        self.db = self._open_connection()
         self.cache: Any = None  # the application's, as Gazette's SQLStore.Cache: e.g. a transaction's changes
         self._fence = 0  # the fence this store restored; 0 before restore_checkpoint
         self._open = False
         self._created = False
+
+    def _open_connection(self) -> apsw.Connection:
+        db = self._connect()
+        # Another connection may hold the write lock (a zombie's open transaction while a newer primary
+        # restores, or the other way round): retry every millisecond, so a writer between two of its
+        # transactions (committing, then writing its ACKs) lets the other in (SQLite's own busy timeout
+        # backs off to 100 ms and could wait out a busy zombie for ever).
+        db.set_busy_handler(_retry_for(BUSY_TIMEOUT, self._giving_up))
+        return db
 
     def _connect(self) -> apsw.Connection:
         return apsw.Connection(self.path)
