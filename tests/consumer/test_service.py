@@ -14,7 +14,7 @@ from collections import Counter, defaultdict
 import grpc
 import pytest
 
-from tests.support.consumers import FAILED, PRIMARY, STANDBY, WORDS, Counts, counts
+from tests.support.consumers import FAILED, PRIMARY, STANDBY, WORDS, Counts, RecordedCounts, counts
 from tests.support.waiting import wait_until
 from tidings.client import AppendService
 from tidings.consumer.client import ShardClient
@@ -52,10 +52,15 @@ async def create_journals(cluster, n: int = 2) -> None:
         await cluster.create_journal(f"wc/out/{i}", 1)
 
 
-async def two_shards_served(cluster, consumers, **fields) -> Consumer:
-    """Journals wc/in/{0,1} and wc/out/{0,1}, shards wc/0 and wc/1 primaries on a first consumer (returned)."""
+async def two_shards_served(cluster, consumers, app=None, **fields) -> Consumer:
+    """Journals wc/in/{0,1} and wc/out/{0,1} (and recovery logs if the shards have them), shards wc/0 and
+    wc/1 primaries on a first consumer (returned)."""
     await create_journals(cluster)
-    a = await consumers.add("zone-a")
+    if fields.get("recovery_log_prefix"):
+        for i in range(2):
+            labels = {"content-type": "application/x-recoverylog"}
+            await cluster.create_journal(f"{fields['recovery_log_prefix']}/wc/{i}", 1, labels=labels)
+    a = await consumers.add("zone-a", app=app)
     async with ShardClient(a.endpoint) as sc:
         await sc.apply([pb.ShardApplyRequest.Change(upsert=shard(i, **fields)) for i in range(2)])
     await wait_until(lambda: all(consumers.statuses(f"wc/{i}") == {"zone-a/c0": PRIMARY} for i in range(2)), 30)
@@ -101,10 +106,10 @@ async def test_a_demoted_primary_stops_and_stands_by(cluster, consumers) -> None
     etcd transaction) stops serving and stands by: it does not run on as a zombie, to be fenced by the
     new primary and write FAILED into its standby assignment (which would stick until `shards
     unassign`)."""
-    a = await two_shards_served(cluster, consumers, hot_standbys=1, recovery_log_prefix="wc/log")
+    a = await two_shards_served(cluster, consumers, RecordedCounts(), hot_standbys=1, recovery_log_prefix="wc/log")
     async with ShardClient(a.endpoint) as sc:
         # B joins: it gets both standbys, then the balance moves one primary to it (a slot swap).
-        await consumers.add("zone-b")
+        await consumers.add("zone-b", app=RecordedCounts())
 
         def spread() -> bool:
             st = [consumers.statuses(f"wc/{i}") for i in range(2)]
@@ -119,7 +124,8 @@ async def test_a_demoted_primary_stops_and_stands_by(cluster, consumers) -> None
         async with cluster.client() as c:
             head = await c.write_head(f"wc/in/{moved}")
         await sc.stat(f"wc/{moved}", {f"wc/in/{moved}": head})
-        assert counts(consumers.data_dir / f"wc%2F{moved}.db") == Counter(words)
+        expected = {w: list(range(1, n + 1)) for w, n in Counter(words).items()}
+        assert await downstream(cluster, f"wc/out/{moved}") == expected
         # The demoted replica on A must be a plain standby: no primary task still running there.
         replica = a.replicas[f"wc/{moved}"]
         await wait_until(lambda: replica._primary is None or replica._primary.done(), 10)

@@ -3,7 +3,7 @@ application whose shards each keep a SQLite file and publish running counts to w
 
 from __future__ import annotations
 
-from tidings.consumer import Application, SQLiteStore
+from tidings.consumer import Application, SQLiteStore, sqlite_store
 from tidings.consumer.service import Consumer, ConsumerConfig
 from tidings.protocol import protocol_pb2 as pb
 
@@ -27,6 +27,13 @@ class Counts(Application):
 
     async def finalize_txn(self, shard, store, publisher) -> None:
         pass
+
+
+class RecordedCounts(Counts):
+    """Counts whose store is recorded to the shard's recovery log (`sqlite_store`): no shared --data-dir."""
+
+    def new_store(self, shard) -> SQLiteStore:
+        return sqlite_store(shard, schema=[COUNTS])
 
 
 def out_journal(shard_id: str) -> str:

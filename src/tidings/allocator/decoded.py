@@ -60,6 +60,7 @@ class Assignment:
     key: str
     mod_revision: int
     lease: int = 0
+    create_revision: int = 0  # (a guard for writes that must stop once this assignment goes)
 
     @property
     def member(self) -> MemberId:

@@ -59,7 +59,17 @@ class State:
         for kv in ks.prefixed(keys.assign_prefix(root)):
             ak = keys.parse_assign_key(root, kv.key)
             state.assignments.setdefault(ak.journal, []).append(
-                Assignment(ak.journal, ak.zone, ak.suffix, ak.slot, kv.decoded, kv.key, kv.mod_revision, kv.lease)
+                Assignment(
+                    ak.journal,
+                    ak.zone,
+                    ak.suffix,
+                    ak.slot,
+                    kv.decoded,
+                    kv.key,
+                    kv.mod_revision,
+                    kv.lease,
+                    kv.create_revision,
+                )
             )
         for assignments in state.assignments.values():
             assignments.sort(key=lambda a: (a.slot, a.member))

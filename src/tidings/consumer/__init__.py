@@ -25,5 +25,17 @@ The shards themselves are items of the same allocator that places journals on br
 from tidings.consumer.application import Application, Shard
 from tidings.consumer.shard import serve_primary
 from tidings.consumer.store import FenceError, PostgresStore, SQLiteStore, Store
+from tidings.consumer.store_recorded import JSONFileStore, RecordedSQLiteStore, sqlite_store
 
-__all__ = ["Application", "FenceError", "PostgresStore", "SQLiteStore", "Shard", "Store", "serve_primary"]
+__all__ = [
+    "Application",
+    "FenceError",
+    "JSONFileStore",
+    "PostgresStore",
+    "RecordedSQLiteStore",
+    "SQLiteStore",
+    "Shard",
+    "Store",
+    "serve_primary",
+    "sqlite_store",
+]

@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import quote
 
 from tidings.client import AsyncClient
+from tidings.consumer.recoverylog.recorder import Recorder
 from tidings.consumer.store import Store
 from tidings.message import Checkpoint, Envelope, Garbage, Publisher
 from tidings.protocol import protocol_pb2 as pb
@@ -35,11 +36,19 @@ class Shard:
     restored: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # the store restored: serving
     on_transaction: Callable[[TxnStats], None] | None = None  # called as each transaction's ACKs are written
     data_dir: Path | None = None  # where the shard's local files go (the consumer's --data-dir)
+    # With a recovery log: what records the primary's store directory, and that directory (sqlite_store).
+    recorder: Recorder | None = None
+    recovery_dir: Path | None = None
     _moved: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
     def path(self, suffix: str = ".db") -> Path:
         """The shard's own file in `data_dir` (its id quoted: '/' and all make one file name), e.g. for
         a SQLiteStore: ``SQLiteStore(shard.path())``."""
+        if self.spec.recovery_log_prefix:
+            raise UsageError(
+                f"shard {self.spec.id!r} has a recovery log: its files must be recorded, so another process can "
+                "play them back; make its store with tidings.consumer.sqlite_store(shard, schema)"
+            )
         if self.data_dir is None:
             raise UsageError(f"shard {self.spec.id!r} has no data_dir: run it in a consumer (--data-dir)")
         Path(self.data_dir).mkdir(parents=True, exist_ok=True)

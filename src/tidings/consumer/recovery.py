@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from tidings.client import AppendService, AsyncClient
@@ -47,14 +48,21 @@ class Recovery:
     """Plays `spec`'s recovery log into `dir` from the moment `start()` is called (see the module docstring)."""
 
     def __init__(
-        self, client: AsyncClient, etcd: Etcd, spec: pb.ShardSpec, dir: Path, default_hint_prefix: str
+        self,
+        client: AsyncClient,
+        etcd: Etcd,
+        spec: pb.ShardSpec,
+        dir: Path,
+        default_hint_prefix: str,
+        on_tailing: Callable[[], object] | None = None,
     ) -> None:
         if not spec.recovery_log_prefix:
             raise ValueError(f"shard {spec.id!r} has no recovery log")
         self.client, self.etcd, self.spec, self.dir = client, etcd, spec, Path(dir)
         self.log = recovery_log(spec)
         self.keys = HintKeys(spec.hint_prefix or default_hint_prefix, spec.id, spec.hint_backups)
-        self.tailing = asyncio.Event()
+        self.tailing = asyncio.Event()  # set once playback caught up with the log (`on_tailing` called then)
+        self._on_tailing = on_tailing
         self.player: Player | None = None
         self.recovered: pb.FSMHints | None = None  # the hints playback completed with
         self._author = 0  # the handoff asked for (before the player exists, too)
@@ -74,7 +82,7 @@ class Recovery:
         hints = pick_first(await fetch(self.etcd, self.keys, self.log), self.log)
         player = self.player = Player(self.client, hints, self.dir)
         tailing = asyncio.ensure_future(player.tailing.wait())
-        tailing.add_done_callback(lambda f: None if f.cancelled() else self.tailing.set())
+        tailing.add_done_callback(lambda f: None if f.cancelled() else self._caught_up())
         asked = asyncio.ensure_future(self._asked.wait())
         asked.add_done_callback(lambda f: None if f.cancelled() else player.inject_handoff(self._author))
         try:
@@ -82,6 +90,16 @@ class Recovery:
         finally:
             tailing.cancel()
             asked.cancel()
+
+    def _caught_up(self) -> None:
+        self.tailing.set()
+        if self._on_tailing is not None:
+            self._on_tailing()
+
+    @property
+    def task(self) -> asyncio.Task[Played] | None:
+        """The playback (once started): done when it completed, failed or was cancelled."""
+        return self._task
 
     async def _check_log(self) -> None:
         try:

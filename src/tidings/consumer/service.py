@@ -32,11 +32,13 @@ import dataclasses
 import functools
 import importlib
 import logging
+import shutil
 import sys
 import time
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TypeVar, cast
+from urllib.parse import quote
 
 import grpc
 
@@ -48,10 +50,12 @@ from tidings.client import AsyncClient
 from tidings.consumer import _metrics as metrics
 from tidings.consumer.application import Application, Shard, TxnStats
 from tidings.consumer.client import STAT_MARGIN
+from tidings.consumer.recovery import Recovery
+from tidings.consumer.recoverylog.hints import store_recorded
 from tidings.consumer.shard import serve_primary
 from tidings.consumer.store import FenceError
 from tidings.consumer.transaction import OutputFailedError
-from tidings.keyspace.etcd import Compare, RequestOp, delete_op, mod_revision_is, put_op
+from tidings.keyspace.etcd import Compare, RequestOp, create_revision_is, delete_op, mod_revision_is, put_op
 from tidings.member import MemberProcess, counted
 from tidings.protocol import labels, validate
 from tidings.protocol import protocol_pb2 as pb
@@ -65,6 +69,7 @@ log = logging.getLogger(__name__)
 STOP_TIMEOUT = 10.0  # seconds a stopping shard may take to commit its open transaction and write its ACKs
 BROKER_CHECK_RETRIES = 8  # retries of the start's check that --broker answers (about 3 s)
 LAG_INTERVAL = 5.0  # seconds between looks at the sources' write heads (the lag gauges)
+HINT_INTERVAL = 60.0  # seconds between a recording primary's hints in etcd (what a player reads from)
 
 
 @dataclasses.dataclass
@@ -126,6 +131,8 @@ class ShardReplica:
         self.status = pb.ReplicaStatus(code=pb.ReplicaStatus.IDLE)  # what this replica says of itself
         self._primary: asyncio.Task[None] | None = None
         self._stopping: asyncio.Task[None] | None = None  # a demoted primary, until it has stopped
+        self.recovery: Recovery | None = None  # playing the shard's recovery log here (a standby, or primary-to-be)
+        self._recoveries = 0
         self._stop = asyncio.Event()
         self._changed = asyncio.Event()
         self._writer = asyncio.create_task(self._write_status(), name=f"status:{shard_id}")
@@ -139,6 +146,9 @@ class ShardReplica:
         """Follow the shard's spec and this process's assignment of it (a KeySpace update)."""
         old_spec, self.spec, self.assignment = self.spec, spec, assignment
         failed = self.status.code == pb.ReplicaStatus.FAILED
+        stopping = self._stopping is not None and not self._stopping.done()
+        if spec.recovery_log_prefix and self.recovery is None and self._primary is None and not failed and not stopping:
+            self._start_recovery()
         if assignment.slot == 0:
             if self._primary is None and not failed:
                 self._start_primary(after=self._stopping)
@@ -148,7 +158,7 @@ class ShardReplica:
         elif self._primary is not None:  # demoted (the allocator moved the primary elsewhere)
             log.info("shard %s: no longer primary here; stopping it and standing by", self.id)
             self._demote()
-        elif self.status.code == pb.ReplicaStatus.IDLE:
+        elif self.status.code == pb.ReplicaStatus.IDLE and not spec.recovery_log_prefix:
             self._set_status(pb.ReplicaStatus.STANDBY)  # (no recovery log to tail: ready at once)
         self._changed.set()
 
@@ -161,10 +171,40 @@ class ShardReplica:
         def stood_down(_task: asyncio.Task[None]) -> None:
             code = self.status.code
             if self._primary is None and not self.closed and code != pb.ReplicaStatus.FAILED:
-                self._set_status(pb.ReplicaStatus.STANDBY)
+                if self.spec is not None and self.spec.recovery_log_prefix:
+                    if self.recovery is None:  # (a recorder's directory cannot turn into a player's: play afresh)
+                        self._start_recovery()
+                else:
+                    self._set_status(pb.ReplicaStatus.STANDBY)
 
         self._stopping = asyncio.create_task(self._outlast(old), name=f"stopping:{self.id}")
         self._stopping.add_done_callback(stood_down)
+
+    def _start_recovery(self) -> None:
+        """Play the shard's recovery log into a fresh directory of this process: BACKFILL, then STANDBY
+        once caught up (unless primary by then); a playback that fails makes the replica FAILED."""
+        assert self.spec is not None and self.assignment is not None
+        consumer = self.consumer
+        self._recoveries += 1
+        dir = consumer.recovered_dir / f"{quote(self.id, safe='')}-{self.assignment.create_revision}-{self._recoveries}"
+
+        def caught_up() -> None:
+            if self.recovery is recovery and self._primary is None and self.status.code == pb.ReplicaStatus.BACKFILL:
+                self._set_status(pb.ReplicaStatus.STANDBY)
+
+        def played(task: asyncio.Task[Any]) -> None:
+            if task.cancelled() or task.exception() is None or self.recovery is not recovery:
+                return
+            if self._primary is None:  # (a primary fails with it on its own)
+                self._fail(f"recovery log: {task.exception()}", self._stop)
+
+        recovery = self.recovery = Recovery(
+            consumer.client, consumer.etcd, self.spec, dir, consumer.hint_prefix, on_tailing=caught_up
+        )
+        recovery.start()
+        assert recovery.task is not None
+        recovery.task.add_done_callback(played)
+        self._set_status(pb.ReplicaStatus.BACKFILL)
 
     def _start_primary(self, after: asyncio.Task[None] | None = None) -> None:
         """A new primary, serving once `after` (the previous one) has stopped. Its Shard is made now, so
@@ -200,7 +240,18 @@ class ShardReplica:
                 self._set_status(pb.ReplicaStatus.PRIMARY)
 
         restored.add_done_callback(promoted)
+        hints: asyncio.Task[None] | None = None
+        recovery = self.recovery
         try:
+            if spec.recovery_log_prefix:
+                if recovery is None:  # (restarted under a new spec: play the log afresh)
+                    self._start_recovery()
+                    recovery = self.recovery
+                assert recovery is not None
+                log.info("shard %s: primary here; playing its recovery log to its end", self.id)
+                shard.recorder = await recovery.complete()
+                shard.recovery_dir = recovery.dir
+                hints = asyncio.create_task(self._write_hints(shard, recovery), name=f"hints:{self.id}")
             log.info("shard %s: primary here; restoring its store", self.id)
             await serve_primary(consumer.client, spec, consumer.app, stop, shard)
             log.info("shard %s: primary stopped", self.id)
@@ -218,6 +269,30 @@ class ShardReplica:
             self._fail(f"{type(exc).__name__}: {exc}", stop)
         finally:
             restored.cancel()
+            if hints is not None:
+                hints.cancel()
+                await asyncio.wait([hints])
+            if shard.recorder is not None:
+                await shard.recorder.aclose()
+            if recovery is not None:
+                if self.recovery is recovery:
+                    self.recovery = None
+                await recovery.aclose()
+
+    async def _write_hints(self, shard: Shard, recovery: Recovery) -> None:
+        """A recording primary's hints in etcd: the recovered ones once its store is restored, then its
+        recorder's every HINT_INTERVAL (a player reads the log from the latest hints on), each guarded
+        by this assignment (a primary that lost the shard writes none)."""
+        assert self.assignment is not None and shard.recorder is not None
+        guard = create_revision_is(self.assignment.key, self.assignment.create_revision)
+        await shard.restored.wait()
+        await recovery.store_recovered(guard)
+        while True:
+            await asyncio.sleep(HINT_INTERVAL)
+            try:
+                await store_recorded(self.consumer.etcd, recovery.keys, await shard.recorder.build_hints(), guard)
+            except TidingsError as exc:  # (etcd unreachable, or the recorder fenced: the primary stops anyway)
+                log.warning("shard %s: writing its recovery hints failed: %s", self.id, exc)
 
     async def _outlast(self, old: asyncio.Task[None]) -> None:
         """Wait for the previous primary to stop (it commits its open transaction), at most
@@ -296,6 +371,9 @@ class ShardReplica:
                 for task in pending:
                     task.cancel()
                 await asyncio.wait(pending)
+        if self.recovery is not None:
+            await self.recovery.aclose()
+            self.recovery = None
         self._writer.cancel()
         await asyncio.wait([self._writer])
 
@@ -315,7 +393,20 @@ class Consumer(MemberProcess):
 
     # -- the member process's steps (tidings.member.process) -----------------------------------
 
+    @property
+    def recovered_dir(self) -> Path:
+        """Where this process plays shards' recovery logs (its own: two processes on one --data-dir never
+        touch each other's), emptied at each start (a playback always starts from an empty directory)."""
+        return Path(self.config.data_dir) / "recovered" / f"{self.config.zone}-{self.config.suffix}"
+
+    @property
+    def hint_prefix(self) -> str:
+        """Recovery hints of shards whose spec names no hint_prefix: beside the consumer's root, outside the
+        KeySpace it watches."""
+        return f"{self.config.root}.hints"
+
     async def _prepare(self, undo: contextlib.AsyncExitStack) -> None:
+        await asyncio.to_thread(shutil.rmtree, self.recovered_dir, True)
         await self._check_broker()
         self.client = AsyncClient(self.config.broker, retries=None)  # (shards wait out broker outages of any length)
         undo.push_async_callback(self.client.aclose)

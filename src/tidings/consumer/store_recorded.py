@@ -47,11 +47,12 @@ from typing import Any, TypeVar
 import apsw
 import msgspec
 
+from tidings.consumer.application import Shard
 from tidings.consumer.recoverylog.recorder import Recorder, RecorderError
 from tidings.consumer.store import SQLiteStore
 from tidings.protocol import protocol_pb2 as pb
 
-__all__ = ["DATABASE", "STATE", "JSONFileStore", "RecordedSQLiteStore"]
+__all__ = ["DATABASE", "STATE", "JSONFileStore", "RecordedSQLiteStore", "sqlite_store"]
 
 T = TypeVar("T")
 
@@ -66,6 +67,14 @@ _names = itertools.count(1)
 # A file event, in call order: ("create", path) | ("write", path, offset, data) | ("truncate", path, size)
 # | ("delete", path).
 _Event = tuple[Any, ...]
+
+
+def sqlite_store(shard: Shard, schema: Iterable[str] = ()) -> SQLiteStore:
+    """The shard's SQLite store: recorded to its recovery log when it has one (played into the
+    replica's own directory: any process can take the shard over), else a file in --data-dir."""
+    if shard.recorder is not None and shard.recovery_dir is not None:
+        return RecordedSQLiteStore(shard.recorder, shard.recovery_dir, schema)
+    return SQLiteStore(shard.path(), schema)
 
 
 class RecordedSQLiteStore(SQLiteStore):

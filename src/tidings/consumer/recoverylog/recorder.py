@@ -180,5 +180,10 @@ class Recorder:
         await self.barrier()
         return hints
 
+    async def aclose(self) -> None:
+        """Stop recording: appends not yet committed are abandoned (a store's commits waited for theirs)."""
+        self._pending.clear()
+        await self._service.abort()
+
     def statistics(self) -> RecorderStatistics:
         return RecorderStatistics(self._ops, self._bytes, self.write_head)
