@@ -30,7 +30,7 @@ from typing import Any
 from examples._consumers import arguments, consumers, create, failures, parse, wait_for
 
 from tidings.client import AppendService, AsyncClient
-from tidings.consumer import Application, SQLiteStore
+from tidings.consumer import Application, SQLiteStore, sqlite_store
 from tidings.message import Publisher, read_committed
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import shard_from_dict, spec_from_dict
@@ -66,7 +66,8 @@ class WordCount(Application):
     def new_store(self, shard: Any) -> SQLiteStore:
         check_labels(shard)
         counts = "CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NOT NULL)"
-        return SQLiteStore(shard.path(), schema=[counts] if _label(shard, "stage") == "count" else [])
+        # (recorded to the shard's recovery log when its spec has one: then no shared --data-dir)
+        return sqlite_store(shard, schema=[counts] if _label(shard, "stage") == "count" else [])
 
     async def consume_message(self, shard: Any, store: SQLiteStore, envelope: Any, publisher: Publisher) -> None:
         prefix = _label(shard, "prefix")
@@ -89,12 +90,19 @@ class WordCount(Application):
         pass
 
 
-def journal_specs(prefix: str, parts: int, replication: int) -> list[pb.JournalSpec]:
+def journal_specs(prefix: str, parts: int, replication: int, recorded: bool = False) -> list[pb.JournalSpec]:
+    """The journals; `recorded`: also the shards' recovery logs (`{prefix}/logs/{shard id}`)."""
     names = [f"{prefix}/{kind}/part-{i}" for kind in ("lines", "words") for i in range(parts)] + [f"{prefix}/counts"]
-    return [spec_from_dict({"name": n, "replication": replication}) for n in names]
+    specs = [spec_from_dict({"name": n, "replication": replication}) for n in names]
+    if recorded:
+        log = {"replication": replication, "labels": {"content-type": "application/x-recoverylog"}}
+        specs += [spec_from_dict({"name": f"{prefix}/logs/{s.id}", **log}) for s in shard_specs(prefix, parts)]
+    return specs
 
 
-def shard_specs(prefix: str, parts: int) -> list[pb.ShardSpec]:
+def shard_specs(prefix: str, parts: int, recorded: bool = False) -> list[pb.ShardSpec]:
+    """The shards; `recorded`: their stores recorded to recovery logs, each with a hot standby."""
+    extra = {"recovery_log_prefix": f"{prefix}/logs", "hot_standbys": 1} if recorded else {}
     specs = []
     for stage, source in (("split", "lines"), ("count", "words")):
         for i in range(parts):
@@ -106,6 +114,7 @@ def shard_specs(prefix: str, parts: int) -> list[pb.ShardSpec]:
                         "sources": [f"{prefix}/{source}/part-{i}"],
                         "labels": labels,
                         "max_txn_duration": "1s",
+                        **extra,
                     }
                 )
             )

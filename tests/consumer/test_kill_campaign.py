@@ -24,6 +24,7 @@ import signal
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from examples.wordcount import counts_published, journal_specs, publish_lines, shard_specs
 
 from tests.support.apps import seen
@@ -32,6 +33,8 @@ from tests.support.waiting import wait_until
 from tidings.client import AppendService
 from tidings.consumer import SQLiteStore
 from tidings.consumer.client import ShardClient
+from tidings.consumer.recoverylog.player import Player
+from tidings.consumer.store_recorded import DATABASE
 from tidings.message import Publisher, read_committed
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import shard_from_dict
@@ -54,10 +57,14 @@ def store_counts(data_dir: Path) -> Counter:
     return total
 
 
-async def test_word_counts_are_exact_through_kill_9_sigterm_and_joins(cluster, etcd_root, tmp_path) -> None:
+@pytest.mark.parametrize("stores", ["files", "recorded"])
+async def test_word_counts_are_exact_through_kill_9_sigterm_and_joins(cluster, etcd_root, tmp_path, stores) -> None:
+    """With `recorded` stores every shard has a recovery log and a hot standby: a killed primary's
+    successor plays its store from the log (no shared directory is read)."""
+    recorded = stores == "recorded"
     async with cluster.client() as c:
-        await c.apply([pb.ApplyRequest.Change(upsert=s) for s in journal_specs(PREFIX, PARTS, 3)])
-    for spec in journal_specs(PREFIX, PARTS, 3):
+        await c.apply([pb.ApplyRequest.Change(upsert=s) for s in journal_specs(PREFIX, PARTS, 3, recorded)])
+    for spec in journal_specs(PREFIX, PARTS, 3, recorded):
         await cluster.wait_consistent(spec.name, 3)
     procs = ConsumerProcs(cluster, etcd_root + "-consumer", tmp_path, "examples.wordcount:WordCount")
     rng = random.Random(SEED)
@@ -65,7 +72,7 @@ async def test_word_counts_are_exact_through_kill_9_sigterm_and_joins(cluster, e
         first = await procs.start("c0", "zone-a")
         await procs.start("c1", "zone-b")
         async with ShardClient(first) as sc:
-            await sc.apply([pb.ShardApplyRequest.Change(upsert=s) for s in shard_specs(PREFIX, PARTS)])
+            await sc.apply([pb.ShardApplyRequest.Change(upsert=s) for s in shard_specs(PREFIX, PARTS, recorded)])
         expected: Counter = Counter()
         done_producing = asyncio.Event()
         credit = asyncio.Semaphore(BATCHES_PER_ROUND)  # input keeps coming, bounded: so many batches a round
@@ -115,9 +122,28 @@ async def test_word_counts_are_exact_through_kill_9_sigterm_and_joins(cluster, e
             raise AssertionError(f"after 180 s, downstream counts differ (word: missing) {short}") from None
         counted, _ = await counts_published(cluster.brokers[0].endpoint, PREFIX)
         assert counted == dict(expected)
-        await wait_until(lambda: store_counts(tmp_path) == expected, 60, interval=0.2)
+        if recorded:
+            async with cluster.client() as c:
+                assert await played_counts(c, tmp_path / "played") == expected
+        else:
+            await wait_until(lambda: store_counts(tmp_path) == expected, 60, interval=0.2)
     finally:
         procs.stop_all()
+
+
+async def played_counts(c, dir: Path) -> Counter:
+    """The count shards' stores as their recovery logs hold them (each played into a fresh directory)."""
+    total: Counter = Counter()
+    for i in range(PARTS):
+        player = Player(c, pb.FSMHints(log=f"{PREFIX}/logs/{PREFIX}/count/{i}"), dir / str(i))
+        player.finish_at_write_head()
+        await player.play()
+        store = SQLiteStore(dir / str(i) / DATABASE)
+        try:
+            total.update(dict(store.db.execute("SELECT word, n FROM counts").fetchall()))
+        finally:
+            store.destroy()
+    return total
 
 
 async def _primaries(procs: ConsumerProcs) -> set[str] | None:

@@ -32,7 +32,7 @@ async def primary(c: AsyncClient, dir: Path, hints: pb.FSMHints | None = None, *
     player.inject_handoff(author)
     played = await player.play()
     recorder = Recorder(AppendService(c), LOG, played.fsm, author, played.write_head)
-    return RecordedSQLiteStore(recorder, dir, schema=[COUNTS], **options)
+    return RecordedSQLiteStore(recorder, dir, schema=options.pop("schema", [COUNTS]), **options)
 
 
 async def play(c: AsyncClient, dir: Path) -> Path:
@@ -236,3 +236,21 @@ async def test_playback_reads_at_most_a_multiple_of_the_live_database(cluster, l
     read = player.statistics().bytes_read
     assert read <= 2 * live + (64 << 10) + (64 << 10), (read, live, history)
     assert history > 10 * read, "the log's history is many times what playback read"
+
+
+async def test_a_rollover_copes_with_any_characters_in_its_directory(cluster, log, tmp_path) -> None:
+    """Shard ids (and so store directories) may hold %, # or quotes: the rollover's copy goes where it must."""
+    async with cluster.client() as c:
+        small_wal = [COUNTS, "PRAGMA wal_autocheckpoint=8"]  # (pages: the WAL restarts, so history passes size)
+        a = await primary(c, tmp_path / "wc%41#it's", rollover_min_bytes=16 << 10, schema=small_wal)
+        await a.restore_checkpoint("wc/0")
+        for i in range(40):
+            await add(a, f"w{i % 3}" + "x" * 2000)  # (the same rows again and again: history, not size)
+            await a.start_commit("wc/0", checkpoint(i + 1))
+        assert a.rollovers >= 1 and sorted(p.name for p in (tmp_path / "wc%41#it's").iterdir())[0] == DATABASE
+        a.destroy()
+        b = await primary(c, tmp_path / "b")
+        assert await b.restore_checkpoint("wc/0") == checkpoint(40)
+        assert sorted(n for (n,) in b.db.execute("SELECT n FROM counts").fetchall()) == [13, 13, 14]
+        b.destroy()
+    assert not list(tmp_path.rglob("store.db*")), "nothing written outside the stores, nothing left behind"

@@ -14,7 +14,9 @@ from collections import Counter
 
 import pytest
 
+from tests.consumer._support import COUNTS
 from tests.consumer.test_shard import WordCount, produce, spec, stored_counts
+from tests.support.stores import checkpoint
 from tests.support.waiting import wait_until
 from tidings.consumer import SQLiteStore, serve_primary
 
@@ -154,3 +156,21 @@ async def test_a_successor_takes_over_once_a_paused_zombie_dies(cluster, tmp_pat
             await zombie.wait()
     assert not successor.done() or successor.exception() is None, successor.exception()
     assert stored_counts(path) == Counter(words)
+
+
+async def test_a_commit_the_disk_refuses_fails_and_the_store_still_closes(tmp_path) -> None:
+    """SQLite rolls a transaction back itself when its commit fails (a full disk): the store reports
+    that error, not a rollback of no transaction, and destroy() still closes the file."""
+    import apsw
+
+    store = SQLiteStore(tmp_path / "full.db", schema=[COUNTS])
+    await store.restore_checkpoint("wc/0")
+    store.db.execute("PRAGMA max_page_count=12")  # (a disk this small)
+    await store.begin()
+    with pytest.raises(apsw.FullError):
+        for i in range(200):
+            store.transaction().execute("INSERT INTO counts VALUES (?, 1)", (f"w{i}" + "x" * 500,))
+        await store.start_commit("wc/0", checkpoint(1))
+    store.destroy()
+    with pytest.raises(apsw.ConnectionClosedError):
+        store.db.execute("SELECT 1")

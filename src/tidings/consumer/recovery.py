@@ -14,7 +14,6 @@ store was restored from are kept).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import shutil
 from collections.abc import Callable
@@ -70,6 +69,8 @@ class Recovery:
         self._task: asyncio.Task[Played] | None = None
 
     def start(self) -> None:
+        if self._task is not None:
+            raise RuntimeError(f"shard {self.spec.id!r}: its recovery was already started")
         self._task = asyncio.create_task(self._play(), name=f"recovery:{self.spec.id}")
 
     @property
@@ -122,9 +123,11 @@ class Recovery:
         if self._task is None:
             self.start()
         assert self._task is not None
+        if self._asked.is_set():
+            raise RuntimeError(f"shard {self.spec.id!r}: its recovery was already completed")
         self._author = new_author()
         self._asked.set()
-        played = await self._task
+        played = await asyncio.shield(self._task)  # (a cancelled caller leaves playback to aclose())
         self.recovered = played.fsm.build_hints(self.log)
         return Recorder(AppendService(self.client), self.log, played.fsm, self._author, played.write_head)
 
@@ -139,9 +142,11 @@ class Recovery:
 
     async def aclose(self, remove: bool = True) -> None:
         """Stop playing (a cancelled playback removes its directory); `remove` the directory anyway."""
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task])  # (its own outcome is not ours: a cancellation of us still raises)
+        if task is not None and task.done() and not task.cancelled():
+            task.exception()  # (retrieved: a failure was reported through `failed` or complete())
         if remove:
             await asyncio.to_thread(shutil.rmtree, self.dir, True)

@@ -276,14 +276,17 @@ class SQLiteStore:
         self._open = False
 
     def _rollback(self) -> None:
-        self.db.execute("ROLLBACK")
         self._open = False
+        if not self.db.getautocommit():  # (SQLite itself rolled back a transaction whose commit failed: full disk)
+            self.db.execute("ROLLBACK")
 
     def destroy(self) -> None:
         """Roll back an open transaction and close the file."""
-        if self._open:
-            self._rollback()
-        self.db.close()
+        try:
+            if self._open:
+                self._rollback()
+        finally:
+            self.db.close()
 
 
 class PostgresStore:

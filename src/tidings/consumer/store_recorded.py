@@ -22,8 +22,9 @@ bounds what a player reads: before a transaction, once the log holds more than `
 the database's size (and `rollover_min_bytes`) since its file was created, the database is copied
 (`VACUUM INTO`, not recorded), closed, the copy recorded in chunks and renamed over it, and reopened
 (measured: 1,500 transactions rewriting 300 rows, 32 MB of log, 1.2 MB live; a hinted playback read
-1.35 MB). The pause grows with the database (~10 ms per MB here). Limit: one connection (exclusive
-locking).
+1.35 MB). The pause grows with the database (~10 ms per MB here). A rollover opens a new connection:
+connection settings (PRAGMAs) belong in `schema`, which runs on each; keep no reference to `db`
+across transactions. Limit: one connection (exclusive locking).
 
 JSONFileStore (Gazette's JSONFileStore) is for an application whose state is a small document: each
 commit writes the whole document with the checkpoint to `next.json`, renames it over `state.json`
@@ -43,6 +44,7 @@ import threading
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import apsw
 import msgspec
@@ -144,12 +146,9 @@ class RecordedSQLiteStore(SQLiteStore):
         if nxt.exists():  # (left by a rollover a crash cut short: VACUUM INTO writes only a new file)
             await asyncio.to_thread(nxt.unlink)
             self._event(("delete", NEXT))
-        await self._in_thread(lambda: self.db.execute(f"VACUUM INTO 'file:{nxt}?vfs=unix'"))  # (not recorded)
+        target = "file:" + quote(str(nxt)) + "?vfs=unix"  # (through the plain VFS: not recorded)
+        await self._in_thread(lambda: self.db.execute("VACUUM INTO ?", (target,)))
         await self._in_thread(self.db.close)
-        wal = self.dir / f"{DATABASE}-wal"
-        if wal.exists():  # (a stale WAL beside the new database would be replayed onto it)
-            await asyncio.to_thread(wal.unlink)
-            self._event(("delete", f"{DATABASE}-wal"))
         await rec.barrier()
         fnode = rec.create(NEXT)
         offset = 0
@@ -161,8 +160,15 @@ class RecordedSQLiteStore(SQLiteStore):
                 await rec.barrier()
         finally:
             await asyncio.to_thread(f.close)
-        await asyncio.to_thread(os.replace, nxt, self.dir / DATABASE)
-        rec.rename(NEXT, DATABASE)
+        wal = self.dir / f"{DATABASE}-wal"
+        stale = wal.exists() and rec.fnode(wal.name) is not None  # (a WAL the close did not checkpoint away:
+        await asyncio.to_thread(os.replace, nxt, self.dir / DATABASE)  # the copy holds its content, and
+        if stale:  # beside the new database it would be replayed onto it)
+            await asyncio.to_thread(wal.unlink)
+        with rec.together():  # (one append: a log cut never leaves the old database without its WAL)
+            rec.rename(NEXT, DATABASE)
+            if stale:
+                rec.unlink(wal.name)
         self.db = self._open_connection()
         self._created = False
         await self._in_thread(self._create)

@@ -83,7 +83,13 @@ async def test_hints_are_json_or_binary_and_unusable_ones_name_their_key(client,
     bad = hints(4)
     bad.live_nodes[0].fnode = 2  # (its segment starts at seq_no 1: no such history)
     await client.put(keys.primary, encode(bad))
+    got = await fetch(client, keys, LOG)
+    assert pick_first(got, LOG) == hints(3)  # (an unusable primary set: the backup plays, with a warning)
+    assert "fnode 2" in str(got.errors[keys.primary])
+    await client.put(keys.backup(0), b"\x0a\xff garbage")
     with pytest.raises(HintsError, match=r"hints at .*wc/0\.primary are unusable: fnode 2"):
-        await fetch(client, keys, LOG)
+        pick_first(await fetch(client, keys, LOG), LOG)  # (only unusable sets: never the log from its start)
     with pytest.raises(HintsError, match="unusable"):
         decode(b"{not json", keys.primary, LOG)
+    with pytest.raises(HintsError, match=r"backup\.0 are unusable"):
+        decode(b"\x0a\xff garbage", keys.backup(0), LOG)

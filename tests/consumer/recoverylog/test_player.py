@@ -240,3 +240,16 @@ async def test_tailing_is_set_whenever_the_head_is_reached(cluster, tmp_path) ->
         player.finish_at_write_head()
         await player.play()
     assert player.tailing.is_set()
+
+
+async def test_a_log_whose_first_operations_are_gone_is_data_loss_not_an_empty_store(cluster, tmp_path) -> None:
+    """Without hints the whole log is read: an op found where an earlier one was expected (the log's
+    start removed, say) fails playback, instead of playing a store without them."""
+    await a_log(cluster)
+    async with cluster.client() as c:
+        await c.append(LOG, encode(pb.RecordedOp(seq_no=5, author=1, create=pb.RecordedOp.Create(path="x"))))
+        player = Player(c, pb.FSMHints(log=LOG), tmp_path / "b")
+        player.finish_at_write_head()
+        with pytest.raises(PlaybackError, match="op 5 at offset 0 where op 1 was expected"):
+            await player.play()
+    assert not (tmp_path / "b").exists()

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 
 from tidings.consumer.recoverylog.fsm import FSM, HintsError
 from tidings.keyspace.etcd import Compare, Etcd, mod_revision_is, put_op
@@ -56,6 +57,7 @@ class Hints:
     keys: HintKeys
     values: dict[str, pb.FSMHints | None]
     revisions: dict[str, int]  # 0: no such key
+    errors: dict[str, HintsError] = dataclasses.field(default_factory=dict)  # keys whose hints are unusable
 
     @property
     def primary(self) -> pb.FSMHints | None:
@@ -80,7 +82,7 @@ def decode(raw: bytes, key: str, log: str) -> pb.FSMHints:
             hints.ParseFromString(raw)
         validate.fsm_hints(hints)
         FSM(hints)
-    except (json_format.ParseError, ValueError, ValidationError, HintsError) as exc:
+    except (json_format.ParseError, DecodeError, ValueError, ValidationError, HintsError) as exc:
         raise HintsError(f"hints at {key} are unusable: {exc}") from None
     if hints.log != log:
         raise HintsError(f"hints at {key} are of recovery log {hints.log!r}, not the shard's {log!r}")
@@ -93,19 +95,32 @@ async def fetch(etcd: Etcd, keys: HintKeys, log: str) -> Hints:
     by_key = {kv.key: kv for kv in found}
     values: dict[str, pb.FSMHints | None] = {}
     revisions: dict[str, int] = {}
+    errors: dict[str, HintsError] = {}
     for key in keys.all:
         kv = by_key.get(key)
-        values[key] = decode(kv.value, key, log) if kv is not None else None
+        values[key] = None
         revisions[key] = kv.mod_revision if kv is not None else 0
-    return Hints(keys, values, revisions)
+        if kv is not None:
+            try:
+                values[key] = decode(kv.value, key, log)
+            except HintsError as exc:
+                errors[key] = exc
+    return Hints(keys, values, revisions, errors)
 
 
-def pick_first(hints: Hints, log: str) -> pb.FSMHints:
-    """The primary hints, else the first backup present, else none (play the log from its start)."""
-    for h in (hints.primary, *hints.backups):
+def pick_first(hints: Hints, journal: str) -> pb.FSMHints:
+    """The primary hints, else the first usable backup (with a warning for each unusable set before
+    it); none at all: play the log from its start. Only unusable sets: HintsError (the log's start may
+    be gone: playing from it could build an empty store)."""
+    for key in hints.keys.all:
+        h = hints.values[key]
         if h is not None:
             return h
-    return pb.FSMHints(log=log)
+        if key in hints.errors:
+            log.warning("%s; trying the next set of hints", hints.errors[key])
+    if hints.errors:
+        raise next(iter(hints.errors.values()))
+    return pb.FSMHints(log=journal)
 
 
 async def store_recorded(etcd: Etcd, keys: HintKeys, hints: pb.FSMHints, guard: Compare) -> bool:

@@ -358,9 +358,13 @@ class Player:
             return False
         except WrongSeqNoError:
             self.stats.skipped += 1
-            if d.op.seq_no >= fsm.next_seq_no:
-                log.info("recovery log %s: op %d at %d is out of sequence (next %d); skipped",
-                         self._log, d.op.seq_no, d.first_offset, fsm.next_seq_no)  # fmt: skip
+            if d.op.seq_no > fsm.next_seq_no and not fsm.has_remaining_hints:
+                # Past the hints (or with none), the log is read op after op: a later op means the ones
+                # between are gone (fragments removed, say). Playing on would build a store without them.
+                raise PlaybackError(
+                    f"recovery log {self._log}: op {d.op.seq_no} at offset {d.first_offset} where op "
+                    f"{fsm.next_seq_no} was expected: operations are missing (content removed?): possible data loss"
+                ) from None
             return False  # (below the next: a duplicate, or read from a lower-bound offset)
         except FSMError as exc:
             self.stats.skipped += 1

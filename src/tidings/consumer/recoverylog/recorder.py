@@ -69,9 +69,10 @@ class Recorder:
         return self.fsm.links.get(path)
 
     @contextlib.contextmanager
-    def _together(self) -> Iterator[None]:
+    def together(self) -> Iterator[None]:
         """The ops recorded inside go to the log in one append (the buffer is handed over only after
-        the outermost call): a log cut between them, a crash or a fence, never splits a rename."""
+        the outermost call): a log cut between them, a crash or a fence, never splits a rename (or what
+        a caller groups)."""
         self._depth += 1
         try:
             yield
@@ -83,7 +84,7 @@ class Recorder:
     def create(self, path: str) -> int:
         """Record a new file at `path` (an existing one there is unlinked first, in the same append, as
         O_TRUNC makes a file new); its fnode."""
-        with self._together():
+        with self.together():
             if path in self.fsm.links:
                 self.unlink(path)
             self._record(pb.RecordedOp(create=pb.RecordedOp.Create(path=path)))
@@ -94,24 +95,24 @@ class Recorder:
         may go in several appends: a write cut short is one a crash could have cut too)."""
         view = memoryview(data)
         for i in range(0, max(len(view), 1), MAX_WRITE_OP):
-            with self._together():
+            with self.together():
                 part = view[i : i + MAX_WRITE_OP]
                 write = pb.RecordedOp.Write(fnode=fnode, offset=offset + i, length=len(part))
                 self._record(pb.RecordedOp(write=write), part)
 
     def truncate(self, fnode: int, size: int) -> None:
-        with self._together():
+        with self.together():
             self._record(pb.RecordedOp(truncate=pb.RecordedOp.Truncate(fnode=fnode, size=size)))
 
     def link(self, fnode: int, path: str) -> None:
-        with self._together():
+        with self.together():
             self._record(pb.RecordedOp(link=pb.RecordedOp.Link(fnode=fnode, path=path)))
 
     def unlink(self, path: str) -> None:
         fnode = self.fsm.links.get(path)
         if fnode is None:
             raise RecorderError(f"recovery log {self.log}: unlink of {path!r}, which the recorder never saw")
-        with self._together():
+        with self.together():
             self._record(pb.RecordedOp(unlink=pb.RecordedOp.Link(fnode=fnode, path=path)))
 
     def rename(self, src: str, dst: str) -> None:
@@ -119,7 +120,7 @@ class Recorder:
         fnode = self.fsm.links.get(src)
         if fnode is None:
             raise RecorderError(f"recovery log {self.log}: rename of {src!r}, which the recorder never saw")
-        with self._together():
+        with self.together():
             if dst in self.fsm.links:
                 self.unlink(dst)
             self.link(fnode, dst)
