@@ -14,9 +14,11 @@ Fencing" and "Recovery Logs and Register Fencing").
 - `service`: the consumer process (`tidings consumer`): shards assigned by the allocator, the
   Shard gRPC service, metrics; `client`: ShardClient.
 
-The consumer process's replicas play no recovery log (`Recovery` is used directly, by embedders):
-a shard's SQLite file lives in the process's --data-dir (the processes of one host share it) or
-its state in PostgreSQL, so a failover restores from the store itself.
+A shard with a recovery log keeps its store on each replica in a directory of the process's own:
+replicas play the log (BACKFILL, then STANDBY: hot standbys), and the one that becomes primary hands
+the log off to itself and records on (docs/shards.md, "Recorded stores"). Without one, a shard's
+SQLite file lives in the process's --data-dir (the processes of one host share it) or its state in
+PostgreSQL, and a failover restores from the store itself.
 
 The shards themselves are items of the same allocator that places journals on brokers
 (`tidings.allocator.kind.SHARDS`).

@@ -13,9 +13,14 @@ assignment of this process is a `ShardReplica`:
   writes FAILED with the reason: a deleted source journal, a fenced store, the application's own
   error. A failed shard stays so until `tidings shards unassign ID` (Gazette's choice: a fault
   that repeats would otherwise move from process to process).
-- at another slot (standby): STANDBY at once. Stores are not recorded in recovery logs, so a standby
-  has nothing to tail: the store is remote (PostgreSQL) or a file every process reaches (SQLite in
-  `--data-dir`, shared by the processes of one host), so it is ready to take over.
+- with a recovery log (`recovery_log_prefix`): every replica plays the log into a directory of this
+  process's own (`recovered_dir`; `consumer/recovery.py`): BACKFILL, then STANDBY once caught up (a
+  hot standby). At slot 0 it finishes playback by handing the log off to a new author (fencing the
+  previous primary's recorder), gives the Shard its `recorder` and `recovery_dir` (`sqlite_store`),
+  stores the recovered hints once restored and its own every HINT_INTERVAL. A demoted primary plays
+  the log afresh (a recorder's directory is not a player's). A playback that fails makes it FAILED.
+- without one, at another slot (standby): STANDBY at once: the store is remote (PostgreSQL) or a file
+  every process reaches (SQLite in `--data-dir`, shared by the processes of one host).
 
 Statuses gate the allocator as journal routes do: it removes a primary only once another replica
 is STANDBY, so a hand-off never leaves a shard without a ready successor. A replica whose
