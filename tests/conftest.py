@@ -65,6 +65,18 @@ def etcd_root() -> str:
 
 
 @pytest.fixture
+async def etcd_client(etcd: EtcdProcess):
+    """A client of the session's etcd, closed after the test."""
+    from tidings.keyspace.etcd import Etcd
+
+    client = await Etcd.connect(etcd.endpoint)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture
 async def cluster(etcd: EtcdProcess, etcd_root: str, tmp_path):
     """Three in-process brokers in three zones over the session etcd; stopped and cleaned after."""
     from tests.support.cluster import TestCluster

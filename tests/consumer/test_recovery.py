@@ -15,20 +15,11 @@ from tests.support.waiting import wait_until
 from tidings.consumer import FenceError
 from tidings.consumer.recovery import CONTENT_TYPE, Recovery, RecoveryError
 from tidings.consumer.store_recorded import RecordedSQLiteStore
-from tidings.keyspace.etcd import Etcd, create_revision_is
+from tidings.keyspace.etcd import create_revision_is
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import shard_from_dict
 
 SPEC = shard_from_dict({"id": "wc/0", "sources": ["in/words"], "recovery_log_prefix": "recovery", "hint_backups": 2})
-
-
-@pytest.fixture
-async def etcd_client(etcd):
-    c = await Etcd.connect(etcd.endpoint)
-    try:
-        yield c
-    finally:
-        await c.aclose()
 
 
 async def primary_of(recovery: Recovery) -> RecordedSQLiteStore:

@@ -17,7 +17,7 @@ from tidings.consumer.recoverylog.hints import (
     store_recorded,
     store_recovered,
 )
-from tidings.keyspace.etcd import Etcd, create_revision_is
+from tidings.keyspace.etcd import create_revision_is
 from tidings.protocol import protocol_pb2 as pb
 
 LOG = "recovery/wc-0"
@@ -28,16 +28,8 @@ def hints(last_seq_no: int, log: str = LOG) -> pb.FSMHints:
     return pb.FSMHints(log=log, live_nodes=[pb.FnodeSegments(fnode=1, segments=[seg])])
 
 
-@pytest.fixture
-async def client(etcd):
-    c = await Etcd.connect(etcd.endpoint)
-    try:
-        yield c
-    finally:
-        await c.aclose()
-
-
-async def test_recovered_hints_rotate_into_the_backups_newest_first(client, etcd_root) -> None:
+async def test_recovered_hints_rotate_into_the_backups_newest_first(etcd_client, etcd_root) -> None:
+    client = etcd_client
     keys = HintKeys(f"{etcd_root}/hints", "wc/0", backups=2)
     assignment = f"{etcd_root}/assign/wc/0"
     rev = await client.put(assignment, b"primary")
@@ -58,7 +50,8 @@ async def test_recovered_hints_rotate_into_the_backups_newest_first(client, etcd
     assert pick_first(await fetch(client, keys, LOG), LOG) == hints(3)
 
 
-async def test_a_primary_that_lost_its_assignment_writes_no_hints(client, etcd_root) -> None:
+async def test_a_primary_that_lost_its_assignment_writes_no_hints(etcd_client, etcd_root) -> None:
+    client = etcd_client
     keys = HintKeys(f"{etcd_root}/hints", "wc/0", backups=1)
     assignment = f"{etcd_root}/assign/wc/0"
     old = create_revision_is(assignment, await client.put(assignment, b"primary"))
@@ -70,7 +63,8 @@ async def test_a_primary_that_lost_its_assignment_writes_no_hints(client, etcd_r
     assert (got.primary, got.backups) == (None, [None])
 
 
-async def test_hints_are_json_or_binary_and_unusable_ones_name_their_key(client, etcd_root) -> None:
+async def test_hints_are_json_or_binary_and_unusable_ones_name_their_key(etcd_client, etcd_root) -> None:
+    client = etcd_client
     keys = HintKeys(f"{etcd_root}/hints", "wc/0", backups=1)
     await client.put(keys.primary, encode(hints(4)))
     await client.put(keys.backup(0), hints(3).SerializeToString())
