@@ -271,13 +271,12 @@ class AsyncClient:
         messages by their UUIDs: `_find_committed`.)
         """
         first = first_append_request(journal)
-        at = offset or (await self.append(journal, b"")).end
+        at = offset or await self._barrier_head(journal)
         attempt, failing_since, raced = 0, 0.0, 0
         while True:
             unfenced = not offset and raced >= RACES and not failing_since
-            if unfenced:
-                first.ClearField("offset")
-            else:
+            first.ClearField("offset")
+            if not unfenced:
                 first.offset = at  # (set even when 0: an empty journal is asked for, not "any")
             try:
                 return await self._append(first, content, timeout, retry_unknown=False)
@@ -286,7 +285,7 @@ class AsyncClient:
                 if offset and not failing_since:
                     raise  # (the caller's offset is not the head: nothing was sent that could land)
                 if not failing_since:  # (nothing of ours is in flight: a race lost, or a definite refusal)
-                    moved = (await self.append(journal, b"")).end
+                    moved = await self._barrier_head(journal)
                     if moved == at:
                         raise  # (refused at the head itself)
                     at, raced = moved, raced + 1
@@ -304,7 +303,7 @@ class AsyncClient:
                 raise failure
             await self.backoff(attempt)
             attempt += 1
-            now = (await self.append(journal, b"")).end
+            now = await self._barrier_head(journal)
             if now == at:
                 if isinstance(failure, WrongAppendOffsetError):
                     raise failure  # (refused at the head itself: definite, and nothing of ours landed)
@@ -315,6 +314,10 @@ class AsyncClient:
                 detail = f"the head moved from {at} to {now} meanwhile, and this content is not at {at}"
                 raise WrongAppendOffsetError(journal, detail) from failure
             at = now  # (the head moved past `at`: no attempt at `at` can land any more)
+
+    async def _barrier_head(self, journal: str) -> int:
+        """The write head as a zero-byte append finds it: through the primary, after every append before."""
+        return (await self.append(journal, b"")).end
 
     async def _holds(self, journal: str, begin: int, content: Content) -> str:
         """The content's SHA1 (hex) if the journal holds exactly it from `begin`, else ""."""

@@ -108,7 +108,7 @@ class FSM:
         self,
         op: pb.RecordedOp,
         payload: bytes,
-        data: bytes = b"",
+        data: bytes | memoryview = b"",
         first_offset: int = 0,
         last_offset: int = 0,
         log: str = "",

@@ -91,18 +91,14 @@ def decode(raw: bytes, key: str, log: str) -> pb.FSMHints:
 
 async def fetch(etcd: Etcd, keys: HintKeys, log: str) -> Hints:
     """Every hint key of the shard, read at one revision."""
-    found, _revision = await etcd.get_prefix(f"{keys.prefix}/{keys.shard}.")
-    by_key = {kv.key: kv for kv in found}
     values: dict[str, pb.FSMHints | None] = {}
     revisions: dict[str, int] = {}
     errors: dict[str, HintsError] = {}
-    for key in keys.all:
-        kv = by_key.get(key)
-        values[key] = None
-        revisions[key] = kv.mod_revision if kv is not None else 0
-        if kv is not None:
+    for key, (revision, raw) in (await fetch_raw(etcd, keys)).items():
+        values[key], revisions[key] = None, revision
+        if raw is not None:
             try:
-                values[key] = decode(kv.value, key, log)
+                values[key] = decode(raw, key, log)
             except HintsError as exc:
                 errors[key] = exc
     return Hints(keys, values, revisions, errors)
@@ -149,6 +145,7 @@ async def store_recovered(etcd: Etcd, keys: HintKeys, hints: pb.FSMHints, guard:
 
 
 async def fetch_raw(etcd: Etcd, keys: HintKeys) -> dict[str, tuple[int, bytes | None]]:
+    """Each hint key's (mod revision, value), read at one revision ((0, None): no such key)."""
     found, _ = await etcd.get_prefix(f"{keys.prefix}/{keys.shard}.")
     by_key = {kv.key: kv for kv in found}
     out: dict[str, tuple[int, bytes | None]] = {}

@@ -129,7 +129,8 @@ class OpReader:
             return self._garbage(buf, pos, f"a frame of {size} bytes (at most {MAX_OP_SIZE})")
         if len(buf) - pos < head + size:
             return None
-        payload = bytes(buf[pos + head : pos + head + size])
+        with memoryview(buf) as view:  # (one copy out of the buffer, not a slice and then a copy)
+            payload = bytes(view[pos + head : pos + head + size])
         op = pb.RecordedOp()
         try:
             op.ParseFromString(payload)
@@ -141,7 +142,8 @@ class OpReader:
             return self._garbage(buf, pos, f"a write of {length} bytes (at most {MAX_WRITE_OP})")
         if len(buf) - end < length:
             return None
-        data = bytes(buf[end : end + length])
+        with memoryview(buf) as view:
+            data = bytes(view[end : end + length])
         base = self.offset
         return Decoded(op, payload, data, base + pos, base + end + length), end + length
 

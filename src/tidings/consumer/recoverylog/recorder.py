@@ -135,7 +135,7 @@ class Recorder:
         op.seq_no, op.checksum, op.author = fsm.next_seq_no, fsm.next_checksum, self.author
         payload = op.SerializeToString()
         try:
-            fsm.apply(op, payload, bytes(data), first_offset=self.write_head, log=self.log)
+            fsm.apply(op, payload, data, first_offset=self.write_head, log=self.log)
         except FSMError as exc:  # (nothing changed: only FnodeNotTrackedError steps, and it is refused above)
             raise RecorderError(f"recovery log {self.log}: cannot record op {op.seq_no}: {exc}") from None
         frame = encode(op, data)
