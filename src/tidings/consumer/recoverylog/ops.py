@@ -37,6 +37,7 @@ __all__ = [
     "checksum",
     "encode",
     "fence",
+    "frame",
     "new_author",
 ]
 
@@ -61,7 +62,11 @@ def encode(op: pb.RecordedOp, data: bytes | memoryview = b"") -> bytes:
     """The op's frame, followed by a Write's data (its `length` bytes)."""
     if op.HasField("write") and op.write.length != len(data):
         raise ValueError(f"write of {op.write.length} bytes given {len(data)} bytes of data")
-    payload = op.SerializeToString()
+    return frame(op.SerializeToString(), data)
+
+
+def frame(payload: bytes, data: bytes | memoryview = b"") -> bytes:
+    """An op's frame from its serialized message (`payload`), followed by a Write's data."""
     return b"".join((FIXED_FRAME_WORD, _LENGTH.pack(len(payload)), payload, data))
 
 

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 from tidings.client import AppendResult, AppendService, EarlierAppendFailedError
 from tidings.consumer.recoverylog.fsm import FSM, FSMError
-from tidings.consumer.recoverylog.ops import MAX_WRITE_OP, encode, fence
+from tidings.consumer.recoverylog.ops import MAX_WRITE_OP, fence, frame
 from tidings.consumer.store import FenceError
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import RegisterMismatchError
@@ -138,10 +138,10 @@ class Recorder:
             fsm.apply(op, payload, data, first_offset=self.write_head, log=self.log)
         except FSMError as exc:  # (nothing changed: only FnodeNotTrackedError steps, and it is refused above)
             raise RecorderError(f"recovery log {self.log}: cannot record op {op.seq_no}: {exc}") from None
-        frame = encode(op, data)
-        self._pending += frame
+        framed = frame(payload, data)  # (the message serialized once, for the checksum and the frame)
+        self._pending += framed
         self._ops += 1
-        self._bytes += len(frame)
+        self._bytes += len(framed)
 
     def _flush(self) -> None:
         if not self._pending:
