@@ -14,6 +14,7 @@ store was restored from are kept).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import shutil
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from tidings.consumer.recoverylog.player import Played, Player
 from tidings.consumer.recoverylog.recorder import Recorder
 from tidings.keyspace.etcd import Compare, Etcd
 from tidings.protocol import protocol_pb2 as pb
-from tidings.protocol.status import JournalNotFoundError, TidingsError
+from tidings.protocol.status import JournalNotFoundError, TidingsError, TransportError
 
 __all__ = ["CONTENT_TYPE", "Recovery", "RecoveryError", "recovery_log"]
 
@@ -80,7 +81,13 @@ class Recovery:
 
     async def _play(self) -> Played:
         await self._check_log()
-        hints = pick_first(await fetch(self.etcd, self.keys, self.log), self.log)
+        for attempt in itertools.count():
+            try:
+                hints = pick_first(await fetch(self.etcd, self.keys, self.log), self.log)
+                break
+            except TransportError as exc:  # (etcd briefly unreachable: a standby waits, it does not fail)
+                log.warning("shard %s: reading its recovery hints failed (%s); retrying", self.spec.id, exc)
+                await asyncio.sleep(min(5.0, 0.1 * 2**attempt))
         player = self.player = Player(self.client, hints, self.dir)
         tailing = asyncio.ensure_future(player.tailing.wait())
         tailing.add_done_callback(lambda f: None if f.cancelled() else self._caught_up())

@@ -152,6 +152,14 @@ class ShardReplica:
         old_spec, self.spec, self.assignment = self.spec, spec, assignment
         failed = self.status.code == pb.ReplicaStatus.FAILED
         stopping = self._stopping is not None and not self._stopping.done()
+        if (
+            self.recovery is not None
+            and self._primary is None
+            and old_spec is not None
+            and _log_of(spec) != _log_of(old_spec)
+        ):
+            old, self.recovery = self.recovery, None  # (a standby of the old log: play the new one instead)
+            asyncio.get_running_loop().create_task(old.aclose(), name=f"close-recovery:{self.id}")
         if spec.recovery_log_prefix and self.recovery is None and self._primary is None and not failed and not stopping:
             self._start_recovery()
         if assignment.slot == 0:
@@ -179,6 +187,9 @@ class ShardReplica:
                 if self.spec is not None and self.spec.recovery_log_prefix:
                     if self.recovery is None:  # (a recorder's directory cannot turn into a player's: play afresh)
                         self._start_recovery()
+                    else:  # (one kept by a primary that never served: it says how far it is)
+                        caught_up = self.recovery.tailing.is_set()
+                        self._set_status(pb.ReplicaStatus.STANDBY if caught_up else pb.ReplicaStatus.BACKFILL)
                 else:
                     self._set_status(pb.ReplicaStatus.STANDBY)
 
@@ -200,8 +211,11 @@ class ShardReplica:
         def played(task: asyncio.Task[Any]) -> None:
             if task.cancelled() or task.exception() is None or self.recovery is not recovery:
                 return
-            if self._primary is None:  # (a primary fails with it on its own)
-                self._fail(f"recovery log: {task.exception()}", self._stop)
+            if self._primary is None and not self.closed:  # (a primary fails with it on its own)
+                reason = f"recovery log: {task.exception()}"  # (not through _fail: a demotion set _stop)
+                log.error("shard %s: FAILED: %s (`tidings shards unassign %s` once mended)", self.id, reason, self.id)
+                metrics.SHARD_FAILURES.inc()
+                self._set_status(pb.ReplicaStatus.FAILED, reason)
 
         recovery = self.recovery = Recovery(
             consumer.client, consumer.etcd, self.spec, dir, consumer.hint_prefix, on_tailing=caught_up
@@ -254,8 +268,19 @@ class ShardReplica:
                     recovery = self.recovery
                 assert recovery is not None
                 log.info("shard %s: primary here; playing its recovery log to its end", self.id)
-                shard.recorder = await recovery.complete()
+                completing = asyncio.ensure_future(recovery.complete())
+                stopped = asyncio.ensure_future(stop.wait())
+                try:
+                    await asyncio.wait([completing, stopped], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    stopped.cancel()
+                if not completing.done():  # (no longer primary: never hand the log off to a replica going away)
+                    completing.cancel()
+                    return  # (below: the recovery is closed, its playback cancelled)
+                shard.recorder = completing.result()
                 shard.recovery_dir = recovery.dir
+                if stop.is_set():
+                    return
                 hints = asyncio.create_task(self._write_hints(shard, recovery), name=f"hints:{self.id}")
             log.info("shard %s: primary here; restoring its store", self.id)
             await serve_primary(consumer.client, spec, consumer.app, stop, shard)
@@ -274,15 +299,17 @@ class ShardReplica:
             self._fail(f"{type(exc).__name__}: {exc}", stop)
         finally:
             restored.cancel()
-            if hints is not None:
-                hints.cancel()
-                await asyncio.wait([hints])
-            if shard.recorder is not None:
-                await shard.recorder.aclose()
-            if recovery is not None:
-                if self.recovery is recovery:
-                    self.recovery = None
-                await recovery.aclose()
+            if recovery is not None and self.recovery is recovery:
+                self.recovery = None  # (first: a demotion plays afresh whatever happens below)
+            try:
+                if hints is not None:
+                    hints.cancel()
+                    await asyncio.wait([hints])
+                if shard.recorder is not None:
+                    await shard.recorder.aclose()
+            finally:
+                if recovery is not None:
+                    await recovery.aclose()
 
     async def _write_hints(self, shard: Shard, recovery: Recovery) -> None:
         """A recording primary's hints in etcd: the recovered ones once its store is restored, then its
@@ -400,8 +427,8 @@ class Consumer(MemberProcess):
 
     @property
     def recovered_dir(self) -> Path:
-        """Where this process plays shards' recovery logs (its own: two processes on one --data-dir never
-        touch each other's), emptied at each start (a playback always starts from an empty directory)."""
+        """Where this process plays shards' recovery logs (its own: processes of other ids on one --data-dir
+        never touch it), emptied once it is announced (a playback always starts in an empty directory)."""
         return Path(self.config.data_dir) / "recovered" / f"{self.config.zone}-{self.config.suffix}"
 
     @property
@@ -411,7 +438,6 @@ class Consumer(MemberProcess):
         return f"{self.config.root}.hints"
 
     async def _prepare(self, undo: contextlib.AsyncExitStack) -> None:
-        await asyncio.to_thread(shutil.rmtree, self.recovered_dir, True)
         await self._check_broker()
         self.client = AsyncClient(self.config.broker, retries=None)  # (shards wait out broker outages of any length)
         undo.push_async_callback(self.client.aclose)
@@ -433,6 +459,9 @@ class Consumer(MemberProcess):
         return self.state
 
     def _started(self) -> None:
+        # Announced: no other process of this id runs now (announce waits for one), so what is left in
+        # its directory is a dead one's (a playback always starts in an empty directory).
+        shutil.rmtree(self.recovered_dir, ignore_errors=True)
         self._tasks.append(asyncio.create_task(self._lag_loop(), name=f"lag:{self.config.suffix}"))
         self.keyspace.add_observer(self._on_keyspace_update)
         self._on_keyspace_update()
@@ -680,3 +709,8 @@ class _Servicer(pb_grpc.ShardServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"{rpc}: {exc}")
             outcome.append(resp.status)
             return resp
+
+
+def _log_of(spec: pb.ShardSpec) -> tuple[str, str, int]:
+    """What a replica's playback follows: the recovery log and its hints."""
+    return spec.recovery_log_prefix, spec.hint_prefix, spec.hint_backups
