@@ -21,7 +21,7 @@ from tests.support.waiting import wait_until
 from tidings.client import AppendService
 from tidings.client._base import CHUNK
 from tidings.consumer import Shard, serve_primary
-from tidings.consumer import service as consumer_service
+from tidings.consumer import replica as consumer_replica
 from tidings.consumer.client import ShardClient
 from tidings.message import Publisher
 from tidings.protocol import protocol_pb2 as pb
@@ -120,7 +120,7 @@ async def test_raising_min_offset_skips_the_range_the_old_primary_had_not_reache
 async def test_a_new_primary_does_not_wait_for_an_old_one_stuck_in_the_application(
     cluster, consumers, monkeypatch
 ) -> None:
-    monkeypatch.setattr(consumer_service, "STOP_TIMEOUT", 1.0)
+    monkeypatch.setattr(consumer_replica, "STOP_TIMEOUT", 1.0)
     await cluster.create_journal("relay/in", 1)
     await publish_backlog(cluster)
     stuck = asyncio.Event()
@@ -149,7 +149,7 @@ async def test_a_primary_whose_output_refuses_appends_still_stops_and_is_replace
     from tests.consumer.test_commit_barrier import outputs, publish_ids, relay_spec
     from tidings.protocol.specs import spec_from_dict
 
-    monkeypatch.setattr(consumer_service, "STOP_TIMEOUT", 1.0)
+    monkeypatch.setattr(consumer_replica, "STOP_TIMEOUT", 1.0)
     await cluster.create_journal("relay/in", 1)
     await cluster.create_journal("relay/out", 1)
     async with cluster.client() as c:  # five replicas wanted, three brokers: INSUFFICIENT_JOURNAL_BROKERS
@@ -212,7 +212,7 @@ class OneAtATime(Counting):
 async def test_quick_spec_changes_never_run_two_primaries_at_once(cluster, consumers, monkeypatch) -> None:
     """Two spec changes, the second as the first's old primary unwinds (stuck in the application,
     slow to let go once cancelled): each new primary waits until the one before it has ended."""
-    monkeypatch.setattr(consumer_service, "STOP_TIMEOUT", 1.0)
+    monkeypatch.setattr(consumer_replica, "STOP_TIMEOUT", 1.0)
     await cluster.create_journal("relay/in", 1)
     await publish_backlog(cluster)
     app = OneAtATime(unwind=1.5)
