@@ -1,7 +1,8 @@
 """A shard's recovery on a process (consumer/recovery.py), against real etcd and brokers: a standby plays
 the log and tails it; promoted, it hands the log off and records on, and a zombie's store commits
 nothing more (DESIGN.md invariant 10); hints rotated after the restore make the next playback read
-only the live part; a missing or mislabelled log fails the shard naming the journal and the fix."""
+only the live part; a missing or mislabelled log fails the shard naming the journal and the fix; an etcd
+out of reach while the hints are read is waited out, not a failure."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import pytest
 
 from tests.consumer._support import COUNTS, add
 from tests.support.stores import checkpoint
+from tests.support.tcp_gate import TcpGate
 from tests.support.waiting import wait_until
 from tidings.consumer import FenceError
 from tidings.consumer.recovery import CONTENT_TYPE, Recovery, RecoveryError
 from tidings.consumer.store_recorded import RecordedSQLiteStore
-from tidings.keyspace.etcd import create_revision_is
+from tidings.keyspace.etcd import Etcd, create_revision_is
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import shard_from_dict
 
@@ -85,3 +87,23 @@ async def test_a_missing_or_foreign_log_fails_naming_the_journal(cluster, etcd_c
 def test_a_shard_without_a_log_has_no_recovery(tmp_path) -> None:
     with pytest.raises(ValueError, match="no recovery log"):
         Recovery(None, None, pb.ShardSpec(id="x"), tmp_path, "/h")  # type: ignore[arg-type]
+
+
+async def test_hints_are_read_again_while_etcd_is_out_of_reach(cluster, etcd, etcd_root, tmp_path, caplog) -> None:
+    await cluster.create_journal("recovery/wc/0", 3, labels={"content-type": CONTENT_TYPE})
+    gate = await TcpGate(etcd.endpoint).open()
+    through_gate = await Etcd.connect(gate.endpoint)
+    try:
+        await gate.shut()
+        async with cluster.client() as c:
+            standby = Recovery(c, through_gate, SPEC, tmp_path / "standby", f"{etcd_root}.hints")
+            standby.start()
+            await wait_until(lambda: "reading its recovery hints failed" in caplog.text, 30)
+            assert standby.task is not None and not standby.task.done()  # (waiting: not failed)
+            await gate.open()
+            await asyncio.wait_for(standby.tailing.wait(), 60)
+            assert standby.failed is None
+            await standby.aclose()
+    finally:
+        await through_gate.aclose()
+        await gate.shut()

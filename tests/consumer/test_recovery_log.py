@@ -1,12 +1,14 @@
 """Stateful shards survive the loss of their process without a shared disk (DESIGN.md invariants 8
 and 10): with a recovery log, a shard's store is recorded; a hot standby plays the log in its own
 directory (BACKFILL, then STANDBY), takes over when the primary goes, and the counts stay exact;
-a replica whose log journal is missing FAILS naming it. Real etcd and brokers; consumers in this
-process, each playing logs in its own directory."""
+a replica whose log journal is missing FAILS naming it; a process clears what a dead process of its
+id left in its directory only once announced, never while that process may still run. Real etcd and
+brokers; consumers in this process, each playing logs in its own directory."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections import Counter
 
@@ -16,6 +18,7 @@ from tests.support.waiting import wait_until
 from tidings.consumer.client import ShardClient
 from tidings.consumer.recovery import CONTENT_TYPE
 from tidings.consumer.recoverylog.player import Player
+from tidings.consumer.service import Consumer
 from tidings.consumer.store_recorded import DATABASE
 from tidings.protocol import protocol_pb2 as pb
 
@@ -79,3 +82,30 @@ async def test_a_replica_whose_recovery_log_is_missing_fails_naming_it(cluster, 
         listed = await sc.list()
     (status,) = listed.shards[0].status
     assert "'wc/log/wc/0' does not exist" in status.errors[0], status
+
+
+async def test_a_process_clears_its_recovery_directory_only_once_announced(cluster, consumers) -> None:
+    await journals(cluster)
+    a = await consumers.add("zone-a", app=RecordedCounts())
+    async with ShardClient(a.endpoint) as sc:
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=shard(0, **SPEC))])
+    await wait_until(lambda: consumers.statuses("wc/0") == {"zone-a/c0": PRIMARY}, 30)
+    (recording,) = a.recovered_dir.iterdir()  # the primary's recorded store
+    stale = a.recovered_dir / "stale"  # (as a killed process of this id leaves behind)
+    stale.mkdir()
+
+    again = Consumer(dataclasses.replace(a.config, listen="127.0.0.1:0"))  # the same id: a restart
+    starting = asyncio.ensure_future(again.start())
+    try:
+        await wait_until(lambda: getattr(again, "spec", None) is not None, 30)  # (announcing: waits for `a`)
+        assert not starting.done()
+        assert recording.exists() and stale.exists()  # `a` records on in its directory, untouched
+        await a.stop(graceful=False)
+        await asyncio.wait_for(starting, 30)
+        assert not stale.exists()  # cleared once announced
+    finally:
+        if not starting.done():
+            starting.cancel()
+        await asyncio.wait([starting])
+        if starting.done() and not starting.cancelled() and starting.exception() is None:
+            await again.stop(graceful=False)

@@ -317,8 +317,10 @@ class ShardReplica:
                 with contextlib.suppress(TimeoutError):
                     await consumer.keyspace.wait_for_revision(revision, timeout=10)
 
-    async def aclose(self, timeout: float = STOP_TIMEOUT) -> None:
-        """Stop: the primary commits its open transaction (at most `timeout` seconds, then it is cancelled)."""
+    async def aclose(self, timeout: float | None = None) -> None:
+        """Stop: the primary commits its open transaction (at most `timeout`, STOP_TIMEOUT, seconds; then it
+        is cancelled)."""
+        timeout = STOP_TIMEOUT if timeout is None else timeout
         self.closed = True
         self._stop.set()
         running = [t for t in (self._primary, self._stopping) if t is not None]

@@ -1,0 +1,52 @@
+"""A TCP forwarder on a loopback port of its own that a test can shut (every connection cut, new ones
+refused) and open again on the same port: a real outage of the server behind it, for one client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+
+class TcpGate:
+    def __init__(self, target: str) -> None:
+        host, port = target.rsplit(":", 1)
+        self._target = (host, int(port))
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.port = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def open(self) -> TcpGate:
+        self._server = await asyncio.start_server(self._forward, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def shut(self) -> None:
+        """Refuse new connections and cut the open ones."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for w in list(self._writers):
+            w.transport.abort()
+        self._writers.clear()
+
+    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self._target)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers.update((writer, up_writer))
+        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        self._writers.difference_update((writer, up_writer))
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(OSError, ConnectionError):
+        while chunk := await reader.read(65536):
+            writer.write(chunk)
+            await writer.drain()
+    writer.transport.abort()
