@@ -1,6 +1,8 @@
 """Stateful shards survive the loss of their process without a shared disk (DESIGN.md invariants 8
 and 10): with a recovery log, a shard's store is recorded; a hot standby plays the log in its own
-directory (BACKFILL, then STANDBY), takes over when the primary goes, and the counts stay exact;
+directory (BACKFILL, then STANDBY), takes over when the primary goes, and the counts stay exact; a
+zombie primary (stopped past its lease, then resumed) records nothing after its successor's handoff
+and stops;
 a replica whose log journal is missing FAILS naming it; a process clears what a dead process of its
 id left in its directory only once announced, never while that process may still run. Real etcd and
 brokers; consumers in this process, each playing logs in its own directory."""
@@ -10,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import signal
 from collections import Counter
 
 from tests.consumer.test_service import downstream, produce, shard
+from tests.support.consumer_procs import ConsumerProcs
 from tests.support.consumers import FAILED, PRIMARY, STANDBY, WORDS, RecordedCounts
 from tests.support.waiting import wait_until
 from tidings.consumer.client import ShardClient
@@ -109,3 +113,55 @@ async def test_a_process_clears_its_recovery_directory_only_once_announced(clust
         await asyncio.wait([starting])
         if starting.done() and not starting.cancelled() and starting.exception() is None:
             await again.stop(graceful=False)
+
+
+async def test_a_zombie_primary_records_nothing_after_its_successors_handoff(cluster, etcd_root, tmp_path) -> None:
+    """SIGSTOP the primary mid-stream past its lease: the standby takes over and hands the log off;
+    SIGCONT: every recorder append of the zombie fails its register check (the log, played, skips no
+    op of a dead branch), it stops, and each word is counted once."""
+    await journals(cluster)
+    procs = ConsumerProcs(cluster, etcd_root + "-consumer", tmp_path, "tests.support.consumers:SlowRecordedCounts")
+    words = [random.Random(11).choice(WORDS) for _ in range(600)]
+    try:
+        a = await procs.start("c0", "zone-a")
+        async with ShardClient(a) as sc:
+            await sc.apply([pb.ShardApplyRequest.Change(upsert=shard(0, **SPEC))])
+
+        async def statuses(via: str = "c0") -> dict[str, int]:
+            async with ShardClient(procs.endpoints[via]) as sc:
+                (listed,) = (await sc.list()).shards
+            return {f"{m.zone}/{m.suffix}": st.code for m, st in zip(listed.route.members, listed.status)}
+
+        await wait_until(lambda: _eq(statuses(), {"zone-a/c0": PRIMARY}), 30, interval=0.2)
+        await procs.start("c1", "zone-b")
+        await wait_until(lambda: _eq(statuses(), {"zone-a/c0": PRIMARY, "zone-b/c1": STANDBY}), 30, interval=0.2)
+        await produce(cluster, "wc/in/0", words[:200])  # (two seconds of work at least)
+        producing = asyncio.ensure_future(produce(cluster, "wc/in/0", words[200:400]))
+        procs.procs["c0"].send_signal(signal.SIGSTOP)  # (mid-stream, most likely in a transaction)
+        try:
+            await producing
+            await wait_until(lambda: _eq(statuses("c1"), {"zone-b/c1": PRIMARY}, some=True), 60, interval=0.2)
+            async with ShardClient(procs.endpoints["c1"]) as sc, cluster.client() as c:
+                await sc.stat("wc/0", {"wc/in/0": await c.write_head("wc/in/0")})
+        finally:
+            procs.procs["c0"].send_signal(signal.SIGCONT)
+        await procs.wait_exit("c0", 60)  # the zombie stops (its lease is gone)
+        zombie = procs.log("c0")  # (stopped mid-transaction: it tried to commit it, and was fenced)
+        assert "REGISTER_MISMATCH" in zombie and "a newer primary took the log over" in zombie, zombie[-3000:]
+        await produce(cluster, "wc/in/0", words[400:])
+        async with ShardClient(procs.endpoints["c1"]) as sc, cluster.client() as c:
+            await sc.stat("wc/0", {"wc/in/0": await c.write_head("wc/in/0")})
+            player = Player(c, pb.FSMHints(log="wc/log/wc/0"), tmp_path / "played")
+            player.finish_at_write_head()
+            await player.play()
+        assert player.statistics().skipped == 0, "an op of the zombie landed after the handoff"
+        expected = {w: list(range(1, n + 1)) for w, n in Counter(words).items()}
+        assert await downstream(cluster, "wc/out/0") == expected  # each running count once, in order
+        assert await played_counts(cluster, tmp_path / "again") == Counter(words)
+    finally:
+        procs.stop_all()
+
+
+async def _eq(got, want: dict[str, int], some: bool = False) -> bool:
+    have = await got
+    return all(have.get(k) == v for k, v in want.items()) if some else have == want

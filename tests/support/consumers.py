@@ -3,6 +3,8 @@ application whose shards each keep a SQLite file and publish running counts to w
 
 from __future__ import annotations
 
+import asyncio
+
 from tidings.consumer import Application, SQLiteStore, sqlite_store
 from tidings.consumer.service import Consumer, ConsumerConfig
 from tidings.protocol import protocol_pb2 as pb
@@ -34,6 +36,14 @@ class RecordedCounts(Counts):
 
     def new_store(self, shard) -> SQLiteStore:
         return sqlite_store(shard, schema=[COUNTS])
+
+
+class SlowRecordedCounts(RecordedCounts):
+    """RecordedCounts taking a few milliseconds a message: a primary stopped mid-stream is mid-transaction."""
+
+    async def consume_message(self, shard, store, env, publisher) -> None:
+        await asyncio.sleep(0.01)
+        await super().consume_message(shard, store, env, publisher)
 
 
 def out_journal(shard_id: str) -> str:
