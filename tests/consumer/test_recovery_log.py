@@ -130,7 +130,7 @@ async def test_a_zombie_primary_records_nothing_after_its_successors_handoff(clu
         async def statuses(via: str = "c0") -> dict[str, int]:
             async with ShardClient(procs.endpoints[via]) as sc:
                 (listed,) = (await sc.list()).shards
-            return {f"{m.zone}/{m.suffix}": st.code for m, st in zip(listed.route.members, listed.status)}
+            return {f"{m.zone}/{m.suffix}": st.code for m, st in zip(listed.route.members, listed.status, strict=True)}
 
         await wait_until(lambda: _eq(statuses(), {"zone-a/c0": PRIMARY}), 30, interval=0.2)
         await procs.start("c1", "zone-b")
