@@ -1,17 +1,29 @@
-"""The recovery-log operator surface: GetHints (any consumer process answers from etcd, every hint slot,
-unusable values with the reason). Real etcd and brokers; consumers in this process."""
+"""The recovery-log operator surface: GetHints (any consumer process answers from etcd), `tidings shards
+hints` (what a player of the log reads) and `shards recover` (the log played into a directory, never
+appended to, the database one file stdlib sqlite3 opens); and the usual mistakes answered with one
+line and exit code 2 (input) or 1 (the shard or its log), no traceback.
+Real etcd and brokers; consumers in this process; the commands as child processes."""
 
 from __future__ import annotations
 
+import json
+import sqlite3
+from collections import Counter
+from pathlib import Path
+
 import grpc
 import pytest
+from google.protobuf import json_format
 
-from tests.consumer.test_service import shard
-from tests.support.consumers import PRIMARY, RecordedCounts
+from tests.cli._support import run
+from tests.consumer.test_service import produce, shard
+from tests.support.consumers import PRIMARY, WORDS, RecordedCounts
 from tests.support.waiting import wait_until
+from tidings.consumer import replica
 from tidings.consumer.client import ShardClient
 from tidings.consumer.recovery import CONTENT_TYPE
 from tidings.consumer.recoverylog.hints import HintKeys, encode, fetch
+from tidings.consumer.store_recorded import DATABASE
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
 from tidings.protocol.status import NoRecoveryLogError, ShardNotFoundError
@@ -32,6 +44,48 @@ async def served(cluster, consumers, app=None, log: bool = True, **fields):
     if log:
         await wait_until(lambda: consumers.statuses("wc/0") == {"zone-a/c0": PRIMARY}, 30)
     return a
+
+
+async def synced(consumer) -> None:
+    """Until the shard's primary (asked through `consumer`) has committed every word produced."""
+    async with ShardClient(consumer.endpoint) as sc:
+        await sc.stat("wc/0", {"wc/in/0": await consumer.client.write_head("wc/in/0")})
+
+
+async def quiescent_hints(consumer) -> pb.FSMHints:
+    """The primary's hints once etcd holds what its recorder would write now (no transaction runs)."""
+    shard = consumer.replicas["wc/0"].shard
+    assert shard is not None and shard.recorder is not None
+    keys = HintKeys(consumer.hint_prefix, "wc/0", 0)
+
+    async def stored() -> pb.FSMHints | None:
+        expected = await shard.recorder.build_hints()
+        held = (await fetch(consumer.etcd, keys, LOG)).primary
+        return held if held == expected and held.live_nodes else None
+
+    return await wait_until(stored, 30)
+
+
+async def shards(consumer, *args: str, broker: str = ""):
+    r = await run("shards", *args, broker=broker, env={"TIDINGS_CONSUMER": consumer.endpoint})
+    r.stdout, r.stderr = r.stdout.decode(), r.stderr.decode()
+    return r
+
+
+def one_line_error(r, code: int, *words: str) -> None:
+    err = r.stderr.strip()
+    assert r.returncode == code, (r.returncode, r.stdout, err)
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert all(w in err for w in words), err
+
+
+def counts_in(db: Path) -> dict[str, int]:
+    conn = sqlite3.connect(db)
+    try:
+        assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        return dict(conn.execute("SELECT word, n FROM counts").fetchall())
+    finally:
+        conn.close()
 
 
 async def test_get_hints_answers_every_slot_from_etcd(cluster, consumers, etcd_client) -> None:
@@ -67,3 +121,83 @@ async def test_get_hints_answers_every_slot_from_etcd(cluster, consumers, etcd_c
             await stub.GetHints(pb.GetHintsRequest(shard="/bad"))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "get_hints.shard" in refused.value.details()
+
+
+async def test_hints_shows_what_the_primary_stored_and_recover_plays_it_without_appending(
+    cluster, consumers, monkeypatch, tmp_path
+) -> None:
+    monkeypatch.setattr(replica, "HINT_INTERVAL", 0.2)  # (the recorder's own hints, not only the recovered ones)
+    a = await served(cluster, consumers, hint_backups=2)
+    words = [WORDS[i % len(WORDS)] for i in range(0, 300, 2)] + WORDS * 10
+    await produce(cluster, "wc/in/0", words)
+    await synced(a)
+    primary = await quiescent_hints(a)
+    keys = HintKeys(a.hint_prefix, "wc/0", 2)
+    held = await fetch(a.etcd, keys, LOG)
+    assert held.backups == [pb.FSMHints(log=LOG), None]  # (recovered from an empty log; one slot unwritten)
+
+    r = await shards(a, "hints", "wc/0", "--json")
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout)
+    assert (row["shard"], row["log"], row["primary"]["error"]) == ("wc/0", LOG, None)
+    assert json_format.ParseDict(row["primary"]["hints"], pb.FSMHints()) == primary
+    assert row["primary"]["live_files"] == len(primary.live_nodes) > 0
+    assert [b["hints"] and json_format.ParseDict(b["hints"], pb.FSMHints()) for b in row["backups"]] == held.backups
+    r = await shards(a, "hints", "wc/0")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"shard wc/0: recovery log {LOG}"
+    assert lines[1].startswith(f"primary ({a.hint_prefix}/wc/0.primary): {len(primary.live_nodes)} live files")
+    assert [ln.split(":")[0] for ln in lines[2:-2]] == [f"  fnode {n.fnode}" for n in primary.live_nodes]
+    assert lines[-2] == f"backup.0 ({keys.backup(0)}): no live files: a player reads the whole log, from offset 0"
+    assert lines[-1] == f"backup.1 ({keys.backup(1)}): none"
+
+    async with cluster.client() as c:
+        head = await c.write_head(LOG)
+        broker = cluster.brokers[0].endpoint
+        r = await shards(a, "recover", "wc/0", "--dir", str(tmp_path / "played"), broker=broker)
+        assert r.returncode == 0, r.stderr
+        assert f"played recovery log {LOG} into {tmp_path / 'played'} from the primary hints" in r.stdout
+        assert sorted(p.name for p in (tmp_path / "played").iterdir()) == [DATABASE]  # (one file: no WAL)
+        assert counts_in(tmp_path / "played" / DATABASE) == Counter(words)
+        # From the backup (the hints the primary recovered with: none, an empty log), the whole log plays.
+        r = await shards(a, "recover", "wc/0", "--hints", "backup.0", "--raw", "--dir", str(tmp_path / "backup0"),
+                         broker=broker)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert "from the backup.0 hints" in r.stdout
+        assert counts_in(tmp_path / "backup0" / DATABASE) == Counter(words)
+        assert await c.write_head(LOG) == head  # recover appends nothing
+    d = str(tmp_path / "backup1")
+    one_line_error(await shards(a, "recover", "wc/0", "--hints", "backup.1", "--dir", d, broker=broker), 1,
+                   f"there are no backup.1 hints ({keys.backup(1)} holds none)")  # fmt: skip
+    one_line_error(await shards(a, "recover", "wc/0", "--hints", "backup.2", "--dir", d, broker=broker), 1,
+                   "no backup.2 hint slot", "keeps 2 backups")  # fmt: skip
+    assert not (tmp_path / "backup1").exists()
+
+
+async def test_mistakes_answer_with_one_line(cluster, consumers, tmp_path) -> None:
+    a = await served(cluster, consumers, log=False)  # (wc/0's recovery log journal is missing)
+    async with ShardClient(a.endpoint) as sc:
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=shard(1))])  # (no recovery log)
+    broker = cluster.brokers[0].endpoint
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("x")
+
+    # Input: exit code 2, before anything connects.
+    d = str(tmp_path / "d")
+    one_line_error(await shards(a, "hints", "/wc"), 2, "ID", "'/wc'")
+    one_line_error(await shards(a, "recover", "wc/0", "--dir", str(full)), 2, f"--dir {full} is not empty")
+    one_line_error(await shards(a, "recover", "wc/0", "--dir", str(full / "x")), 2, "not a directory")
+    one_line_error(await shards(a, "recover", "wc/0", "--hints", "secondary", "--dir", d), 2,
+                   "--hints 'secondary' is not primary or backup.N")  # fmt: skip
+    assert (full / "x").read_text() == "x"
+
+    # The shard or its log: exit code 1.
+    one_line_error(await shards(a, "hints", "wc/9"), 1, "SHARD_NOT_FOUND", "no shard 'wc/9'")
+    one_line_error(await shards(a, "recover", "wc/9", "--dir", d, broker=broker), 1, "SHARD_NOT_FOUND")
+    one_line_error(await shards(a, "hints", "wc/1"), 1, "NO_RECOVERY_LOG", "'wc/1' has no recovery log")
+    one_line_error(await shards(a, "recover", "wc/1", "--dir", d, broker=broker), 1, "NO_RECOVERY_LOG")
+    one_line_error(await shards(a, "recover", "wc/0", "--dir", d, broker=broker), 1,
+                   f"its recovery log '{LOG}' does not exist")  # fmt: skip
+    assert not (tmp_path / "d").exists()
