@@ -1,7 +1,8 @@
 """The recovery-log operator surface: GetHints (any consumer process answers from etcd), `tidings shards
-hints` (what a player of the log reads) and `shards recover` (the log played into a directory, never
-appended to, the database one file stdlib sqlite3 opens); and the usual mistakes answered with one
-line and exit code 2 (input) or 1 (the shard or its log), no traceback.
+hints` (what a player of the log reads), `shards recover` (the log played into a directory, never
+appended to, the database one file stdlib sqlite3 opens) and `shards prune` (only fragments no hint set
+needs go: afterwards the log still plays from the primary hints and from every backup); and the usual
+mistakes answered with one line and exit code 2 (input) or 1 (the shard or its log), no traceback.
 Real etcd and brokers; consumers in this process; the commands as child processes."""
 
 from __future__ import annotations
@@ -17,18 +18,31 @@ from google.protobuf import json_format
 
 from tests.cli._support import run
 from tests.consumer.test_service import produce, shard
-from tests.support.consumers import PRIMARY, WORDS, RecordedCounts
+from tests.support.consumers import COUNTS, PRIMARY, STANDBY, WORDS, RecordedCounts
 from tests.support.waiting import wait_until
 from tidings.consumer import replica
 from tidings.consumer.client import ShardClient
 from tidings.consumer.recovery import CONTENT_TYPE
 from tidings.consumer.recoverylog.hints import HintKeys, encode, fetch
-from tidings.consumer.store_recorded import DATABASE
+from tidings.consumer.store_recorded import DATABASE, RecordedSQLiteStore
+from tidings.fragment.fragment import Fragment
+from tidings.fragment.store import store_for
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
 from tidings.protocol.status import NoRecoveryLogError, ShardNotFoundError
 
 LOG = "wc/log/wc/0"
+
+
+class SmallRollovers(RecordedCounts):
+    """Recorded counts whose database rolls over every few tens of KiB of log (the default is 4 MiB; a
+    WAL checkpointed every few pages restarts, so the log outgrows the live files): the live part of the
+    log moves on, and what lies before it can be pruned."""
+
+    def new_store(self, shard) -> RecordedSQLiteStore:
+        assert shard.recorder is not None and shard.recovery_dir is not None
+        schema = [COUNTS, "PRAGMA wal_autocheckpoint=8"]
+        return RecordedSQLiteStore(shard.recorder, shard.recovery_dir, schema, rollover_min_bytes=16 << 10)
 
 
 async def served(cluster, consumers, app=None, log: bool = True, **fields):
@@ -174,6 +188,92 @@ async def test_hints_shows_what_the_primary_stored_and_recover_plays_it_without_
                    "no backup.2 hint slot", "keeps 2 backups")  # fmt: skip
     assert not (tmp_path / "backup1").exists()
 
+    # Prune needs every slot: with backup.0 holding live files but backup.1 unwritten, the log is skipped.
+    await a.etcd.put(keys.backup(0), encode(primary))
+    r = await shards(a, "prune", broker=broker)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"{LOG} (shard wc/0): skipped: shard wc/0 has no backup.1 hints yet ({keys.backup(1)})\n"
+
+
+def spans(fragments: list[Fragment]) -> set[tuple[int, int]]:
+    return {(f.begin, f.end) for f in fragments}
+
+
+async def persisted_but_the_head(cluster) -> list[Fragment]:
+    """The log's fragments once all but the one at its write head are persisted (an unpersisted one no
+    hint needs would make prune refuse the log)."""
+
+    async def listed() -> list[Fragment] | None:
+        async with cluster.client() as c:
+            frags = [Fragment.from_proto(e.spec) for e in (await c.fragments(LOG)).fragments]
+        last = max(f.end for f in frags)
+        return frags if all(f.backing_store and f.mod_time > 0 for f in frags if f.end != last) else None
+
+    return await wait_until(listed, 30)
+
+
+async def test_prune_removes_only_what_no_hint_set_needs(cluster, consumers, monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(replica, "HINT_INTERVAL", 0.2)
+    a = await served(cluster, consumers, SmallRollovers(), hot_standbys=1, hint_backups=2)
+    b = await consumers.add("zone-b", app=SmallRollovers())
+    await wait_until(lambda: consumers.statuses("wc/0") == {"zone-a/c0": PRIMARY, "zone-b/c1": STANDBY}, 30)
+    words = [WORDS[(i * 5) % len(WORDS)] for i in range(1200)]
+    store = store_for(cluster.store_url)
+    broker = cluster.brokers[0].endpoint
+
+    # Rollovers under A, then a hand-off to B: B's recovered hints are backup.0; backup.1 is not yet
+    # written, so the log is not pruned (a player may still fall back on a set that is missing).
+    await produce(cluster, "wc/in/0", words[:400])
+    await synced(a)
+    c = await consumers.add("zone-c", app=SmallRollovers())  # (the next standby: a hand-off waits for one)
+    await a.stop(graceful=True)
+    await wait_until(lambda: consumers.statuses("wc/0") == {"zone-b/c1": PRIMARY, "zone-c/c2": STANDBY}, 30)
+    await persisted_but_the_head(cluster)
+    before = spans(store.list(LOG))
+    r = await shards(b, "prune", "--json", broker=broker)
+    assert r.returncode == 0, r.stderr
+    (row,) = map(json.loads, r.stdout.splitlines())
+    assert (row["log"], row["shards"], row["pruned"]) == (LOG, ["wc/0"], 0), row
+    assert row["skipped"] == "shard wc/0: its backup.1 hints have no live files", row  # (A's, of an empty log)
+    assert spans(store.list(LOG)) >= before  # (nothing removed; the head's fragment may have been persisted since)
+
+    # More rollovers under B, a hand-off to C: backups differ (backup.0 C's, backup.1 B's); more under C.
+    await produce(cluster, "wc/in/0", words[400:800])
+    await synced(b)
+    await consumers.add("zone-a", app=SmallRollovers())
+    await b.stop(graceful=True)
+    await wait_until(lambda: consumers.statuses("wc/0") == {"zone-c/c2": PRIMARY, "zone-a/c3": STANDBY}, 30)
+    await produce(cluster, "wc/in/0", words[800:])
+    await synced(c)
+    await quiescent_hints(c)
+    listed = await persisted_but_the_head(cluster)
+    held = await fetch(c.etcd, HintKeys(c.hint_prefix, "wc/0", 2), LOG)
+    assert held.primary is not None and None not in held.backups and held.backups[0] != held.backups[1]
+
+    before = spans(store.list(LOG))
+    r = await shards(c, "prune", "--dry-run", broker=broker)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"{LOG} (shard wc/0): would remove "), r.stdout
+    assert spans(store.list(LOG)) >= before  # a dry run removes nothing
+    r = await shards(c, "prune", "--json", broker=broker)
+    assert r.returncode == 0, r.stderr
+    (row,) = map(json.loads, r.stdout.splitlines())
+    assert row["skipped"] is None and row["failed"] == [], row
+    assert (row["fragments"], row["bytes"]) == (len(listed), sum(f.content_length for f in listed)), row
+    assert row["pruned"] > 0, row  # (rollovers moved every hint set past the log's first fragments)
+    gone = before - spans(store.list(LOG))
+    assert len(gone) == row["pruned"] and sum(e - b for b, e in gone) == row["pruned_bytes"], (gone, row)
+    # Nothing any hint set needs went: each of them still plays the log, to the same counts.
+    for slot in ("primary", "backup.0", "backup.1"):
+        d = tmp_path / f"played-{slot}"
+        r = await shards(c, "recover", "wc/0", "--hints", slot, "--dir", str(d), broker=broker)
+        assert r.returncode == 0, (slot, r.stderr)
+        assert counts_in(d / DATABASE) == Counter(words), slot
+    # And a second prune finds nothing more to remove.
+    r = await shards(c, "prune", "--json", broker=broker)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["pruned"] == 0, r.stdout
+
 
 async def test_mistakes_answer_with_one_line(cluster, consumers, tmp_path) -> None:
     a = await served(cluster, consumers, log=False)  # (wc/0's recovery log journal is missing)
@@ -201,3 +301,9 @@ async def test_mistakes_answer_with_one_line(cluster, consumers, tmp_path) -> No
     one_line_error(await shards(a, "recover", "wc/0", "--dir", d, broker=broker), 1,
                    f"its recovery log '{LOG}' does not exist")  # fmt: skip
     assert not (tmp_path / "d").exists()
+    one_line_error(await shards(a, "prune", "--selector", "id=wc/8", broker=broker), 1, "no shard matches")
+    r = await shards(a, "prune", "--selector", "id=wc/1", broker=broker)
+    assert (r.returncode, r.stdout) == (0, "none of the 1 shards matched has a recovery log: nothing to prune\n"), r
+    r = await shards(a, "prune", broker=broker)  # (wc/0 has no hints at all: its primary never recovered)
+    assert (r.returncode, r.stdout) == (0, f"{LOG} (shard wc/0): skipped: shard wc/0 has no primary hints yet "
+                                           f"({a.hint_prefix}/wc/0.primary)\n"), r  # fmt: skip

@@ -1,11 +1,13 @@
-"""`tidings shards hints | recover`: the operator's side of recovery logs (Gazette's gazctl shards
-recover; docs/design/recovery-logs.md §3.10). Registered onto the `shards` group.
+"""`tidings shards hints | recover | prune`: the operator's side of recovery logs (Gazette's gazctl shards
+prune / recover; docs/design/recovery-logs.md §3.10). Registered onto the `shards` group.
 
 * `hints` prints what a player of the shard's log would read: the primary's hints and each backup's,
   as etcd holds them (any consumer process answers GetHints).
 * `recover` plays the log into a local directory without touching the shard (it never appends: a
   player's heads come from zero-byte appends, which write nothing), then makes the SQLite database a
   single file the stdlib `sqlite3` (or the `sqlite3` shell) opens.
+* `prune` removes the persisted fragments of recovery logs that no hint set of any shard using them
+  needs (and the logs whose hints are incomplete are left alone, said why).
 """
 
 from __future__ import annotations
@@ -14,15 +16,20 @@ import dataclasses
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from tidings.cli._common import DEFAULT_BROKER, BrokerOpt, broker_client, err, out, run_async, usage
 from tidings.cli.shards import DEFAULT_CONSUMER, ConsumerOpt, _shard_client, shards
+from tidings.protocol import labels, validate
 from tidings.protocol import protocol_pb2 as pb
-from tidings.protocol import validate
 from tidings.protocol.status import TidingsError, ValidationError
+
+if TYPE_CHECKING:  # (annotations only: commands import the client, consumer and fragment packages when they run)
+    from tidings.client import AsyncClient
+    from tidings.consumer.recoverylog.segment import Segment
+    from tidings.fragment.fragment import Fragment
 
 _SLOT = re.compile(r"primary|backup\.(0|[1-9][0-9]{0,8})")
 
@@ -280,3 +287,183 @@ def shards_recover(
         out.print(f"  {path.relative_to(dir)}  {path.stat().st_size} bytes", highlight=False)
     if mode:
         out.print(f"{DATABASE}: WAL checkpointed, journal_mode {mode}: open it with `sqlite3 {db}`", highlight=False)
+
+
+# -- prune ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(slots=True)
+class _Log:
+    """One recovery log's prune: what the shards using it need, and what it holds."""
+
+    name: str
+    shards: list[str] = dataclasses.field(default_factory=list)
+    needed: list[Segment] = dataclasses.field(default_factory=list)
+    skipped: str = ""  # why nothing of it is removed
+    fragments: int = 0
+    bytes: int = 0
+    pruned: int = 0
+    pruned_bytes: int = 0
+    failed: list[str] = dataclasses.field(default_factory=list)
+
+    def row(self, dry_run: bool) -> dict[str, Any]:
+        return {
+            "log": self.name,
+            "shards": self.shards,
+            "skipped": self.skipped or None,
+            "fragments": self.fragments,
+            "bytes": self.bytes,
+            "pruned": self.pruned,
+            "pruned_bytes": self.pruned_bytes,
+            "failed": self.failed,
+            "dry_run": dry_run,
+        }
+
+
+def _needed_segments(shard: str, resp: pb.GetHintsResponse) -> tuple[list[Segment], str]:
+    """The log segments every hint set of `shard` needs, each set's last one open-ended (a player reads
+    on from it to the write head); or why the shard's hints do not allow pruning (every slot must hold
+    usable hints with live files: a set missing may be one a player still falls back on)."""
+    from tidings.consumer.recoverylog.fsm import FSM, HintsError
+
+    needed: list[Segment] = []
+    primary, *backups = _slots(resp)
+    for name, r in [*backups, primary]:  # (Gazette's order)
+        h = _held(r)
+        if r.error:
+            return needed, f"shard {shard}: its {name} hints are unusable ({r.error})"
+        if h is None:
+            return needed, f"shard {shard} has no {name} hints yet ({r.key})"
+        if not h.live_nodes:
+            return needed, f"shard {shard}: its {name} hints have no live files"
+        try:
+            segments = [dataclasses.replace(s) for s in FSM(h).hinted_segments]
+        except HintsError as exc:
+            return needed, f"shard {shard}: its {name} hints are unusable ({exc})"
+        segments[-1].last_offset = 0
+        needed.extend(segments)
+    return needed, ""
+
+
+def _overlaps(segments: list[Segment], f: Fragment) -> bool:
+    """Whether a player of any hint set may read `f` (Gazette's overlapsAnySegment: a last offset of 0
+    is open-ended)."""
+    return any(s.first_offset < f.end and (s.last_offset == 0 or s.last_offset > f.begin) for s in segments)
+
+
+def _remove_each(fragments: list[Fragment]) -> list[tuple[Fragment, str]]:
+    """Remove each fragment from its store (blocking); the ones that failed, with why."""
+    from tidings.fragment import retention
+
+    failed = []
+    for f in fragments:
+        try:
+            retention.remove([f])
+        except Exception as exc:  # (a store's own errors: counted and reported, the others still go)
+            failed.append((f, f"[{f.begin}, {f.end}) in {f.backing_store}: {exc}"))
+    return failed
+
+
+async def _prune_log(c: AsyncClient, log: _Log, dry_run: bool) -> None:
+    """List the log's fragments and remove the persisted ones no needed segment overlaps; none at all
+    if an unpersisted one overlaps none (the hints are not all known: a shard left out?)."""
+    import asyncio
+
+    from tidings.fragment.fragment import Fragment
+    from tidings.protocol.status import JournalNotFoundError, SuspendedError
+
+    try:
+        listed = await c.fragments(log.name)
+    except JournalNotFoundError:
+        log.skipped = "the journal does not exist"
+        return
+    except SuspendedError:
+        log.skipped = "the journal is suspended"
+        return
+    gone: list[Fragment] = []
+    for e in listed.fragments:
+        f = Fragment.from_proto(e.spec)
+        log.fragments += 1
+        log.bytes += f.content_length
+        if f.begin == f.end or _overlaps(log.needed, f):
+            continue
+        if not f.backing_store or f.mod_time <= 0:
+            log.skipped = (
+                f"its fragment [{f.begin}, {f.end}) is not persisted yet and no hint set needs it: is a shard "
+                "using this log outside --selector? (or its store lags: prune again later)"
+            )
+            return
+        gone.append(f)
+    failed = [] if dry_run else await asyncio.to_thread(_remove_each, gone)
+    kept = {id(f) for f, _why in failed}
+    log.failed = [why for _f, why in failed]
+    log.pruned = sum(1 for f in gone if id(f) not in kept)
+    log.pruned_bytes = sum(f.content_length for f in gone if id(f) not in kept)
+
+
+async def _prune(consumer: str, broker: str, selector: str, dry_run: bool) -> tuple[list[_Log], int]:
+    """Each recovery log of the shards `selector` matches, pruned (or not, and why); the shards matched."""
+    from tidings.consumer.recovery import recovery_log
+
+    logs: dict[str, _Log] = {}
+    async with _shard_client(consumer) as sc:
+        listed = await sc.list(labels.parse_selector(selector) if selector else None)
+        if not listed.shards:
+            raise TidingsError(f"no shard matches --selector {selector!r} (see `tidings shards list`)")
+        for s in listed.shards:
+            if not s.spec.recovery_log_prefix:
+                continue
+            name = recovery_log(s.spec)
+            log = logs.setdefault(name, _Log(name))
+            log.shards.append(s.spec.id)
+            needed, why = _needed_segments(s.spec.id, await sc.get_hints(s.spec.id))
+            for seg_log in {name, *(x.log for x in needed)}:  # (a log the hints name is used by this shard too)
+                other = logs.setdefault(seg_log, _Log(seg_log))
+                if why:
+                    other.skipped = other.skipped or why
+            for x in needed if not why else []:
+                logs[x.log].needed.append(x)
+    async with broker_client(broker) as c:
+        for log in sorted(logs.values(), key=lambda lg: lg.name):
+            if not log.skipped:
+                await _prune_log(c, log, dry_run)
+    return sorted(logs.values(), key=lambda lg: lg.name), len(listed.shards)
+
+
+def _prune_line(log: _Log, dry_run: bool) -> str:
+    who = f"{log.name} (shard{'s' if len(log.shards) != 1 else ''} {', '.join(log.shards) or '-'})"
+    if log.skipped:
+        return f"{who}: skipped: {log.skipped}"
+    verb = "would remove" if dry_run else "removed"
+    kept = log.fragments - log.pruned
+    line = (f"{who}: {verb} {log.pruned} of {log.fragments} fragments ({log.pruned_bytes} of {log.bytes} bytes); "
+            f"kept {kept}")  # fmt: skip
+    if log.failed:
+        line += f"; {len(log.failed)} could not be removed: {'; '.join(log.failed)}"
+    return line
+
+
+@shards.command("prune")
+def shards_prune(
+    consumer: ConsumerOpt = DEFAULT_CONSUMER,
+    broker: BrokerOpt = DEFAULT_BROKER,
+    selector: Annotated[
+        str, typer.Option(help="Prune the recovery logs of the shards it matches (default: all).")
+    ] = "",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would go; remove nothing.")] = False,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Remove the persisted fragments of the shards' recovery logs that no hint set needs (Gazette's
+    shards prune): for each log, the primary and every backup hints of each shard using it are read;
+    a fragment overlapping none of their segments (each set's last segment open-ended: a player reads
+    on from there) goes from its store. A log any of whose shards lacks a full set of hints is
+    skipped, and said why. Every shard using a log must match --selector (a fragment of theirs
+    would look unneeded). Exit code 1 if a removal failed."""
+    logs, matched = run_async(_prune(consumer, broker, selector, dry_run))
+    for log in logs:
+        print(json.dumps(log.row(dry_run)) if as_json else _prune_line(log, dry_run), flush=True)
+    if not logs and not as_json:
+        print(f"none of the {matched} shards matched has a recovery log: nothing to prune")
+    failed = sum(len(log.failed) for log in logs)
+    if failed:
+        raise TidingsError(f"{failed} fragments could not be removed from their stores (see above); prune again")
