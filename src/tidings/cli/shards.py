@@ -39,6 +39,8 @@ shards = group("A consumer's shards (through any of its processes).")
 
 
 def register(root: typer.Typer) -> None:
+    from tidings.cli import shards_recovery  # noqa: F401  (its commands join the `shards` group)
+
     root.command()(consumer)
     root.add_typer(shards, name="shards")
 

@@ -2,7 +2,8 @@
 
 `stat` goes to the shard's primary: asked of another process, it follows the route that one
 answers with. Transient failures (a process restarting, no primary yet) are retried with backoff
-for `deadline` seconds; definite refusals raise the StatusError naming the status.
+for `deadline` seconds; definite refusals raise the StatusError naming the status. `get_hints` is
+answered by any process (from etcd).
 """
 
 from __future__ import annotations
@@ -80,6 +81,13 @@ class ShardClient:
         resp: pb.UnassignResponse = await self._call("Unassign", req)
         raise_for_status(resp.status, detail=", ".join(resp.shards))
         return list(resp.shards)
+
+    async def get_hints(self, shard: str) -> pb.GetHintsResponse:
+        """The shard's recovery hints as etcd holds them (any process answers): SHARD_NOT_FOUND and
+        NO_RECOVERY_LOG raise their StatusError."""
+        resp: pb.GetHintsResponse = await self._call("GetHints", pb.GetHintsRequest(shard=shard))
+        raise_for_status(resp.status, detail=resp.detail)
+        return resp
 
     async def stat(
         self, shard: str, read_through: dict[str, int] | None = None, timeout: float = 30.0

@@ -29,7 +29,7 @@ from tidings.keyspace.etcd import Compare, Etcd
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import JournalNotFoundError, TidingsError, TransportError
 
-__all__ = ["CONTENT_TYPE", "Recovery", "RecoveryError", "recovery_log"]
+__all__ = ["CONTENT_TYPE", "Recovery", "RecoveryError", "check_log", "recovery_log"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,24 @@ class RecoveryError(TidingsError):
 
 def recovery_log(spec: pb.ShardSpec) -> str:
     return f"{spec.recovery_log_prefix}/{spec.id}"
+
+
+async def check_log(client: AsyncClient, shard: str, log: str) -> None:
+    """RecoveryError unless `log` exists and is labelled a recovery log (a journal of messages would be
+    garbage to a player)."""
+    try:
+        spec = await client.spec(log)
+    except JournalNotFoundError:
+        raise RecoveryError(
+            f"shard {shard!r}: its recovery log {log!r} does not exist; create it (labels "
+            f"content-type: {CONTENT_TYPE}) or clear the shard's recovery_log_prefix"
+        ) from None
+    kind = next((lb.value for lb in spec.labels.labels if lb.name == "content-type"), "")
+    if kind != CONTENT_TYPE:
+        raise RecoveryError(
+            f"shard {shard!r}: journal {log!r} is labelled content-type {kind or '(none)'!r}, not "
+            f"{CONTENT_TYPE!r}: is it really this shard's recovery log?"
+        )
 
 
 class Recovery:
@@ -110,19 +128,7 @@ class Recovery:
         return self._task
 
     async def _check_log(self) -> None:
-        try:
-            spec = await self.client.spec(self.log)
-        except JournalNotFoundError:
-            raise RecoveryError(
-                f"shard {self.spec.id!r}: its recovery log {self.log!r} does not exist; create it (labels "
-                f"content-type: {CONTENT_TYPE}) or clear the shard's recovery_log_prefix"
-            ) from None
-        kind = next((lb.value for lb in spec.labels.labels if lb.name == "content-type"), "")
-        if kind != CONTENT_TYPE:
-            raise RecoveryError(
-                f"shard {self.spec.id!r}: journal {self.log!r} is labelled content-type {kind or '(none)'!r}, not "
-                f"{CONTENT_TYPE!r}: is it really this shard's recovery log?"
-            )
+        await check_log(self.client, self.spec.id, self.log)
 
     async def complete(self) -> Recorder:
         """Finish playback by handing the log off to a new author, and return the Recorder that records

@@ -39,6 +39,8 @@ from tidings.client import AsyncClient
 from tidings.consumer import _metrics as metrics
 from tidings.consumer.application import Application, Shard
 from tidings.consumer.client import STAT_MARGIN
+from tidings.consumer.recovery import recovery_log
+from tidings.consumer.recoverylog import hints
 from tidings.consumer.replica import ShardReplica
 from tidings.keyspace.etcd import Compare, RequestOp, delete_op, mod_revision_is, put_op
 from tidings.member import MemberProcess, counted
@@ -351,8 +353,39 @@ class Consumer(MemberProcess):
             await self.keyspace.wait_for_revision(revision, timeout=10)
         return pb.UnassignResponse(status=pb.OK, shards=done)
 
+    async def get_hints(self, req: pb.GetHintsRequest) -> pb.GetHintsResponse:
+        """The shard's recovery hints as etcd holds them (every slot, unusable ones with the reason): from
+        any process, as the keys depend only on the spec and this application's --root."""
+        validate.shard_id(req.shard, "get_hints.shard")
+        item = self.state.items.get(req.shard)
+        if item is None:
+            detail = f"no shard {req.shard!r}"
+            return pb.GetHintsResponse(status=pb.SHARD_NOT_FOUND, header=self.header(), detail=detail)
+        spec = item.spec
+        if not spec.recovery_log_prefix:
+            return pb.GetHintsResponse(
+                status=pb.NO_RECOVERY_LOG,
+                header=self.header(),
+                detail=f"shard {req.shard!r} has no recovery log (its recovery_log_prefix is empty), so no hints",
+            )
+        log_name = recovery_log(spec)
+        keys = hints.HintKeys(spec.hint_prefix or self.hint_prefix, spec.id, spec.hint_backups)
+        fetched = await hints.fetch(self.etcd, keys, log_name)
 
-_Answer = TypeVar("_Answer", pb.ShardApplyResponse, pb.UnassignResponse)
+        def slot(key: str) -> pb.GetHintsResponse.ResponseHints:
+            value, error = fetched.values[key], fetched.errors.get(key)
+            return pb.GetHintsResponse.ResponseHints(hints=value, key=key, error=str(error) if error else "")
+
+        return pb.GetHintsResponse(
+            status=pb.OK,
+            header=self.header(),
+            log=log_name,
+            primary_hints=slot(keys.primary),
+            backup_hints=[slot(keys.backup(i)) for i in range(keys.backups)],
+        )
+
+
+_Answer = TypeVar("_Answer", pb.ShardApplyResponse, pb.UnassignResponse, pb.GetHintsResponse)
 
 
 class _Servicer(pb_grpc.ShardServicer):
@@ -389,8 +422,11 @@ class _Servicer(pb_grpc.ShardServicer):
     async def Unassign(self, request: pb.UnassignRequest, context: grpc.aio.ServicerContext) -> pb.UnassignResponse:
         return await self._answer("unassign", context, self.consumer.unassign(request))
 
+    async def GetHints(self, request: pb.GetHintsRequest, context: grpc.aio.ServicerContext) -> pb.GetHintsResponse:
+        return await self._answer("get_hints", context, self.consumer.get_hints(request))
+
     async def _answer(self, rpc: str, context: grpc.aio.ServicerContext, call: Awaitable[_Answer]) -> _Answer:
-        """An RPC that changes etcd: bad input is INVALID_ARGUMENT, an unreachable etcd UNAVAILABLE."""
+        """An RPC that reads or changes etcd: bad input is INVALID_ARGUMENT, an unreachable etcd UNAVAILABLE."""
         with counted(metrics.RPC_STATUS, rpc, context) as outcome:
             try:
                 resp = await call

@@ -32,6 +32,7 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TARGET_NOT_FOUND: _ClassVar[Status]
     TARGET_FENCED: _ClassVar[Status]
     WRONG_TARGET_INDEX: _ClassVar[Status]
+    NO_RECOVERY_LOG: _ClassVar[Status]
 
 class CompressionCodec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -62,6 +63,7 @@ SHARD_STOPPED: Status
 TARGET_NOT_FOUND: Status
 TARGET_FENCED: Status
 WRONG_TARGET_INDEX: Status
+NO_RECOVERY_LOG: Status
 INVALID: CompressionCodec
 NONE: CompressionCodec
 GZIP: CompressionCodec
@@ -772,6 +774,37 @@ class UnassignResponse(_message.Message):
     status: Status
     shards: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, status: _Optional[_Union[Status, str]] = ..., shards: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetHintsRequest(_message.Message):
+    __slots__ = ("shard",)
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    shard: str
+    def __init__(self, shard: _Optional[str] = ...) -> None: ...
+
+class GetHintsResponse(_message.Message):
+    __slots__ = ("status", "header", "primary_hints", "backup_hints", "log", "detail")
+    class ResponseHints(_message.Message):
+        __slots__ = ("hints", "key", "error")
+        HINTS_FIELD_NUMBER: _ClassVar[int]
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        ERROR_FIELD_NUMBER: _ClassVar[int]
+        hints: FSMHints
+        key: str
+        error: str
+        def __init__(self, hints: _Optional[_Union[FSMHints, _Mapping]] = ..., key: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_HINTS_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_HINTS_FIELD_NUMBER: _ClassVar[int]
+    LOG_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    header: Header
+    primary_hints: GetHintsResponse.ResponseHints
+    backup_hints: _containers.RepeatedCompositeFieldContainer[GetHintsResponse.ResponseHints]
+    log: str
+    detail: str
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., header: _Optional[_Union[Header, _Mapping]] = ..., primary_hints: _Optional[_Union[GetHintsResponse.ResponseHints, _Mapping]] = ..., backup_hints: _Optional[_Iterable[_Union[GetHintsResponse.ResponseHints, _Mapping]]] = ..., log: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class Mutation(_message.Message):
     __slots__ = ("key", "value", "delete")

@@ -54,6 +54,11 @@ class ShardStub:
                 request_serializer=tidings_dot_protocol_dot_protocol__pb2.UnassignRequest.SerializeToString,
                 response_deserializer=tidings_dot_protocol_dot_protocol__pb2.UnassignResponse.FromString,
                 _registered_method=True)
+        self.GetHints = channel.unary_unary(
+                '/tidings.protocol.Shard/GetHints',
+                request_serializer=tidings_dot_protocol_dot_protocol__pb2.GetHintsRequest.SerializeToString,
+                response_deserializer=tidings_dot_protocol_dot_protocol__pb2.GetHintsResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -83,6 +88,12 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetHints(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +116,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Unassign,
                     request_deserializer=tidings_dot_protocol_dot_protocol__pb2.UnassignRequest.FromString,
                     response_serializer=tidings_dot_protocol_dot_protocol__pb2.UnassignResponse.SerializeToString,
+            ),
+            'GetHints': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetHints,
+                    request_deserializer=tidings_dot_protocol_dot_protocol__pb2.GetHintsRequest.FromString,
+                    response_serializer=tidings_dot_protocol_dot_protocol__pb2.GetHintsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +231,33 @@ class Shard:
             '/tidings.protocol.Shard/Unassign',
             tidings_dot_protocol_dot_protocol__pb2.UnassignRequest.SerializeToString,
             tidings_dot_protocol_dot_protocol__pb2.UnassignResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetHints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tidings.protocol.Shard/GetHints',
+            tidings_dot_protocol_dot_protocol__pb2.GetHintsRequest.SerializeToString,
+            tidings_dot_protocol_dot_protocol__pb2.GetHintsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,6 +49,7 @@ _NEXT_STEP: dict[int, str] = {
     pb.TARGET_NOT_FOUND: "check the target's id and endpoint in targets.yaml",
     pb.TARGET_FENCED: "a newer LogPlayer delivers to this target; stop this one",
     pb.WRONG_TARGET_INDEX: "the LogPlayer reconnects and recovers the target from what it applied",
+    pb.NO_RECOVERY_LOG: "only a shard with a recovery_log_prefix records its store (see docs/shards.md)",
 }
 
 RETRIABLE = frozenset(
@@ -134,6 +135,7 @@ ShardStoppedError = _define(pb.SHARD_STOPPED)
 TargetNotFoundError = _define(pb.TARGET_NOT_FOUND)
 TargetFencedError = _define(pb.TARGET_FENCED)
 WrongTargetIndexError = _define(pb.WRONG_TARGET_INDEX)
+NoRecoveryLogError = _define(pb.NO_RECOVERY_LOG)
 
 
 def for_status(status: int) -> type[StatusError]:
