@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from google.protobuf import json_format
+from prometheus_client import REGISTRY
 
 from tests.cli._support import run
 from tests.consumer.test_service import produce, shard
@@ -307,3 +308,41 @@ async def test_mistakes_answer_with_one_line(cluster, consumers, tmp_path) -> No
     r = await shards(a, "prune", broker=broker)  # (wc/0 has no hints at all: its primary never recovered)
     assert (r.returncode, r.stdout) == (0, f"{LOG} (shard wc/0): skipped: shard wc/0 has no primary hints yet "
                                            f"({a.hint_prefix}/wc/0.primary)\n"), r  # fmt: skip
+
+
+async def test_list_shows_each_replicas_recovery_log_lag(cluster, consumers) -> None:
+    """`shards list` asks every replica how far it has played (Stat any_replica) and the broker for the
+    log's head: once input stops, the primary and its hot standby are 0 bytes behind. Metrics count the
+    recorded and played bytes of the log."""
+    sample = REGISTRY.get_sample_value
+    recorded_before = sample("tidings_recoverylog_recorded_bytes_total", {"log": LOG}) or 0
+    handoffs_before = sample("tidings_recoverylog_handoff_seconds_count") or 0
+    a = await served(cluster, consumers, hot_standbys=1)
+    b = await consumers.add("zone-b", app=RecordedCounts())
+    await wait_until(lambda: consumers.statuses("wc/0") == {"zone-a/c0": PRIMARY, "zone-b/c1": STANDBY}, 30)
+    await produce(cluster, "wc/in/0", WORDS * 10)
+    async with ShardClient(a.endpoint) as sc, cluster.client() as c:
+        await sc.stat("wc/0", {"wc/in/0": await c.write_head("wc/in/0")})
+        head = await c.write_head(LOG)
+        # Stat(any_replica) answers for this process's replica, whatever its slot, at once.
+        standby = await sc.replica_stat("wc/0", b.endpoint)
+        assert standby.status == pb.OK and standby.recovery_log.journal == LOG and not standby.read_through
+        primary = await sc.replica_stat("wc/0", a.endpoint)
+        assert primary.recovery_log.offset == head and primary.read_through["wc/in/0"] > 0
+    await wait_until(lambda: b.replicas["wc/0"].recovery.offset == head, 30)  # (the standby tails the log)
+
+    r = await shards(a, "list", "--json", broker=cluster.brokers[0].endpoint)
+    assert r.returncode == 0, r.stderr
+    (row,) = [json.loads(line) for line in r.stdout.splitlines()]
+    assert row["recovery_log_lag"] == {"zone-a/c0": 0, "zone-b/c1": 0}, row
+    r = await shards(a, "list", broker=cluster.brokers[0].endpoint)
+    assert r.returncode == 0 and "recovery log lag" in r.stdout and "zone-b/c1:0" in r.stdout, r.stdout
+
+    recorder = a.replicas["wc/0"].shard.recorder
+    recorded = sample("tidings_recoverylog_recorded_bytes_total", {"log": LOG}) - recorded_before
+    assert recorded == recorder.statistics().bytes > 0
+    assert sample("tidings_recoverylog_played_bytes_total", {"log": LOG}) > 0
+    assert sample("tidings_recoverylog_hints_written_total", {"kind": "recovered"}) >= 1
+    assert sample("tidings_recoverylog_handoff_seconds_count") == handoffs_before + 1
+    assert sample("tidings_recoverylog_playback_seconds_count") >= 2  # (the primary's and the standby's)
+    await wait_until(lambda: sample("tidings_recoverylog_lag_bytes", {"shard": "wc/0"}) is not None, 30)

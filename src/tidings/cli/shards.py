@@ -197,13 +197,16 @@ def _apply_file(file: Path, consumer: str, dry_run: bool = False) -> None:
 async def _listed(consumer: str, broker: str, selector: str, progress: bool) -> list[dict[str, Any]]:
     """Shards as `list` shows them: spec, revision, primary, statuses and (`progress`) the primary's
     read-through offsets and the lag behind each source's write head."""
+    from tidings.consumer.recovery import recovery_log
+
     rows = []
     async with _shard_client(consumer) as sc:
         resp = await sc.list(labels.parse_selector(selector) if selector else None)
         heads: dict[str, int] = {}
         if progress and resp.shards:
+            logs = {recovery_log(s.spec) for s in resp.shards if s.spec.recovery_log_prefix}
             async with broker_client(broker) as c:
-                for journal in sorted({src.journal for s in resp.shards for src in s.spec.sources}):
+                for journal in sorted({src.journal for s in resp.shards for src in s.spec.sources} | logs):
                     try:
                         heads[journal] = await c.write_head(journal)
                     except TidingsError:
@@ -224,8 +227,25 @@ async def _listed(consumer: str, broker: str, selector: str, progress: bool) -> 
                         pass
                 row["read_through"] = through
                 row["lag"] = {j: max(0, heads[j] - through.get(j, 0)) for j in through if j in heads}
+                if s.spec.recovery_log_prefix:
+                    row["recovery_log_lag"] = await _log_lags(sc, s, heads.get(recovery_log(s.spec)))
             rows.append(row)
     return rows
+
+
+async def _log_lags(sc: ShardClient, s: pb.ShardListResponse.Shard, head: int | None) -> dict[str, int]:
+    """Each replica's recovery-log lag: the log's write head less what it played (or recorded) through."""
+    lags: dict[str, int] = {}
+    if head is None:
+        return lags
+    for m, endpoint in zip(s.route.members, s.route.endpoints, strict=False):
+        try:
+            stat = await sc.replica_stat(s.spec.id, endpoint)
+        except (TidingsError, TimeoutError):
+            continue  # (gone meanwhile: the next list shows it)
+        if stat.status == pb.OK and stat.recovery_log.journal:
+            lags[f"{m.zone}/{m.suffix}"] = max(0, head - stat.recovery_log.offset)
+    return lags
 
 
 @shards.command("list")
@@ -237,7 +257,8 @@ def shards_list(
     as_yaml: Annotated[bool, typer.Option("--yaml", help="Specs only, as `shards apply` reads them.")] = False,
 ) -> None:
     """List shards: status of each replica, the primary, read-through offsets and lag in bytes behind
-    each source's write head (asked of the primary, and of --broker)."""
+    each source's write head (asked of the primary, and of --broker), and for a shard with a recovery
+    log each replica's lag in bytes behind the log's write head."""
     rows = run_async(_listed(consumer, broker, selector, progress=not as_yaml))
     if as_json:
         for row in rows:
@@ -251,7 +272,7 @@ def shards_list(
         return
     from rich.table import Table
 
-    t = Table("id", "status", "primary", "read through", "lag", "sources")
+    t = Table("id", "status", "primary", "read through", "lag", "recovery log lag", "sources")
     for r in rows:
         status = " ".join(f"{m}:{s}" for m, s in r["status"].items()) or "unassigned"
         if r["errors"]:
@@ -262,6 +283,7 @@ def shards_list(
             r["primary"],
             " ".join(f"{j}@{o}" for j, o in r["read_through"].items()),
             str(sum(r["lag"].values())) if r["lag"] else "",
+            " ".join(f"{m}:{n}" for m, n in r.get("recovery_log_lag", {}).items()),
             " ".join(s if isinstance(s, str) else s["journal"] for s in r["sources"]),
         )
     out.print(t)

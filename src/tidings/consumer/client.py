@@ -89,6 +89,14 @@ class ShardClient:
         raise_for_status(resp.status, detail=resp.detail)
         return resp
 
+    async def replica_stat(self, shard: str, endpoint: str, timeout: float = 5.0) -> pb.StatResponse:
+        """Stat(any_replica) of the process at `endpoint`: its replica of `shard` as it stands (a standby's
+        recovery-log offset); NOT_SHARD_PRIMARY when it has none."""
+        resp: pb.StatResponse = await self._call(
+            "Stat", pb.StatRequest(shard=shard, any_replica=True), endpoint, timeout=timeout
+        )
+        return resp
+
     async def stat(
         self, shard: str, read_through: dict[str, int] | None = None, timeout: float = 30.0
     ) -> pb.StatResponse:

@@ -17,10 +17,12 @@ import asyncio
 import itertools
 import logging
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from tidings.client import AppendService, AsyncClient
+from tidings.consumer.recoverylog import _metrics as metrics
 from tidings.consumer.recoverylog.hints import HintKeys, fetch, pick_first, store_recovered
 from tidings.consumer.recoverylog.ops import new_author
 from tidings.consumer.recoverylog.player import Played, Player
@@ -86,10 +88,12 @@ class Recovery:
         self._author = 0  # the handoff asked for (before the player exists, too)
         self._asked = asyncio.Event()
         self._task: asyncio.Task[Played] | None = None
+        self._started = 0.0
 
     def start(self) -> None:
         if self._task is not None:
             raise RuntimeError(f"shard {self.spec.id!r}: its recovery was already started")
+        self._started = time.monotonic()
         self._task = asyncio.create_task(self._play(), name=f"recovery:{self.spec.id}")
 
     @property
@@ -118,9 +122,15 @@ class Recovery:
             asked.cancel()
 
     def _caught_up(self) -> None:
+        metrics.PLAYBACK_SECONDS.observe(time.monotonic() - self._started)
         self.tailing.set()
         if self._on_tailing is not None:
             self._on_tailing()
+
+    @property
+    def offset(self) -> int:
+        """The log offset played through so far (0 before playback began)."""
+        return self.player.offset if self.player is not None else 0
 
     @property
     def task(self) -> asyncio.Task[Played] | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -30,6 +31,7 @@ from tidings.allocator.decoded import Assignment
 from tidings.consumer import _metrics as metrics
 from tidings.consumer.application import Shard, TxnStats
 from tidings.consumer.recovery import Recovery
+from tidings.consumer.recoverylog import _metrics as metrics_log
 from tidings.consumer.recoverylog.hints import store_recorded
 from tidings.consumer.shard import serve_primary
 from tidings.consumer.store import FenceError
@@ -193,21 +195,10 @@ class ShardReplica:
                     self._start_recovery()
                     recovery = self.recovery
                 assert recovery is not None
-                log.info("shard %s: primary here; playing its recovery log to its end", self.id)
-                completing = asyncio.ensure_future(recovery.complete())
-                stopped = asyncio.ensure_future(stop.wait())
-                try:
-                    await asyncio.wait([completing, stopped], return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    stopped.cancel()
-                if not completing.done():  # (no longer primary: never hand the log off to a replica going away)
-                    completing.cancel()
+                since = time.monotonic()
+                if not await self._take_over(shard, stop, recovery):
                     return  # (below: the recovery is closed, its playback cancelled)
-                shard.recorder = completing.result()
-                shard.recovery_dir = recovery.dir
-                if stop.is_set():
-                    return
-                hints = asyncio.create_task(self._write_hints(shard, recovery), name=f"hints:{self.id}")
+                hints = asyncio.create_task(self._write_hints(shard, recovery, since), name=f"hints:{self.id}")
             log.info("shard %s: primary here; restoring its store", self.id)
             await serve_primary(consumer.client, spec, consumer.app, stop, shard)
             log.info("shard %s: primary stopped", self.id)
@@ -237,13 +228,32 @@ class ShardReplica:
                 if recovery is not None:
                     await recovery.aclose()
 
-    async def _write_hints(self, shard: Shard, recovery: Recovery) -> None:
-        """A recording primary's hints in etcd: the recovered ones once its store is restored, then its
-        recorder's every HINT_INTERVAL (a player reads the log from the latest hints on), each guarded
-        by this assignment (a primary that lost the shard writes none)."""
+    async def _take_over(self, shard: Shard, stop: asyncio.Event, recovery: Recovery) -> bool:
+        """Finish playback with a handoff and give `shard` its recorder; False if `stop` came first (no
+        longer primary: the log is never handed off to a replica going away)."""
+        log.info("shard %s: primary here; playing its recovery log to its end", self.id)
+        completing = asyncio.ensure_future(recovery.complete())
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait([completing, stopped], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if not completing.done():
+            completing.cancel()
+            return False
+        shard.recorder = completing.result()
+        shard.recovery_dir = recovery.dir
+        return not stop.is_set()
+
+    async def _write_hints(self, shard: Shard, recovery: Recovery, since: float) -> None:
+        """A recording primary's hints in etcd: the recovered ones once its store is restored (`since` its
+        promotion: the handoff's time), then its recorder's every HINT_INTERVAL (a player reads the log
+        from the latest hints on), each guarded by this assignment (a primary that lost the shard writes
+        none)."""
         assert self.assignment is not None and shard.recorder is not None
         guard = create_revision_is(self.assignment.key, self.assignment.create_revision)
         await shard.restored.wait()
+        metrics_log.HANDOFF_SECONDS.observe(time.monotonic() - since)
         await recovery.store_recovered(guard)
         while True:
             await asyncio.sleep(HINT_INTERVAL)

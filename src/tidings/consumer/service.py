@@ -40,6 +40,7 @@ from tidings.consumer import _metrics as metrics
 from tidings.consumer.application import Application, Shard
 from tidings.consumer.client import STAT_MARGIN
 from tidings.consumer.recovery import recovery_log
+from tidings.consumer.recoverylog import _metrics as recovery_metrics
 from tidings.consumer.recoverylog import hints
 from tidings.consumer.replica import ShardReplica
 from tidings.keyspace.etcd import Compare, RequestOp, delete_op, mod_revision_is, put_op
@@ -215,9 +216,11 @@ class Consumer(MemberProcess):
         )
 
     async def _lag_loop(self) -> None:
-        """Every LAG_INTERVAL: each primary's read-through offsets and lag (the sources' write heads)."""
+        """Every LAG_INTERVAL: each primary's read-through offsets and lag (the sources' write heads), and
+        each replica's recovery-log lag."""
         while True:
             for replica in list(self.replicas.values()):
+                await self._recovery_lag(replica)
                 shard = replica.shard
                 if not replica.is_primary or shard is None:
                     continue
@@ -229,6 +232,15 @@ class Consumer(MemberProcess):
                         metrics.LAG_BYTES.labels(replica.id, journal).set(max(0, head - through))
             await asyncio.sleep(LAG_INTERVAL)
 
+    async def _recovery_lag(self, replica: ShardReplica) -> None:
+        stat = self._replica_stat(replica.id, replica, pb.Route())
+        if not stat.recovery_log.journal:
+            return
+        with contextlib.suppress(TidingsError, TimeoutError):
+            async with asyncio.timeout(LAG_INTERVAL):  # (the client retries for ever: not here)
+                head = await self.client.write_head(stat.recovery_log.journal)
+            recovery_metrics.LAG_BYTES.labels(replica.id).set(max(0, head - stat.recovery_log.offset))
+
     # -- the Shard service ---------------------------------------------------------------------
 
     async def stat(self, req: pb.StatRequest, deadline: float | None) -> pb.StatResponse:
@@ -238,6 +250,8 @@ class Consumer(MemberProcess):
             return pb.StatResponse(status=pb.SHARD_NOT_FOUND, header=self.header(), detail=f"no shard {req.shard!r}")
         route = state.route(req.shard)
         replica = self.replicas.get(req.shard)
+        if req.any_replica:
+            return self._replica_stat(req.shard, replica, route)
         if replica is None or not replica.is_primary or replica.shard is None:
             status = pb.NO_SHARD_PRIMARY if route.primary < 0 else pb.NOT_SHARD_PRIMARY
             return pb.StatResponse(status=status, header=self.header(route))
@@ -262,6 +276,22 @@ class Consumer(MemberProcess):
             return pb.StatResponse(status=pb.SHARD_STOPPED, header=self.header(route), detail=why)
         resp = pb.StatResponse(status=pb.OK, header=self.header(route))
         resp.read_through.update(shard.read_through)
+        return resp
+
+    def _replica_stat(self, shard_id: str, replica: ShardReplica | None, route: pb.Route) -> pb.StatResponse:
+        """Stat(any_replica): this process's replica as it stands, at once."""
+        if replica is None:
+            return pb.StatResponse(
+                status=pb.NOT_SHARD_PRIMARY, header=self.header(route), detail=f"no replica of {shard_id!r} here"
+            )
+        resp = pb.StatResponse(status=pb.OK, header=self.header(route))
+        shard = replica.shard
+        if replica.is_primary and shard is not None:
+            resp.read_through.update(shard.read_through)
+        if shard is not None and shard.recorder is not None and replica.is_primary:
+            resp.recovery_log.journal, resp.recovery_log.offset = shard.recorder.log, shard.recorder.write_head
+        elif replica.recovery is not None:
+            resp.recovery_log.journal, resp.recovery_log.offset = replica.recovery.log, replica.recovery.offset
         return resp
 
     @staticmethod

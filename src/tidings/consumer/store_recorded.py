@@ -50,6 +50,7 @@ import apsw
 import msgspec
 
 from tidings.consumer.application import Shard
+from tidings.consumer.recoverylog import _metrics as metrics
 from tidings.consumer.recoverylog.recorder import Recorder, RecorderError
 from tidings.consumer.store import SQLiteStore
 from tidings.protocol import protocol_pb2 as pb
@@ -174,6 +175,7 @@ class RecordedSQLiteStore(SQLiteStore):
         await self._in_thread(self._create)
         await rec.barrier()
         self.rollovers += 1
+        metrics.ROLLOVERS.labels(rec.log).inc()
 
     async def _in_thread(self, work: Callable[[], T]) -> T:
         try:

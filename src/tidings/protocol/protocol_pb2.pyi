@@ -659,7 +659,7 @@ class FSMHints(_message.Message):
     def __init__(self, log: _Optional[str] = ..., live_nodes: _Optional[_Iterable[_Union[FnodeSegments, _Mapping]]] = ...) -> None: ...
 
 class StatRequest(_message.Message):
-    __slots__ = ("header", "shard", "read_through")
+    __slots__ = ("header", "shard", "read_through", "any_replica")
     class ReadThroughEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -670,13 +670,15 @@ class StatRequest(_message.Message):
     HEADER_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     READ_THROUGH_FIELD_NUMBER: _ClassVar[int]
+    ANY_REPLICA_FIELD_NUMBER: _ClassVar[int]
     header: Header
     shard: str
     read_through: _containers.ScalarMap[str, int]
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[str] = ..., read_through: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    any_replica: bool
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[str] = ..., read_through: _Optional[_Mapping[str, int]] = ..., any_replica: _Optional[bool] = ...) -> None: ...
 
 class StatResponse(_message.Message):
-    __slots__ = ("status", "header", "read_through", "publish_at", "detail")
+    __slots__ = ("status", "header", "read_through", "publish_at", "detail", "recovery_log")
     class ReadThroughEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -691,17 +693,26 @@ class StatResponse(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RecoveryLog(_message.Message):
+        __slots__ = ("journal", "offset")
+        JOURNAL_FIELD_NUMBER: _ClassVar[int]
+        OFFSET_FIELD_NUMBER: _ClassVar[int]
+        journal: str
+        offset: int
+        def __init__(self, journal: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
     STATUS_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     READ_THROUGH_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_AT_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_LOG_FIELD_NUMBER: _ClassVar[int]
     status: Status
     header: Header
     read_through: _containers.ScalarMap[str, int]
     publish_at: _containers.ScalarMap[str, int]
     detail: str
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., header: _Optional[_Union[Header, _Mapping]] = ..., read_through: _Optional[_Mapping[str, int]] = ..., publish_at: _Optional[_Mapping[str, int]] = ..., detail: _Optional[str] = ...) -> None: ...
+    recovery_log: StatResponse.RecoveryLog
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., header: _Optional[_Union[Header, _Mapping]] = ..., read_through: _Optional[_Mapping[str, int]] = ..., publish_at: _Optional[_Mapping[str, int]] = ..., detail: _Optional[str] = ..., recovery_log: _Optional[_Union[StatResponse.RecoveryLog, _Mapping]] = ...) -> None: ...
 
 class ShardListRequest(_message.Message):
     __slots__ = ("selector",)

@@ -21,6 +21,7 @@ import logging
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
+from tidings.consumer.recoverylog import _metrics as metrics
 from tidings.consumer.recoverylog.fsm import FSM, HintsError
 from tidings.keyspace.etcd import Compare, Etcd, mod_revision_is, put_op
 from tidings.protocol import protocol_pb2 as pb
@@ -124,6 +125,8 @@ async def store_recorded(etcd: Etcd, keys: HintKeys, hints: pb.FSMHints, guard: 
     ok, _ = await etcd.txn([guard], [put_op(keys.primary, encode(hints))])
     if not ok:
         log.info("shard %s: its hints were not written: it is no longer its primary", keys.shard)
+    else:
+        metrics.HINTS_WRITTEN.labels("recorded").inc()
     return ok
 
 
@@ -141,6 +144,8 @@ async def store_recovered(etcd: Etcd, keys: HintKeys, hints: pb.FSMHints, guard:
         if value is not None:
             ops.append(put_op(keys.backup(i), value))
     ok, _ = await etcd.txn(compares, ops)
+    if ok:
+        metrics.HINTS_WRITTEN.labels("recovered").inc()
     return ok
 
 

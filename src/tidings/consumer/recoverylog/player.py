@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tidings.client import AsyncClient, ReadChunk, Reader
+from tidings.consumer.recoverylog import _metrics as metrics
 from tidings.consumer.recoverylog.fsm import (
     FSM,
     FnodeNotTrackedError,
@@ -105,6 +106,12 @@ class Player:
         self._reader: OpReader | None = None
         self._read_through = 0  # read at least to here (a hinted log's head, or our handoff's end)
         self._heads: dict[str, int] = {}
+        self._played_bytes = metrics.PLAYED_BYTES.labels(hints.log)
+
+    @property
+    def offset(self) -> int:
+        """The log offset played through (the end of the last whole operation read)."""
+        return self._reader.offset if self._reader is not None else 0
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -293,6 +300,7 @@ class Player:
                     assert self._reader is not None
                     r = self._reader
                 self.stats.bytes_read += len(chunk.content)
+                self._played_bytes.inc(len(chunk.content))
                 outcome = await self._play(r, chunk.content, until_author)
                 if outcome is not None:
                     return outcome

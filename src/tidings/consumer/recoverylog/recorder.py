@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Iterator
 
 from tidings.client import AppendResult, AppendService, EarlierAppendFailedError
+from tidings.consumer.recoverylog import _metrics as metrics
 from tidings.consumer.recoverylog.fsm import FSM, FSMError
 from tidings.consumer.recoverylog.ops import MAX_WRITE_OP, fence, frame
 from tidings.consumer.store import FenceError
@@ -60,6 +61,7 @@ class Recorder:
         self._pending = bytearray()
         self._last: asyncio.Future[AppendResult] | None = None
         self._ops = self._bytes = 0
+        self._recorded_ops, self._recorded_bytes = metrics.RECORDED_OPS.labels(log), metrics.RECORDED_BYTES.labels(log)
         self._depth = 0  # nesting of operations that must land in one append (a rename's three ops)
 
     # -- operations ----------------------------------------------------------------------------
@@ -142,6 +144,8 @@ class Recorder:
         self._pending += framed
         self._ops += 1
         self._bytes += len(framed)
+        self._recorded_ops.inc()
+        self._recorded_bytes.inc(len(framed))
 
     def _flush(self) -> None:
         if not self._pending:
