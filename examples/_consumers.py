@@ -86,22 +86,39 @@ def start_consumer(
     return proc, line.split()[1]
 
 
+class Running(list[str]):
+    """The Shard service endpoints of running consumer children (their processes in `procs`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.procs: list[subprocess.Popen] = []
+
+    def kill(self, i: int) -> None:
+        """kill -9 the i-th consumer (as a lost host): its endpoint leaves the list."""
+        proc = self.procs.pop(i)
+        del self[i]
+        proc.kill()
+        proc.wait()
+
+
 @contextlib.contextmanager
-def consumers(app: str, args: argparse.Namespace, name: str, env: dict[str, str] | None = None) -> Iterator[list[str]]:
+def consumers(
+    app: str, args: argparse.Namespace, name: str, env: dict[str, str] | None = None, own_dirs: bool = False
+) -> Iterator[Running]:
     """`args.consumers` consumer children serving `app` under a root of their own; yields their Shard
-    service endpoints, and stops them (SIGTERM: they hand off and exit; SIGKILL after 30 s) on exit."""
+    service endpoints, and stops them (SIGTERM: they hand off and exit; SIGKILL after 30 s) on exit.
+    They share one --data-dir (a host's), unless `own_dirs` (recorded stores: no shared disk)."""
     work = Path(tempfile.mkdtemp(prefix=f"tidings-{name}-"))
     root = f"/tidings/consumers/{args.prefix.replace('/', '-')}"
-    procs: list[subprocess.Popen] = []
+    running = Running()
+    procs = running.procs
     try:
-        endpoints = []
         for i in range(args.consumers):
-            proc, endpoint = start_consumer(
-                app, args.etcd, args.broker, root, work / "shards", f"{name}{i}", "local", env
-            )
+            data_dir = work / (f"{name}{i}-data" if own_dirs else "shards")
+            proc, endpoint = start_consumer(app, args.etcd, args.broker, root, data_dir, f"{name}{i}", "local", env)
             procs.append(proc)
-            endpoints.append(endpoint)
-        yield endpoints
+            running.append(endpoint)
+        yield running
     finally:
         for proc in procs:
             proc.send_signal(signal.SIGTERM)

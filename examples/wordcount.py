@@ -16,6 +16,11 @@ Run it against `tidings cluster up` (its `etcd` line gives --etcd)::
 It creates the journals and shards, starts two `tidings consumer` processes serving this module's
 `WordCount`, publishes random lines, waits until every word is counted, checks the counts against
 what it published (exactly), prints them and stops the consumers.
+
+With `--recorded`, every shard's store is recorded to its recovery log (`{prefix}/logs/{shard id}`)
+and has a hot standby; each consumer process has a --data-dir of its own (no shared disk), and once
+half the lines are in, the first consumer is killed (kill -9, as a lost host): its standbys take its
+shards over from their recovery logs, and the counts stay exact.
 """
 
 from __future__ import annotations
@@ -153,21 +158,32 @@ async def counts_published(broker: str, prefix: str) -> tuple[dict[str, int], li
 def main() -> None:
     ap = arguments(__doc__, "wc")
     ap.add_argument("--lines", type=int, default=2000)
+    ap.add_argument(
+        "--recorded", action="store_true", help="stores recorded to recovery logs, hot standbys; a consumer killed"
+    )
     args = parse(ap)
-    with consumers("examples.wordcount:WordCount", args, "wc") as endpoints:
-        asyncio.run(create(args.broker, endpoints[0], journal_specs(args.prefix, args.parts, args.replication),
-                           shard_specs(args.prefix, args.parts)))  # fmt: skip
+    if args.recorded and args.consumers < 2:
+        ap.error("--recorded kills a consumer mid-run: give --consumers 2 or more")
+    with consumers("examples.wordcount:WordCount", args, "wc", own_dirs=args.recorded) as endpoints:
+        asyncio.run(create(args.broker, endpoints[0], journal_specs(args.prefix, args.parts, args.replication,
+                                                                    args.recorded),
+                           shard_specs(args.prefix, args.parts, args.recorded)))  # fmt: skip
         started = time.monotonic()
-        expected = asyncio.run(publish_lines(args.broker, args.prefix, args.parts, args.lines, args.seed))
+        half = args.lines // 2 if args.recorded else args.lines
+        expected = asyncio.run(publish_lines(args.broker, args.prefix, args.parts, half, args.seed))
+        if args.recorded:
+            wait_for(lambda: _all_in(_counted(args, endpoints), expected), 120, "counting the first half")
+            endpoints.kill(0)
+            print("killed a consumer (kill -9); its standbys take its shards over", flush=True)
+            expected += asyncio.run(
+                publish_lines(args.broker, args.prefix, args.parts, args.lines - half, args.seed + 1)
+            )
         print(f"published {args.lines} lines, {sum(expected.values())} words", flush=True)
         counted: dict[str, int] = {}
 
         def all_counted() -> bool:
-            failed = asyncio.run(failures(endpoints[0], args.prefix))
-            if failed:
-                raise SystemExit(f"a shard failed: {failed[0]}")
-            counted.update(_checked(asyncio.run(counts_published(args.broker, args.prefix))))
-            return all(counted.get(w, 0) >= n for w, n in expected.items())
+            counted.update(_counted(args, endpoints))
+            return _all_in(counted, expected)
 
         wait_for(all_counted, 120, "counting every word")
         took = time.monotonic() - started
@@ -176,6 +192,18 @@ def main() -> None:
         if counted != dict(expected):
             raise SystemExit(f"counts differ from what was published: {counted} != {dict(expected)}")
         print(f"counted exactly once in {took:.1f}s")
+
+
+def _counted(args: Any, endpoints: list[str]) -> dict[str, int]:
+    """The counts published so far (a shard that failed, or counts not exactly once: SystemExit)."""
+    failed = asyncio.run(failures(endpoints[0], args.prefix))
+    if failed:
+        raise SystemExit(f"a shard failed: {failed[0]}")
+    return _checked(asyncio.run(counts_published(args.broker, args.prefix)))
+
+
+def _all_in(counted: dict[str, int], expected: Counter) -> bool:
+    return all(counted.get(w, 0) >= n for w, n in expected.items())
 
 
 def _checked(result: tuple[dict[str, int], list[str]]) -> dict[str, int]:

@@ -1,10 +1,15 @@
 """What the examples' applications check (tests/test_readme.py runs the examples themselves, as the
 README shows them, against `tidings cluster up`): the stream-sum check is not vacuous (a chunk
-published twice fails its shard, with a reason naming the stream), and a WordCount shard whose spec
-lacks a label it needs fails at its start naming the label."""
+published twice fails its shard, with a reason naming the stream), a WordCount shard whose spec
+lacks a label it needs fails at its start naming the label, and the recorded word count (stores in
+recovery logs, hot standbys, a consumer per data dir) counts exactly through the loss of a consumer."""
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import sys
+import uuid
 from pathlib import Path
 
 from tests.support.waiting import wait_until
@@ -55,3 +60,11 @@ async def test_a_chunk_seen_twice_fails_the_stream_sum_shard(cluster, consumers)
         (listed,) = (await sc.list()).shards
     reason = listed.status[0].errors[0]
     assert "stream s1: chunk 0 at ss/chunks/part-0:" in reason and "expected 1: not exactly once" in reason, reason
+
+
+async def test_the_recorded_wordcount_counts_exactly_through_a_killed_consumer(cluster, tmp_path) -> None:
+    cmd = [sys.executable, "-m", "examples.wordcount", "--etcd", cluster.etcd_endpoint,
+           "--broker", cluster.brokers[0].endpoint, "--recorded", "--lines", "600", "--prefix", f"wcr-{uuid.uuid4().hex[:8]}"]  # fmt: skip
+    r = await asyncio.to_thread(subprocess.run, cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    assert "killed a consumer (kill -9)" in r.stdout and "counted exactly once" in r.stdout, r.stdout
