@@ -63,8 +63,9 @@ async def test_a_chunk_seen_twice_fails_the_stream_sum_shard(cluster, consumers)
 
 
 async def test_the_recorded_wordcount_counts_exactly_through_a_killed_consumer(cluster, tmp_path) -> None:
+    prefix = f"wcr-{uuid.uuid4().hex[:8]}"  # (the consumers' root in the session's etcd is named for it)
     cmd = [sys.executable, "-m", "examples.wordcount", "--etcd", cluster.etcd_endpoint,
-           "--broker", cluster.brokers[0].endpoint, "--recorded", "--lines", "600", "--prefix", f"wcr-{uuid.uuid4().hex[:8]}"]  # fmt: skip
+           "--broker", cluster.brokers[0].endpoint, "--recorded", "--lines", "600", "--prefix", prefix]  # fmt: skip
     r = await asyncio.to_thread(subprocess.run, cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     assert "killed a consumer (kill -9)" in r.stdout and "counted exactly once" in r.stdout, r.stdout
