@@ -4,10 +4,17 @@
 A LocalCluster (etcd + 3 broker processes on loopback); the source journal holds --messages
 committed messages {"word": w} (one of 1,000 words); one shard reads them committed, keeps each
 word's count in its store and publishes the running count {"word", "n"} uncommitted downstream,
-committing store, checkpoint and ACKs per transaction (max 1 s). --store sqlite: a SQLite file,
-SELECT + UPSERT per message. --store postgres: a private PostgreSQL server (fsync on), counts kept
-in the store's cache (loaded once per word) and the transaction's changed counts written in
-finalize_txn with one executemany (a round trip per message would bound it instead). Prints JSON lines:
+committing store, checkpoint and ACKs per transaction (max 1 s).
+
+- --store sqlite: a SQLite file, SELECT + UPSERT per message.
+- --store recorded: the same on a RecordedSQLiteStore (`sqlite_store`: every file write recorded to
+  the shard's recovery log, R as the journals; a commit returns once the log holds it), after a
+  handoff of the log as a promoted primary does.
+- --store postgres: a private PostgreSQL server (fsync on), counts kept in the store's cache
+  (loaded once per word) and the transaction's changed counts written in finalize_txn with one
+  executemany (a round trip per message would bound it instead).
+
+Prints JSON lines:
 
   consume            msgs_per_s through the shard, from its start to its read-through of the whole source
   commit_latency     the store commit (finalize, previous ACKs, commit), median and p99 ms
@@ -16,7 +23,7 @@ finalize_txn with one executemany (a round trip per message would bound it inste
                      (its transaction's ACKs written), median and p99 ms, --samples messages one by one
   commit_latency_small  the store commit of those one-message transactions, median and p99 ms
 
-  bench/consumer.py --messages 200000 --replication 3 [--store postgres]
+  bench/consumer.py --messages 200000 --replication 3 [--store recorded|postgres]
 """
 
 from __future__ import annotations
@@ -28,13 +35,18 @@ import random
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 from _common import create_journal, emit, run
 
 from tidings.client import AppendService, AsyncClient
 from tidings.cluster import LocalCluster
 from tidings.cluster.postgres import PostgresProcess
-from tidings.consumer import Application, PostgresStore, Shard, SQLiteStore, serve_primary
+from tidings.consumer import Application, PostgresStore, Shard, SQLiteStore, serve_primary, sqlite_store
+from tidings.consumer.recovery import CONTENT_TYPE
+from tidings.consumer.recoverylog.ops import new_author
+from tidings.consumer.recoverylog.player import Player
+from tidings.consumer.recoverylog.recorder import Recorder
 from tidings.message import Publisher
 from tidings.protocol import protocol_pb2 as pb
 
@@ -58,6 +70,21 @@ class WordCount(Application):
 
     async def finalize_txn(self, shard, store, publisher) -> None:
         pass
+
+
+class RecordedWordCount(WordCount):
+    def new_store(self, shard: Shard) -> SQLiteStore:
+        return sqlite_store(shard, schema=[COUNTS])
+
+
+async def take_over(c: AsyncClient, shard: Shard, log: str, dir: str) -> None:
+    """What a promoted primary does (consumer/recovery.py): play the log, hand it off, record on."""
+    player = Player(c, pb.FSMHints(log=log), Path(dir))
+    author = new_author()
+    player.inject_handoff(author)
+    played = await player.play()
+    shard.recorder = Recorder(AppendService(c), log, played.fsm, author, played.write_head)
+    shard.recovery_dir = Path(dir)
 
 
 class CachedWordCount(Application):
@@ -115,12 +142,22 @@ async def bench(lc: LocalCluster, args: argparse.Namespace, work: str) -> None:
         commits: list[float] = []
         shard = Shard(spec, c, on_transaction=lambda stats: commits.append(stats.committing))
         stop = asyncio.Event()
+        app: Application = WordCount(f"{work}/bench.db")
+        if args.store == "postgres":
+            app = CachedWordCount(args.dsn)
+        elif args.store == "recorded":
+            log = "bench/logs/bench/0"
+            await create_journal(c, lc, log, args.replication, labels={"content-type": CONTENT_TYPE})
+            await take_over(c, shard, log, f"{work}/recorded")
+            app = RecordedWordCount(f"{work}/recorded")
         t0 = time.perf_counter()
-        app = CachedWordCount(args.dsn) if args.store == "postgres" else WordCount(f"{work}/bench.db")
         task = asyncio.ensure_future(serve_primary(c, spec, app, stop, shard))
         await shard.wait_read_through({"bench/words": head}, timeout=600)
         took = time.perf_counter() - t0
         common = {"replicas": args.replication, "store": args.store, "payload_bytes": 60}
+        if shard.recorder is not None:
+            emit({"test": "recorded", "log_bytes": shard.recorder.statistics().bytes,
+                  "ops": shard.recorder.statistics().ops}, **common)  # fmt: skip
         emit({"test": "consume", "messages": args.messages, "seconds": round(took, 2),
               "msgs_per_s": round(args.messages / took), "transactions": len(commits)}, **common)  # fmt: skip
         emit({"test": "commit_latency", "median_ms": ms(commits, 50), "p99_ms": ms(commits, 99),
@@ -147,7 +184,7 @@ def main() -> None:
     ap.add_argument("--messages", type=int, default=200_000)
     ap.add_argument("--replication", type=int, default=3)
     ap.add_argument("--samples", type=int, default=200)
-    ap.add_argument("--store", choices=["sqlite", "postgres"], default="sqlite")
+    ap.add_argument("--store", choices=["sqlite", "recorded", "postgres"], default="sqlite")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="tidings-bench-consumer-") as work, contextlib.ExitStack() as stack:
         if args.store == "postgres":
