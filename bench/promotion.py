@@ -133,8 +133,9 @@ async def promotion(c: AsyncClient, pub: Publisher, cs: Consumers, sig: int) -> 
     proc = cs.signal(victim, sig)
     (span,) = await (await pub.publish_committed(SOURCE, {"word": "marker"}))
     async with ShardClient(next(iter(cs.endpoints.values()))) as sc:
-        while (await sc.stat(SHARD, {SOURCE: span.end}, timeout=120)).header.process_id.suffix == victim:
-            await asyncio.sleep(0.005)  # (a SIGTERM'd primary serves on until its successor is ready)
+        # (a SIGTERM'd primary serves on until its successor is ready: the answer must be the successor's)
+        while (await sc.stat(SHARD, {SOURCE: span.end}, timeout=120)).header.process_id.suffix == victim:  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
     took = time.perf_counter() - t0
     await asyncio.to_thread(proc.wait, 60)
     cs.start()  # (a new process joins: the next round has a standby again)
@@ -161,8 +162,7 @@ async def playback(c: AsyncClient, endpoint: str, work: Path) -> None:
     read = player.statistics().bytes_read
     emit({"test": "playback", "log_bytes_read": read, "live_bytes": live, "seconds": round(took, 3),
           "mb_per_s": round(read / took / 1e6, 1), "read_per_live_byte": round(read / max(1, live), 2),
-          "log_head": await c.write_head(LOG), "seeks": player.statistics().seeks,
-          "hinted_from": min((s.first_offset for f in hints.hints.live_nodes for s in f.segments), default=0)})  # fmt: skip
+          "log_head": await c.write_head(LOG), "seeks": player.statistics().seeks})  # fmt: skip
 
 
 def summary(name: str, values: list[float]) -> None:
