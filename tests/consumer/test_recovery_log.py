@@ -3,7 +3,8 @@ and 10): with a recovery log, a shard's store is recorded; a hot standby plays t
 directory (BACKFILL, then STANDBY), takes over when the primary goes, and the counts stay exact; a
 zombie primary (stopped past its lease, then resumed) records nothing after its successor's handoff
 and stops;
-a replica whose log journal is missing FAILS naming it; a process clears what a dead process of its
+a replica whose log journal is missing FAILS naming it; a shard's store is never moved to another
+recovery log (or to or from none) by an upsert, which would start it empty; a process clears what a dead process of its
 id left in its directory only once announced, never while that process may still run. Real etcd and
 brokers; consumers in this process, each playing logs in its own directory."""
 
@@ -15,6 +16,9 @@ import random
 import signal
 from collections import Counter
 
+import grpc
+import pytest
+
 from tests.consumer.test_service import downstream, produce, shard
 from tests.support.consumer_procs import ConsumerProcs
 from tests.support.consumers import FAILED, PRIMARY, STANDBY, WORDS, RecordedCounts
@@ -25,6 +29,7 @@ from tidings.consumer.recoverylog.player import Player
 from tidings.consumer.service import Consumer
 from tidings.consumer.store_recorded import DATABASE
 from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.status import TransportError
 
 SPEC = {"recovery_log_prefix": "wc/log", "hot_standbys": 1}
 
@@ -165,3 +170,23 @@ async def test_a_zombie_primary_records_nothing_after_its_successors_handoff(clu
 async def _eq(got, want: dict[str, int], some: bool = False) -> bool:
     have = await got
     return all(have.get(k) == v for k, v in want.items()) if some else have == want
+
+
+async def test_a_shards_store_is_not_moved_to_another_log_by_an_upsert(cluster, consumers) -> None:
+    await journals(cluster)
+    a = await consumers.add("zone-a", app=RecordedCounts())
+    async with ShardClient(a.endpoint) as sc:
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=shard(0, **SPEC))])
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=shard(1))])
+        await wait_until(lambda: consumers.statuses("wc/0") == {"zone-a/c0": PRIMARY}, 30)
+        moves = [shard(0, recovery_log_prefix="wc/other"), shard(0), shard(1, recovery_log_prefix="wc/log")]
+        for moved in moves:
+            with pytest.raises(TransportError) as refused:
+                await sc.apply([pb.ShardApplyRequest.Change(upsert=moved, expect_mod_revision=-1)])
+            assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "recovery_log_prefix" in str(refused.value) and "delete the shard" in str(refused.value)
+        specs = {s.spec.id: s.spec for s in (await sc.list()).shards}
+        assert specs["wc/0"].recovery_log_prefix == "wc/log" and not specs["wc/1"].recovery_log_prefix
+        kept = shard(0, **SPEC, hint_backups=3)  # (anything else may change)
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=kept, expect_mod_revision=-1)])
+        assert {s.spec.id: s.spec for s in (await sc.list()).shards}["wc/0"].hint_backups == 3

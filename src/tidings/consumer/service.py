@@ -336,6 +336,7 @@ class Consumer(MemberProcess):
             if change.HasField("upsert"):
                 validate.shard_spec(change.upsert, f"changes[{i}].upsert")
                 key = keys.item_key(root, change.upsert.id)
+                compares.append(await self._same_store(key, change.upsert, f"changes[{i}].upsert"))
                 ops.append(put_op(key, change.upsert.SerializeToString()))
             elif change.delete:
                 validate.shard_id(change.delete, f"changes[{i}].delete")
@@ -355,6 +356,24 @@ class Consumer(MemberProcess):
                 detail="a shard changed since it was read (its mod revision differs); read it again and retry",
             )
         return pb.ShardApplyResponse(status=pb.OK, header=self.header())
+
+    async def _same_store(self, key: str, spec: pb.ShardSpec, ctx: str) -> Compare:
+        """Refuse an upsert that moves an existing shard's store to another recovery log (or to or from
+        none): the store would start from what the new place holds (nothing) and the shard would read
+        its sources again from their start, publishing its outputs twice. Gazette migrates hints across
+        logs; here, delete the shard and create it anew. Returns the compare keeping the shard as read."""
+        kv, _ = await self.etcd.get(key)
+        if kv is not None:
+            old = pb.ShardSpec.FromString(kv.value).recovery_log_prefix
+            if old != spec.recovery_log_prefix:
+                where = f"recovery log prefix {old!r}" if old else "no recovery log"
+                raise ValidationError(
+                    f"{ctx}.recovery_log_prefix",
+                    f"shard {spec.id!r} keeps its store in {where}; changing it to {spec.recovery_log_prefix!r} "
+                    "would start the store empty and read the sources again from their start: keep it, or "
+                    "delete the shard and create it anew (its store starts empty)",
+                )
+        return mod_revision_is(key, kv.mod_revision if kv is not None else 0)
 
     async def unassign(self, req: pb.UnassignRequest) -> pb.UnassignResponse:
         state = self.state
