@@ -4,7 +4,8 @@ directory (BACKFILL, then STANDBY), takes over when the primary goes, and the co
 zombie primary (stopped past its lease, then resumed) records nothing after its successor's handoff
 and stops;
 a replica whose log journal is missing FAILS naming it; a shard's store is never moved to another
-recovery log (or to or from none) by an upsert, which would start it empty; a process clears what a dead process of its
+recovery log (or to or from none) by an upsert, which would start it empty, and a shard deleted and
+made again on a new log serves from it (its old hints went with it); a process clears what a dead process of its
 id left in its directory only once announced, never while that process may still run. Real etcd and
 brokers; consumers in this process, each playing logs in its own directory."""
 
@@ -25,6 +26,7 @@ from tests.support.consumers import FAILED, PRIMARY, STANDBY, WORDS, RecordedCou
 from tests.support.waiting import wait_until
 from tidings.consumer.client import ShardClient
 from tidings.consumer.recovery import CONTENT_TYPE
+from tidings.consumer.recoverylog.hints import HintKeys, fetch_raw
 from tidings.consumer.recoverylog.player import Player
 from tidings.consumer.service import Consumer
 from tidings.consumer.store_recorded import DATABASE
@@ -190,3 +192,28 @@ async def test_a_shards_store_is_not_moved_to_another_log_by_an_upsert(cluster, 
         kept = shard(0, **SPEC, hint_backups=3)  # (anything else may change)
         await sc.apply([pb.ShardApplyRequest.Change(upsert=kept, expect_mod_revision=-1)])
         assert {s.spec.id: s.spec for s in (await sc.list()).shards}["wc/0"].hint_backups == 3
+
+
+async def test_a_shard_deleted_and_made_again_on_a_new_log_serves_from_it(cluster, consumers) -> None:
+    await journals(cluster)
+    await cluster.create_journal("wc/log2/wc/0", 1, labels={"content-type": CONTENT_TYPE})
+    a = await consumers.add("zone-a", app=RecordedCounts())
+    async with ShardClient(a.endpoint) as sc:
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=shard(0, **SPEC))])
+        await wait_until(lambda: consumers.statuses("wc/0") == {"zone-a/c0": PRIMARY}, 30)
+        await produce(cluster, "wc/in/0", ["apple"] * 10)
+        async with cluster.client() as c:
+            await sc.stat("wc/0", {"wc/in/0": await c.write_head("wc/in/0")})
+        await wait_until(lambda: _stored_hints(sc), 30)  # (its recovered hints are in etcd)
+        (listed,) = (await sc.list()).shards
+        await sc.apply([pb.ShardApplyRequest.Change(delete="wc/0", expect_mod_revision=listed.mod_revision)])
+        left = await fetch_raw(a.etcd, HintKeys(a.hint_prefix, "wc/0", SPEC.get("hint_backups", 0)))
+        assert all(value is None for _, value in left.values()), left  # gone with the shard
+        await wait_until(lambda: "wc/0" not in a.replicas, 30)
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=shard(0, **{**SPEC, "recovery_log_prefix": "wc/log2"}))])
+        await wait_until(lambda: consumers.statuses("wc/0").get("zone-a/c0") in (PRIMARY, FAILED), 30)
+        assert a.replicas["wc/0"].status.code == PRIMARY, a.replicas["wc/0"].status
+
+
+async def _stored_hints(sc: ShardClient) -> bool:
+    return (await sc.get_hints("wc/0")).primary_hints.HasField("hints")

@@ -342,6 +342,7 @@ class Consumer(MemberProcess):
                 validate.shard_id(change.delete, f"changes[{i}].delete")
                 key = keys.item_key(root, change.delete)
                 ops.extend(self.state.delete_ops(root, change.delete))
+                ops.extend(await self._hints_of(key, change.delete))
             else:
                 raise ValidationError(f"changes[{i}]", "expected an upsert or a delete")
             if change.expect_mod_revision >= 0:
@@ -357,6 +358,17 @@ class Consumer(MemberProcess):
             )
         return pb.ShardApplyResponse(status=pb.OK, header=self.header())
 
+    async def _hints_of(self, key: str, shard_id: str) -> list[RequestOp]:
+        """A deleted shard's hints go with it: a shard made again under its id starts from its own log
+        (hints of the old one would name another log, or bring its state back)."""
+        kv, _ = await self.etcd.get(key)
+        spec = pb.ShardSpec.FromString(kv.value) if kv is not None else None
+        if spec is None or not spec.recovery_log_prefix:
+            return []
+        return [
+            delete_op(k) for k in hints.HintKeys(spec.hint_prefix or self.hint_prefix, shard_id, spec.hint_backups).all
+        ]
+
     async def _same_store(self, key: str, spec: pb.ShardSpec, ctx: str) -> Compare:
         """Refuse an upsert that moves an existing shard's store to another recovery log (or to or from
         none): the store would start from what the new place holds (nothing) and the shard would read
@@ -371,7 +383,7 @@ class Consumer(MemberProcess):
                     f"{ctx}.recovery_log_prefix",
                     f"shard {spec.id!r} keeps its store in {where}; changing it to {spec.recovery_log_prefix!r} "
                     "would start the store empty and read the sources again from their start: keep it, or "
-                    "delete the shard and create it anew (its store starts empty)",
+                    "delete the shard and create it anew on a new recovery log (its store then starts empty)",
                 )
         return mod_revision_is(key, kv.mod_revision if kv is not None else 0)
 
