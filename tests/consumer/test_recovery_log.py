@@ -5,7 +5,8 @@ zombie primary (stopped past its lease, then resumed) records nothing after its 
 and stops;
 a replica whose log journal is missing FAILS naming it; a shard's store is never moved to another
 recovery log (or to or from none) by an upsert, which would start it empty, and a shard deleted and
-made again on a new log serves from it (its old hints went with it); a process clears what a dead process of its
+made again on a new log serves from it (its old hints went with it); a handoff landing late from a
+replica that stalled past its lease does not stop the primary it fences; a process clears what a dead process of its
 id left in its directory only once announced, never while that process may still run. Real etcd and
 brokers; consumers in this process, each playing logs in its own directory."""
 
@@ -217,3 +218,91 @@ async def test_a_shard_deleted_and_made_again_on_a_new_log_serves_from_it(cluste
 
 async def _stored_hints(sc: ShardClient) -> bool:
     return (await sc.get_hints("wc/0")).primary_hints.HasField("hints")
+
+
+async def test_a_late_handoff_of_a_stalled_replica_never_stops_the_primary(cluster, consumers, caplog) -> None:
+    """A replica promoted to primary sends its handoff no-op; its process then stalls with the append
+    in flight (SIGSTOP, a GC or VM pause, a slow network) and loses its lease. The next standby, C,
+    hands off and serves. B's append then lands: out of sequence, the log skips it, but it sets the
+    log's author register to B, fencing C's recorder. C, still assigned the shard in etcd, takes the
+    log over again (no FAILED shard waiting for an operator), and every word is counted once. The late
+    no-op is the very request B's player sent, delivered late by a second connection (what a stalled
+    process's request on the wire does)."""
+    await cluster.create_journal("wc/in/0", 1)
+    await cluster.create_journal("wc/out/0", 1)
+    await cluster.create_journal("wc/log/wc/0", 1, labels={"content-type": CONTENT_TYPE})
+    spec = shard(0, recovery_log_prefix="wc/log", hot_standbys=1)
+    a = await consumers.add("zone-a", app=RecordedCounts())
+    async with ShardClient(a.endpoint) as sc:
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=spec)])
+    await wait_until(lambda: consumers.statuses("wc/0") == {"zone-a/c0": PRIMARY}, 30)
+    b = await consumers.add("zone-b", app=RecordedCounts())
+    c = await consumers.add("zone-c", app=RecordedCounts())
+    await wait_until(lambda: sorted(consumers.statuses("wc/0").values()) == sorted([PRIMARY, STANDBY]), 30)
+
+    rng = random.Random(30)
+    words = [rng.choice(WORDS) for _ in range(300)]
+    await produce(cluster, "wc/in/0", words[:100])
+    await _stat_through(cluster, a.endpoint)
+
+    held: dict[str, asyncio.Task] = {}
+    release = asyncio.Event()
+    late = cluster.client()
+    await late.__aenter__()
+
+    def stalling(consumer):
+        real = consumer.client.append
+
+        async def append(journal, content=b"", **kw):
+            if kw.get("union_registers") is None or held:
+                return await real(journal, content, **kw)
+
+            async def on_the_wire():
+                await release.wait()
+                return await late.append(journal, content, **kw)
+
+            held[consumer.config.suffix] = task = asyncio.ensure_future(on_the_wire())
+            return await asyncio.shield(task)  # (the caller giving up does not take the bytes back)
+
+        consumer.client.append = append
+
+    stalling(b)
+    stalling(c)
+    try:
+        await a.stop(graceful=False)  # the primary dies; a standby is promoted and hands off: held
+        await wait_until(lambda: held, 30)
+        ((stalled, _task),) = held.items()
+        promoted, survivor = (b, c) if stalled == b.config.suffix else (c, b)
+        await promoted.stop(graceful=False)  # it loses its lease with its handoff in flight
+        await wait_until(
+            lambda: consumers.statuses("wc/0") == {f"{survivor.config.zone}/{survivor.config.suffix}": PRIMARY}, 30
+        )
+        await produce(cluster, "wc/in/0", words[100:200])
+        await _stat_through(cluster, survivor.endpoint)  # the successor serves
+
+        release.set()  # the stalled handoff lands now
+        await held[stalled]
+        await produce(cluster, "wc/in/0", words[200:])
+
+        replica = survivor.replicas["wc/0"]
+
+        async def read_through_or_failed() -> bool:
+            if replica.status.code == FAILED:
+                return True
+            async with cluster.client() as cl:
+                head = await cl.write_head("wc/in/0")
+            return replica.shard is not None and replica.shard.read_through.get("wc/in/0", 0) >= head
+
+        await wait_until(read_through_or_failed, 30)
+        assert replica.status.code != FAILED, f"the successor was fenced by a dead replica's handoff: {replica.status}"
+        assert "taking its log over again" in caplog.text  # (it was fenced, and took the log back)
+        expected = {w: list(range(1, n + 1)) for w, n in Counter(words).items()}
+        assert await downstream(cluster, "wc/out/0") == expected
+    finally:
+        release.set()
+        await late.__aexit__(None, None, None)
+
+
+async def _stat_through(cluster, endpoint: str) -> None:
+    async with ShardClient(endpoint) as sc, cluster.client() as c:
+        await sc.stat("wc/0", {"wc/in/0": await c.write_head("wc/in/0")})

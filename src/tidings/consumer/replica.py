@@ -33,6 +33,7 @@ from tidings.consumer.application import Shard, TxnStats
 from tidings.consumer.recovery import Recovery
 from tidings.consumer.recoverylog import _metrics as metrics_log
 from tidings.consumer.recoverylog.hints import store_recorded
+from tidings.consumer.recoverylog.recorder import RecorderFencedError
 from tidings.consumer.shard import serve_primary
 from tidings.consumer.store import FenceError
 from tidings.consumer.transaction import OutputFailedError
@@ -43,12 +44,13 @@ from tidings.protocol.status import JournalNotFoundError, TidingsError
 if TYPE_CHECKING:
     from tidings.consumer.service import Consumer
 
-__all__ = ["HINT_INTERVAL", "STOP_TIMEOUT", "ShardReplica"]
+__all__ = ["HINT_INTERVAL", "RETAKES", "STOP_TIMEOUT", "ShardReplica"]
 
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT = 10.0  # seconds a stopping shard may take to commit its open transaction and write its ACKs
 HINT_INTERVAL = 60.0  # seconds between a recording primary's hints in etcd (what a player reads from)
+RETAKES = 3  # a primary fenced off its log while still assigned takes it back at most so many times in a row
 
 
 class ShardReplica:
@@ -66,6 +68,7 @@ class ShardReplica:
         self._stopping: asyncio.Task[None] | None = None  # a demoted primary, until it has stopped
         self.recovery: Recovery | None = None  # playing the shard's recovery log here (a standby, or primary-to-be)
         self._recoveries = 0
+        self._retakes = 0  # recorder fences taken back in a row (`_retake`)
         self._stop = asyncio.Event()
         self._changed = asyncio.Event()
         self._writer = asyncio.create_task(self._write_status(), name=f"status:{shard_id}")
@@ -204,16 +207,8 @@ class ShardReplica:
             log.info("shard %s: primary stopped", self.id)
         except asyncio.CancelledError:
             raise
-        except FenceError as exc:
-            self._fail(f"fenced: {exc}", stop)
-        except OutputFailedError as exc:
-            self._fail(str(exc), stop)
-        except JournalNotFoundError as exc:
-            role = "source" if exc.journal in {s.journal for s in spec.sources} else "output"
-            self._fail(f"its {role} journal {exc.journal!r} does not exist (deleted?): {exc}", stop)
         except Exception as exc:
-            log.exception("shard %s: failed", self.id)
-            self._fail(f"{type(exc).__name__}: {exc}", stop)
+            await self._ended_by(exc, spec, stop)
         finally:
             restored.cancel()
             if recovery is not None and self.recovery is recovery:
@@ -227,6 +222,41 @@ class ShardReplica:
             finally:
                 if recovery is not None:
                     await recovery.aclose()
+
+    async def _ended_by(self, exc: Exception, spec: pb.ShardSpec, stop: asyncio.Event) -> None:
+        """The primary ended with `exc`: FAILED with the reason (unless stopping anyway, or it takes its
+        log back)."""
+        if isinstance(exc, RecorderFencedError) and await self._retake(exc, stop):
+            return
+        if isinstance(exc, FenceError):
+            self._fail(f"fenced: {exc}", stop)
+        elif isinstance(exc, OutputFailedError):
+            self._fail(str(exc), stop)
+        elif isinstance(exc, JournalNotFoundError):
+            role = "source" if exc.journal in {s.journal for s in spec.sources} else "output"
+            self._fail(f"its {role} journal {exc.journal!r} does not exist (deleted?): {exc}", stop)
+        else:
+            log.error("shard %s: failed", self.id, exc_info=exc)
+            self._fail(f"{type(exc).__name__}: {exc}", stop)
+
+    async def _retake(self, exc: RecorderFencedError, stop: asyncio.Event) -> bool:
+        """Fenced off the recovery log while etcd still holds this primary's assignment: the handoff that
+        fenced it was no primary's (a replica promoted, stalled past its lease with its handoff in flight,
+        whose no-op landed late): take the log over again, at most RETAKES times in a row (a commit resets
+        the count). False: a successor fenced us (stop as usual)."""
+        a = self.assignment
+        if stop.is_set() or a is None or self._retakes >= RETAKES:
+            return False
+        try:
+            kv, _ = await self.consumer.etcd.get(a.key)
+        except TidingsError:
+            return False
+        if kv is None or kv.create_revision != a.create_revision:
+            return False
+        self._retakes += 1
+        log.warning("shard %s: %s, yet it is still this process's to serve; taking its log over again", self.id, exc)
+        self._restart()  # (a new primary, once this one has ended)
+        return True
 
     async def _take_over(self, shard: Shard, stop: asyncio.Event, recovery: Recovery) -> bool:
         """Finish playback with a handoff and give `shard` its recorder; False if `stop` came first (no
@@ -294,6 +324,7 @@ class ShardReplica:
         self._set_status(pb.ReplicaStatus.FAILED, reason)
 
     def _observe(self, stats: TxnStats) -> None:
+        self._retakes = 0
         metrics.TRANSACTIONS.labels(self.id).inc()
         metrics.MESSAGES.labels(self.id).inc(stats.messages)
         metrics.COMMIT_SECONDS.labels(self.id).observe(stats.committing)
