@@ -19,13 +19,13 @@ from prometheus_client import REGISTRY
 
 from tests.cli._support import run
 from tests.consumer.test_service import produce, shard
-from tests.support.consumers import COUNTS, PRIMARY, STANDBY, WORDS, RecordedCounts
+from tests.support.consumers import PRIMARY, STANDBY, WORDS, RecordedCounts, SmallRollovers
 from tests.support.waiting import wait_until
 from tidings.consumer import replica
 from tidings.consumer.client import ShardClient
 from tidings.consumer.recovery import CONTENT_TYPE
 from tidings.consumer.recoverylog.hints import HintKeys, encode, fetch
-from tidings.consumer.store_recorded import DATABASE, RecordedSQLiteStore
+from tidings.consumer.store_recorded import DATABASE
 from tidings.fragment.fragment import Fragment
 from tidings.fragment.store import store_for
 from tidings.protocol import protocol_pb2 as pb
@@ -33,17 +33,6 @@ from tidings.protocol import protocol_pb2_grpc as pb_grpc
 from tidings.protocol.status import NoRecoveryLogError, ShardNotFoundError
 
 LOG = "wc/log/wc/0"
-
-
-class SmallRollovers(RecordedCounts):
-    """Recorded counts whose database rolls over every few tens of KiB of log (the default is 4 MiB; a
-    WAL checkpointed every few pages restarts, so the log outgrows the live files): the live part of the
-    log moves on, and what lies before it can be pruned."""
-
-    def new_store(self, shard) -> RecordedSQLiteStore:
-        assert shard.recorder is not None and shard.recovery_dir is not None
-        schema = [COUNTS, "PRAGMA wal_autocheckpoint=8"]
-        return RecordedSQLiteStore(shard.recorder, shard.recovery_dir, schema, rollover_min_bytes=16 << 10)
 
 
 async def served(cluster, consumers, app=None, log: bool = True, **fields):

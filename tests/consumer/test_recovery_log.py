@@ -1,14 +1,17 @@
 """Stateful shards survive the loss of their process without a shared disk (DESIGN.md invariants 8
-and 10): with a recovery log, a shard's store is recorded; a hot standby plays the log in its own
-directory (BACKFILL, then STANDBY), takes over when the primary goes, and the counts stay exact; a
-zombie primary (stopped past its lease, then resumed) records nothing after its successor's handoff
-and stops;
-a replica whose log journal is missing FAILS naming it; a shard's store is never moved to another
-recovery log (or to or from none) by an upsert, which would start it empty, and a shard deleted and
-made again on a new log serves from it (its old hints went with it); a handoff landing late from a
-replica that stalled past its lease does not stop the primary it fences; a process clears what a dead process of its
-id left in its directory only once announced, never while that process may still run. Real etcd and
-brokers; consumers in this process, each playing logs in its own directory."""
+and 10). Real etcd and brokers; consumers in this process (each playing logs in its own directory) or
+as `tidings consumer` children.
+
+- A hot standby plays the log (BACKFILL, then STANDBY), takes over when the primary goes, and the
+  counts stay exact; a zombie primary (stopped past its lease, then resumed) records nothing after
+  its successor's handoff and stops; a handoff landing late from a replica that stalled past its
+  lease does not stop the primary it fences (still assigned, it takes the log back).
+- A replica whose log journal is missing FAILS naming it; an upsert never moves a shard's store to
+  another recovery log (or to or from none), which would start it empty; a shard deleted and made
+  again on a new log serves from it (its old hints went with it).
+- A rollover's new hints are in etcd at once (a player skips the old history from then on).
+- A process clears what a dead process of its id left in its directory only once announced, never
+  while that process may still run."""
 
 from __future__ import annotations
 
@@ -20,11 +23,13 @@ from collections import Counter
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from tests.consumer.test_service import downstream, produce, shard
 from tests.support.consumer_procs import ConsumerProcs
-from tests.support.consumers import FAILED, PRIMARY, STANDBY, WORDS, RecordedCounts
+from tests.support.consumers import FAILED, PRIMARY, STANDBY, WORDS, RecordedCounts, SmallRollovers
 from tests.support.waiting import wait_until
+from tidings.consumer import replica as replica_module
 from tidings.consumer.client import ShardClient
 from tidings.consumer.recovery import CONTENT_TYPE
 from tidings.consumer.recoverylog.hints import HintKeys, fetch_raw
@@ -306,3 +311,32 @@ async def test_a_late_handoff_of_a_stalled_replica_never_stops_the_primary(clust
 async def _stat_through(cluster, endpoint: str) -> None:
     async with ShardClient(endpoint) as sc, cluster.client() as c:
         await sc.stat("wc/0", {"wc/in/0": await c.write_head("wc/in/0")})
+
+
+async def test_a_rollover_writes_the_shards_hints_at_once(cluster, consumers) -> None:
+    await journals(cluster)
+    a = await consumers.add("zone-a", app=SmallRollovers())
+    async with ShardClient(a.endpoint) as sc:
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=shard(0, **SPEC))])
+        await wait_until(lambda: consumers.statuses("wc/0") == {"zone-a/c0": PRIMARY}, 30)
+
+        async def first_hinted_offset() -> int:
+            hinted = (await sc.get_hints("wc/0")).primary_hints.hints
+            return min((seg.first_offset for n in hinted.live_nodes for seg in n.segments), default=0)
+
+        await wait_until(lambda: _stored_hints(sc), 30)  # (the recovered hints, stored once restored)
+        start = await first_hinted_offset()
+        rollovers = REGISTRY.get_sample_value("tidings_recoverylog_rollovers_total", {"log": "wc/log/wc/0"}) or 0
+        rng = random.Random(3)
+        while (
+            REGISTRY.get_sample_value("tidings_recoverylog_rollovers_total", {"log": "wc/log/wc/0"}) or 0
+        ) == rollovers:
+            await produce(cluster, "wc/in/0", [rng.choice(WORDS) + "x" * 200 for _ in range(100)])
+            async with cluster.client() as c:
+                await sc.stat("wc/0", {"wc/in/0": await c.write_head("wc/in/0")})
+        assert replica_module.HINT_INTERVAL >= 60
+        await wait_until(lambda: _past(first_hinted_offset(), start), 30)  # (well before HINT_INTERVAL)
+
+
+async def _past(offset, start: int) -> bool:
+    return await offset > start

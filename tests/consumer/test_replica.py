@@ -1,6 +1,7 @@
 """A shard replica with a recovery log (consumer/replica.py) through each turn of its life: a
 primary-to-be asked to stop while it plays never hands the log off nor serves; a demoted primary
-whose log can no longer be played is FAILED (not left in BACKFILL for ever); a primary-to-be demoted
+says BACKFILL at once (no ready standby until it has played the log afresh), and one whose log can no
+longer be played is FAILED (not left in BACKFILL for ever); a primary-to-be demoted
 before it served says how far its playback is (STANDBY once caught up), so the allocator can count
 on it; a standby whose shard's log or hints change plays the new ones.
 
@@ -185,5 +186,18 @@ async def test_a_standby_plays_the_shards_new_log_or_hints(host, cluster, etcd_r
         await wait_until(lambda: first.task is not None and first.task.done() and not first.dir.exists(), 30)
         await asyncio.wait_for(now.tailing.wait(), 30)
         await wait_until(lambda: replica.status.code == STANDBY, 30)
+    finally:
+        await replica.aclose()
+
+
+async def test_a_demoted_primary_says_backfill_at_once_until_it_played_afresh(host, said) -> None:
+    replica = replica_of(host)
+    try:
+        replica.update(SPEC, assigned(0))
+        await wait_until(lambda: replica.status.code == PRIMARY, 30)
+        replica.update(SPEC, assigned(1))
+        assert replica.status.code == BACKFILL  # (not PRIMARY while it stops: the allocator counts on no one)
+        await wait_until(lambda: replica.status.code == STANDBY, 30)
+        assert said[said.index(PRIMARY) + 1 :] == [BACKFILL, BACKFILL, STANDBY]  # (and its fresh playback's)
     finally:
         await replica.aclose()

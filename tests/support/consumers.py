@@ -7,6 +7,7 @@ import asyncio
 
 from tidings.consumer import Application, SQLiteStore, sqlite_store
 from tidings.consumer.service import Consumer, ConsumerConfig
+from tidings.consumer.store_recorded import RecordedSQLiteStore
 from tidings.protocol import protocol_pb2 as pb
 
 COUNTS = "CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INTEGER NOT NULL)"
@@ -44,6 +45,17 @@ class SlowRecordedCounts(RecordedCounts):
     async def consume_message(self, shard, store, env, publisher) -> None:
         await asyncio.sleep(0.01)
         await super().consume_message(shard, store, env, publisher)
+
+
+class SmallRollovers(RecordedCounts):
+    """Recorded counts whose database rolls over every few tens of KiB of log (the default is 4 MiB; a
+    WAL checkpointed every few pages restarts, so the log outgrows the live files): the live part of the
+    log moves on, and what lies before it can be pruned."""
+
+    def new_store(self, shard) -> SQLiteStore:
+        assert shard.recorder is not None and shard.recovery_dir is not None
+        schema = [COUNTS, "PRAGMA wal_autocheckpoint=8"]
+        return RecordedSQLiteStore(shard.recorder, shard.recovery_dir, schema, rollover_min_bytes=16 << 10)
 
 
 def out_journal(shard_id: str) -> str:

@@ -111,6 +111,8 @@ class ShardReplica:
         self._stop.set()
         old, self._primary, self.shard = self._primary, None, None
         assert old is not None
+        if self.spec is not None and self.spec.recovery_log_prefix and self.status.code != pb.ReplicaStatus.FAILED:
+            self._set_status(pb.ReplicaStatus.BACKFILL)  # (no ready standby until it has played the log afresh)
 
         def stood_down(_task: asyncio.Task[None]) -> None:
             code = self.status.code
@@ -279,16 +281,19 @@ class ShardReplica:
         """A recording primary's hints in etcd: the recovered ones once its store is restored (`since` its
         promotion: the handoff's time), then its recorder's every HINT_INTERVAL (a player reads the log
         from the latest hints on), each guarded by this assignment (a primary that lost the shard writes
-        none)."""
-        assert self.assignment is not None and shard.recorder is not None
+        none); and at once when the recorder says the log's live part moved on (a rollover)."""
+        recorder = shard.recorder
+        assert self.assignment is not None and recorder is not None
         guard = create_revision_is(self.assignment.key, self.assignment.create_revision)
         await shard.restored.wait()
         metrics_log.HANDOFF_SECONDS.observe(time.monotonic() - since)
         await recovery.store_recovered(guard)
         while True:
-            await asyncio.sleep(HINT_INTERVAL)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(recorder.hints_due.wait(), HINT_INTERVAL)
+            recorder.hints_due.clear()
             try:
-                await store_recorded(self.consumer.etcd, recovery.keys, await shard.recorder.build_hints(), guard)
+                await store_recorded(self.consumer.etcd, recovery.keys, await recorder.build_hints(), guard)
             except TidingsError as exc:  # (etcd unreachable, or the recorder fenced: the primary stops anyway)
                 log.warning("shard %s: writing its recovery hints failed: %s", self.id, exc)
 

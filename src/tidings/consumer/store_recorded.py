@@ -176,6 +176,7 @@ class RecordedSQLiteStore(SQLiteStore):
         await rec.barrier()
         self.rollovers += 1
         metrics.ROLLOVERS.labels(rec.log).inc()
+        rec.hints_due.set()  # (the shard's primary writes hints now: a player skips the old history at once)
 
     async def _in_thread(self, work: Callable[[], T]) -> T:
         try:

@@ -62,6 +62,7 @@ class Recorder:
         self._last: asyncio.Future[AppendResult] | None = None
         self._ops = self._bytes = 0
         self._recorded_ops, self._recorded_bytes = metrics.RECORDED_OPS.labels(log), metrics.RECORDED_BYTES.labels(log)
+        self.hints_due = asyncio.Event()  # set when the log's live part moved on (a rollover): hints are due
         self._depth = 0  # nesting of operations that must land in one append (a rename's three ops)
 
     # -- operations ----------------------------------------------------------------------------
