@@ -12,7 +12,8 @@ Fencing" and "Recovery Logs and Register Fencing").
   checkpoint, re-write its ACK intents, read sources committed, consume, commit the store with
   the checkpoint after the downstream appends, then write the ACKs); `transaction`: that loop.
 - `service`: the consumer process (`tidings consumer`): shards assigned by the allocator, the
-  Shard gRPC service, metrics; `client`: ShardClient.
+  Shard gRPC service, metrics; `replica`: its replica of one shard (primary, standby, statuses);
+  `client`: ShardClient.
 
 A shard with a recovery log keeps its store on each replica in a directory of the process's own:
 replicas play the log (BACKFILL, then STANDBY: hot standbys), and the one that becomes primary hands
