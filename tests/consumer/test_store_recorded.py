@@ -5,6 +5,7 @@ zombie primary whose log a newer primary took over commits nothing more (invaria
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from tidings.consumer.store_recorded import DATABASE, JSONFileStore, RecordedSQL
 from tidings.protocol import protocol_pb2 as pb
 
 LOG = "recovery/wc-0"
+HORIZON_TXNS = int(os.environ.get("TIDINGS_HORIZON_TXNS", "1500"))  # (the 10,000: ~1 min here)
 
 
 async def primary(c: AsyncClient, dir: Path, hints: pb.FSMHints | None = None, **options) -> RecordedSQLiteStore:
@@ -210,7 +212,7 @@ async def test_playback_reads_at_most_a_multiple_of_the_live_database(cluster, l
     async with cluster.client() as c:
         a = await primary(c, tmp_path / "a", rollover_min_bytes=64 << 10)
         await a.restore_checkpoint("wc/0")
-        for i in range(1500):
+        for i in range(HORIZON_TXNS):
             await a.begin()  # (as the shard does before a transaction's first message)
             for j in range(10):
                 a.transaction().execute(
