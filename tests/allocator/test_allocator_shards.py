@@ -176,6 +176,8 @@ async def test_a_lone_primary_hands_over_only_to_a_ready_successor(consumers) ->
         ({"min_txn_duration_ms": 2000}, "at most max_txn_duration"),
         ({"recovery_log_prefix": ""}, "set recovery_log_prefix"),
         ({"hot_standbys": 9}, "outside 0..8"),
+        ({"hint_backups": 17}, "hint_backups: must be 0 to 16"),
+        ({"hint_backups": -1}, "hint_backups: must be 0 to 16"),
         ({"id": "a#b"}, "characters outside"),
         ({"labels": pb.LabelSet(labels=[pb.Label(name="id", value="x")])}, "label 'id'"),
     ],

@@ -319,6 +319,10 @@ async def test_list_shows_each_replicas_recovery_log_lag(cluster, consumers) -> 
         primary = await sc.replica_stat("wc/0", a.endpoint)
         assert primary.recovery_log.offset == head and primary.read_through["wc/in/0"] > 0
     await wait_until(lambda: b.replicas["wc/0"].recovery.offset == head, 30)  # (the standby tails the log)
+    async with grpc.aio.insecure_channel(b.endpoint) as channel:  # (any_replica never waits: read_through refused)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await pb_grpc.ShardStub(channel).Stat(pb.StatRequest(shard="wc/0", any_replica=True, read_through={"x": 1}))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "any_replica" in refused.value.details()
 
     r = await shards(a, "list", "--json", broker=cluster.brokers[0].endpoint)
     assert r.returncode == 0, r.stderr

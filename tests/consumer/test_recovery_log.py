@@ -7,8 +7,9 @@ as `tidings consumer` children.
   its successor's handoff and stops; a handoff landing late from a replica that stalled past its
   lease does not stop the primary it fences (still assigned, it takes the log back).
 - A replica whose log journal is missing FAILS naming it; an upsert never moves a shard's store to
-  another recovery log (or to or from none), which would start it empty; a shard deleted and made
-  again on a new log serves from it (its old hints went with it).
+  another recovery log (or to or from none), which would start it empty, nor its hints elsewhere;
+  a shard deleted and made again on a new log serves from it (every hint slot went with it, also
+  backups above a lowered hint_backups); an apply of many shards stays within etcd's limits.
 - A rollover's new hints are in etcd at once (a player skips the old history from then on).
 - A process clears what a dead process of its id left in its directory only once announced, never
   while that process may still run."""
@@ -187,12 +188,13 @@ async def test_a_shards_store_is_not_moved_to_another_log_by_an_upsert(cluster, 
         await sc.apply([pb.ShardApplyRequest.Change(upsert=shard(0, **SPEC))])
         await sc.apply([pb.ShardApplyRequest.Change(upsert=shard(1))])
         await wait_until(lambda: consumers.statuses("wc/0") == {"zone-a/c0": PRIMARY}, 30)
-        moves = [shard(0, recovery_log_prefix="wc/other"), shard(0), shard(1, recovery_log_prefix="wc/log")]
+        moves = [shard(0, recovery_log_prefix="wc/other"), shard(0), shard(1, recovery_log_prefix="wc/log"),
+                 shard(0, **SPEC, hint_prefix="/elsewhere")]  # fmt: skip
         for moved in moves:
             with pytest.raises(TransportError) as refused:
                 await sc.apply([pb.ShardApplyRequest.Change(upsert=moved, expect_mod_revision=-1)])
             assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
-            assert "recovery_log_prefix" in str(refused.value) and "delete the shard" in str(refused.value)
+            assert "recovery_log_prefix" in str(refused.value) or "hint_prefix" in str(refused.value)
         specs = {s.spec.id: s.spec for s in (await sc.list()).shards}
         assert specs["wc/0"].recovery_log_prefix == "wc/log" and not specs["wc/1"].recovery_log_prefix
         kept = shard(0, **SPEC, hint_backups=3)  # (anything else may change)
@@ -205,15 +207,19 @@ async def test_a_shard_deleted_and_made_again_on_a_new_log_serves_from_it(cluste
     await cluster.create_journal("wc/log2/wc/0", 1, labels={"content-type": CONTENT_TYPE})
     a = await consumers.add("zone-a", app=RecordedCounts())
     async with ShardClient(a.endpoint) as sc:
-        await sc.apply([pb.ShardApplyRequest.Change(upsert=shard(0, **SPEC))])
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=shard(0, **SPEC, hint_backups=2))])
         await wait_until(lambda: consumers.statuses("wc/0") == {"zone-a/c0": PRIMARY}, 30)
+        (listed,) = (await sc.list()).shards  # (a backup slot above the hint_backups it is deleted with)
+        await a.etcd.put(HintKeys(a.hint_prefix, "wc/0", 2).backup(1), listed.status[0].SerializeToString())
+        lowered = pb.ShardApplyRequest.Change(upsert=shard(0, **SPEC, hint_backups=1), expect_mod_revision=-1)
+        await sc.apply([lowered])
         await produce(cluster, "wc/in/0", ["apple"] * 10)
         async with cluster.client() as c:
             await sc.stat("wc/0", {"wc/in/0": await c.write_head("wc/in/0")})
         await wait_until(lambda: _stored_hints(sc), 30)  # (its recovered hints are in etcd)
         (listed,) = (await sc.list()).shards
         await sc.apply([pb.ShardApplyRequest.Change(delete="wc/0", expect_mod_revision=listed.mod_revision)])
-        left = await fetch_raw(a.etcd, HintKeys(a.hint_prefix, "wc/0", SPEC.get("hint_backups", 0)))
+        left = await fetch_raw(a.etcd, HintKeys(a.hint_prefix, "wc/0", 2))
         assert all(value is None for _, value in left.values()), left  # gone with the shard
         await wait_until(lambda: "wc/0" not in a.replicas, 30)
         await sc.apply([pb.ShardApplyRequest.Change(upsert=shard(0, **{**SPEC, "recovery_log_prefix": "wc/log2"}))])
@@ -340,3 +346,16 @@ async def test_a_rollover_writes_the_shards_hints_at_once(cluster, consumers) ->
 
 async def _past(offset, start: int) -> bool:
     return await offset > start
+
+
+async def test_an_apply_of_many_shards_stays_within_etcds_limits(cluster, consumers) -> None:
+    """etcd refuses a transaction of more than 128 compares or ops: each upsert carries one compare
+    (its expectation, or the revision its recovery log was checked at), each delete its hint slots."""
+    a = await consumers.add("zone-a")
+    many = [shard(i, disable=True) for i in range(100)]  # (none served: the applies are what is tested)
+    async with ShardClient(a.endpoint) as sc:
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=s) for s in many])  # (expect 0: created)
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=s, expect_mod_revision=-1) for s in many])
+        listed = {s.spec.id: s.mod_revision for s in (await sc.list()).shards}
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=s, expect_mod_revision=listed[s.id]) for s in many])
+        assert len((await sc.list()).shards) == 100

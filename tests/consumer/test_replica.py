@@ -3,7 +3,9 @@ primary-to-be asked to stop while it plays never hands the log off nor serves; a
 says BACKFILL at once (no ready standby until it has played the log afresh), and one whose log can no
 longer be played is FAILED (not left in BACKFILL for ever); a primary-to-be demoted
 before it served says how far its playback is (STANDBY once caught up), so the allocator can count
-on it; a standby whose shard's log or hints change plays the new ones.
+on it; a standby whose shard's log or hints change plays the new ones; a primary fenced off its log
+stops quietly when etcd says its assignment went (its successor's handoff: no FAILED standby), and
+takes the log back when etcd says it is still its own (a late handoff of a stalled replica).
 
 The test gives the replica its assignments (the allocator's own moves are tests/allocator's); etcd,
 brokers, the log and its playback are real."""
@@ -12,17 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 
+from tests.consumer.test_service import produce
 from tests.support.consumers import FAILED, PRIMARY, STANDBY, RecordedCounts
 from tests.support.waiting import wait_until
 from tidings.allocator.decoded import Assignment
 from tidings.consumer import replica as replica_module
 from tidings.consumer.recovery import CONTENT_TYPE
+from tidings.consumer.recoverylog.ops import new_author
 from tidings.consumer.recoverylog.player import Player
 from tidings.consumer.replica import ShardReplica
 from tidings.consumer.service import Consumer
@@ -199,5 +204,36 @@ async def test_a_demoted_primary_says_backfill_at_once_until_it_played_afresh(ho
         assert replica.status.code == BACKFILL  # (not PRIMARY while it stops: the allocator counts on no one)
         await wait_until(lambda: replica.status.code == STANDBY, 30)
         assert said[said.index(PRIMARY) + 1 :] == [BACKFILL, BACKFILL, STANDBY]  # (and its fresh playback's)
+    finally:
+        await replica.aclose()
+
+
+@pytest.mark.parametrize("still_assigned", [False, True])
+async def test_a_primary_fenced_off_its_log_stops_or_takes_it_back(
+    host, said, cluster, etcd_client, etcd_root, tmp_path, caplog, still_assigned
+) -> None:
+    caplog.set_level(logging.INFO, logger="tidings.consumer.replica")
+    key = f"{etcd_root}-assignments/wc/0"  # (this test's own: outside the brokers' root)
+    revision = await etcd_client.put(key, b"")
+    if not still_assigned:
+        await etcd_client.delete(key)  # (its successor's promotion deleted it; this process has not seen it yet)
+    replica = replica_of(host)
+    try:
+        replica.update(SPEC, Assignment("wc/0", "zone-a", "c0", 0, pb.ReplicaStatus(), key, -1, 0, revision))
+        await wait_until(lambda: replica.status.code == PRIMARY, 30)
+        first = replica._primary
+        other = Player(host.client, pb.FSMHints(log=LOG), tmp_path / "other")  # (a handoff the log cannot tell apart)
+        other.inject_handoff(new_author())
+        await other.play()
+        await produce(cluster, "wc/in/0", ["apple"])  # (the primary's next commit is fenced)
+        assert first is not None
+        await wait_until(first.done, 30)
+        if still_assigned:
+            await wait_until(lambda: "taking its log over again" in caplog.text, 30)
+            await wait_until(lambda: replica._primary is not first and replica.status.code == PRIMARY, 30)
+            await wait_until(lambda: replica.shard is not None and replica.shard.read_through.get("wc/in/0", 0) > 0, 30)
+        else:
+            assert "fenced off its recovery log by its successor" in caplog.text
+            assert FAILED not in said and replica.status.code == PRIMARY  # (until the update demoting it says)
     finally:
         await replica.aclose()

@@ -171,6 +171,8 @@ class ShardReplica:
 
     def _restart(self) -> None:
         """Stop the primary (its open transaction commits) and start another once it has stopped."""
+        if self.closed or self._primary is None:
+            return
         self._stop.set()
         self._start_primary(after=self._primary)
 
@@ -226,11 +228,11 @@ class ShardReplica:
                     await recovery.aclose()
 
     async def _ended_by(self, exc: Exception, spec: pb.ShardSpec, stop: asyncio.Event) -> None:
-        """The primary ended with `exc`: FAILED with the reason (unless stopping anyway, or it takes its
-        log back)."""
-        if isinstance(exc, RecorderFencedError) and await self._retake(exc, stop):
-            return
-        if isinstance(exc, FenceError):
+        """The primary ended with `exc`: FAILED with the reason, unless stopping anyway or fenced off its
+        recovery log by a successor (`_fenced`)."""
+        if isinstance(exc, RecorderFencedError):
+            await self._fenced(exc, stop)
+        elif isinstance(exc, FenceError):
             self._fail(f"fenced: {exc}", stop)
         elif isinstance(exc, OutputFailedError):
             self._fail(str(exc), stop)
@@ -241,24 +243,30 @@ class ShardReplica:
             log.error("shard %s: failed", self.id, exc_info=exc)
             self._fail(f"{type(exc).__name__}: {exc}", stop)
 
-    async def _retake(self, exc: RecorderFencedError, stop: asyncio.Event) -> bool:
-        """Fenced off the recovery log while etcd still holds this primary's assignment: the handoff that
-        fenced it was no primary's (a replica promoted, stalled past its lease with its handoff in flight,
-        whose no-op landed late): take the log over again, at most RETAKES times in a row (a commit resets
-        the count). False: a successor fenced us (stop as usual)."""
+    async def _fenced(self, exc: RecorderFencedError, stop: asyncio.Event) -> None:
+        """Fenced off the recovery log. etcd (read now, linearizably) says by whom: no longer this
+        process's assignment -> a successor's handoff: stop, as a demotion's update will say (no FAILED
+        standby); still ours -> the handoff was no primary's (a replica promoted, then stalled past its
+        lease with its no-op in flight, landing late): take the log over again, at most RETAKES times in
+        a row (a commit resets the count)."""
         a = self.assignment
-        if stop.is_set() or a is None or self._retakes >= RETAKES:
-            return False
+        if stop.is_set() or a is None:
+            return self._fail(f"fenced: {exc}", stop)
         try:
             kv, _ = await self.consumer.etcd.get(a.key)
         except TidingsError:
-            return False
-        if kv is None or kv.create_revision != a.create_revision:
-            return False
+            return self._fail(f"fenced: {exc}", stop)
+        mine = kv is not None and kv.create_revision == a.create_revision
+        if stop.is_set() or self.closed or self.assignment is not a or self._primary is not asyncio.current_task():
+            return  # (moved on meanwhile: whoever moved it stops or starts what must run)
+        if not mine:
+            log.info("shard %s: stopped: fenced off its recovery log by its successor (%s)", self.id, exc)
+            return
+        if self._retakes >= RETAKES:
+            return self._fail(f"fenced: {exc} ({RETAKES} times in a row while still its primary)", stop)
         self._retakes += 1
         log.warning("shard %s: %s, yet it is still this process's to serve; taking its log over again", self.id, exc)
         self._restart()  # (a new primary, once this one has ended)
-        return True
 
     async def _take_over(self, shard: Shard, stop: asyncio.Event, recovery: Recovery) -> bool:
         """Finish playback with a handoff and give `shard` its recorder; False if `stop` came first (no

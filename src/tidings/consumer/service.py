@@ -199,6 +199,8 @@ class Consumer(MemberProcess):
         for shard_id in list(self.replicas):
             if shard_id not in mine or shard_id not in state.items:
                 replica = self.replicas.pop(shard_id)
+                with contextlib.suppress(KeyError):  # (its gauge would stay at its last value for good)
+                    recovery_metrics.LAG_BYTES.remove(shard_id)
                 log.info("shard %s: no longer assigned here; stopping its replica", shard_id)
                 task = asyncio.get_running_loop().create_task(replica.aclose(), name=f"close:{shard_id}")
                 self._closing[shard_id] = task
@@ -239,7 +241,8 @@ class Consumer(MemberProcess):
         with contextlib.suppress(TidingsError, TimeoutError):
             async with asyncio.timeout(LAG_INTERVAL):  # (the client retries for ever: not here)
                 head = await self.client.write_head(stat.recovery_log.journal)
-            recovery_metrics.LAG_BYTES.labels(replica.id).set(max(0, head - stat.recovery_log.offset))
+            if self.replicas.get(replica.id) is replica:  # (not one closed meanwhile)
+                recovery_metrics.LAG_BYTES.labels(replica.id).set(max(0, head - stat.recovery_log.offset))
 
     # -- the Shard service ---------------------------------------------------------------------
 
@@ -251,6 +254,10 @@ class Consumer(MemberProcess):
         route = state.route(req.shard)
         replica = self.replicas.get(req.shard)
         if req.any_replica:
+            if req.read_through:
+                raise ValidationError(
+                    "stat.read_through", "any_replica answers at once: ask the primary (without any_replica) to wait"
+                )
             return self._replica_stat(req.shard, replica, route)
         if replica is None or not replica.is_primary or replica.shard is None:
             status = pb.NO_SHARD_PRIMARY if route.primary < 0 else pb.NOT_SHARD_PRIMARY
@@ -285,8 +292,9 @@ class Consumer(MemberProcess):
                 status=pb.NOT_SHARD_PRIMARY, header=self.header(route), detail=f"no replica of {shard_id!r} here"
             )
         resp = pb.StatResponse(status=pb.OK, header=self.header(route))
-        shard = replica.shard
-        if replica.is_primary and shard is not None:
+        shard, primary = replica.shard, replica._primary
+        serving = replica.is_primary and primary is not None and not primary.done()
+        if serving and shard is not None and shard.restored.is_set():
             resp.read_through.update(shard.read_through)
         if shard is not None and shard.recorder is not None and replica.is_primary:
             resp.recovery_log.journal, resp.recovery_log.offset = shard.recorder.log, shard.recorder.write_head
@@ -336,7 +344,9 @@ class Consumer(MemberProcess):
             if change.HasField("upsert"):
                 validate.shard_spec(change.upsert, f"changes[{i}].upsert")
                 key = keys.item_key(root, change.upsert.id)
-                compares.append(await self._same_store(key, change.upsert, f"changes[{i}].upsert"))
+                kept = await self._same_store(key, change.upsert, f"changes[{i}].upsert")
+                if change.expect_mod_revision < 0:  # (else the expectation below keeps the shard as read, or fails)
+                    compares.append(kept)
                 ops.append(put_op(key, change.upsert.SerializeToString()))
             elif change.delete:
                 validate.shard_id(change.delete, f"changes[{i}].delete")
@@ -360,23 +370,33 @@ class Consumer(MemberProcess):
 
     async def _hints_of(self, key: str, shard_id: str) -> list[RequestOp]:
         """A deleted shard's hints go with it: a shard made again under its id starts from its own log
-        (hints of the old one would name another log, or bring its state back)."""
+        (hints of the old one would name another log, or bring its state back). Every slot there is,
+        also backups above a lowered hint_backups."""
         kv, _ = await self.etcd.get(key)
         spec = pb.ShardSpec.FromString(kv.value) if kv is not None else None
         if spec is None or not spec.recovery_log_prefix:
             return []
-        return [
-            delete_op(k) for k in hints.HintKeys(spec.hint_prefix or self.hint_prefix, shard_id, spec.hint_backups).all
-        ]
+        slots = hints.HintKeys(spec.hint_prefix or self.hint_prefix, shard_id, 0)
+        found, _ = await self.etcd.get_prefix(f"{slots.prefix}/{shard_id}.")
+        return [delete_op(k.key) for k in found if slots.is_slot(k.key)]
 
     async def _same_store(self, key: str, spec: pb.ShardSpec, ctx: str) -> Compare:
         """Refuse an upsert that moves an existing shard's store to another recovery log (or to or from
         none): the store would start from what the new place holds (nothing) and the shard would read
-        its sources again from their start, publishing its outputs twice. Gazette migrates hints across
-        logs; here, delete the shard and create it anew. Returns the compare keeping the shard as read."""
+        its sources again from their start, publishing its outputs twice; or its hints elsewhere. Gazette
+        migrates hints across logs; here, delete the shard and create it anew. Returns the compare keeping
+        the shard as read."""
         kv, _ = await self.etcd.get(key)
         if kv is not None:
-            old = pb.ShardSpec.FromString(kv.value).recovery_log_prefix
+            was = pb.ShardSpec.FromString(kv.value)
+            if was.recovery_log_prefix and was.hint_prefix != spec.hint_prefix:
+                raise ValidationError(
+                    f"{ctx}.hint_prefix",
+                    f"shard {spec.id!r} keeps its recovery hints under {was.hint_prefix or '(the default)'!r}; "
+                    "under another prefix a replica would find none and play its log from the start (which a "
+                    "prune may have removed): keep it",
+                )
+            old = was.recovery_log_prefix
             if old != spec.recovery_log_prefix:
                 where = f"recovery log prefix {old!r}" if old else "no recovery log"
                 raise ValidationError(

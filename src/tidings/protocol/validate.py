@@ -18,6 +18,7 @@ MAX_CHUNK = 4 * 1024 * 1024  # largest content chunk a broker accepts in one mes
 MAX_OFFSET = 1 << 62
 MIN_FRAGMENT_LENGTH = 1024
 MAX_FRAGMENT_LENGTH = 1 << 34
+MAX_HINT_BACKUPS = 16  # (a shard's delete removes every hint slot in one etcd transaction: 128 ops at most)
 
 _NAME_CHARS = re.compile(r"^[A-Za-z0-9_\-+.=%/]+$")
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-+.=%]+$")
@@ -150,8 +151,8 @@ def shard_spec(spec: pb.ShardSpec, ctx: str = "shard") -> None:
         journal_name(spec.recovery_log_prefix, f"{ctx}.recovery_log_prefix")
     if spec.hint_prefix and not spec.hint_prefix.startswith("/"):
         raise ValidationError(f"{ctx}.hint_prefix", f"{spec.hint_prefix!r} must be an etcd key prefix, from '/'")
-    if spec.hint_backups < 0:
-        raise ValidationError(f"{ctx}.hint_backups", "must not be negative")
+    if not 0 <= spec.hint_backups <= MAX_HINT_BACKUPS:
+        raise ValidationError(f"{ctx}.hint_backups", f"must be 0 to {MAX_HINT_BACKUPS}")
     if spec.max_txn_duration_ms <= 0:
         raise ValidationError(f"{ctx}.max_txn_duration", "must be more than 0 (e.g. 1s)")
     if not 0 <= spec.min_txn_duration_ms <= spec.max_txn_duration_ms:

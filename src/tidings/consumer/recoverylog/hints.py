@@ -50,6 +50,11 @@ class HintKeys:
     def all(self) -> list[str]:
         return [self.primary, *(self.backup(i) for i in range(self.backups))]
 
+    def is_slot(self, key: str) -> bool:
+        """Whether `key` is one of this shard's hint slots (whatever its number of backups)."""
+        rest = key.removeprefix(f"{self.prefix}/{self.shard}.")
+        return rest != key and (rest == "primary" or (rest.startswith("backup.") and rest[7:].isdigit()))
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Hints:
