@@ -37,6 +37,16 @@ JOURNAL_APPENDED_BYTES = Counter(
 JOURNAL_COMMITS = Counter(
     "tidings_journal_commits_total", "Per journal (--metrics-journals): clients' appends committed.", ["journal"]
 )
+THROTTLED_SECONDS = Counter(
+    "tidings_append_throttled_seconds_total",
+    "Seconds appends' chunks waited for their journal's max_append_rate (or --max-append-rate): flow control.",
+)
+THROTTLED_CHUNKS = Counter("tidings_append_throttled_chunks_total", "Appends' chunks that waited for their rate.")
+JOURNAL_THROTTLED_SECONDS = Counter(
+    "tidings_journal_append_throttled_seconds_total",
+    "Per journal (--metrics-journals): seconds its appends waited for its rate.",
+    ["journal"],
+)
 JOURNAL_READ_BYTES = Counter(
     "tidings_journal_read_bytes_total", "Per journal (--metrics-journals): content bytes served by Read.", ["journal"]
 )

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import grpc
@@ -56,9 +57,12 @@ class _ClientStream:
     that long the stream must average at least `min_append_rate` bytes per second.
     """
 
-    def __init__(self, broker: Host, context: grpc.aio.ServicerContext) -> None:
+    def __init__(
+        self, broker: Host, context: grpc.aio.ServicerContext, throttled: Callable[[], float] = lambda: 0.0
+    ) -> None:
         self._context = context
         self._cfg = broker.config
+        self._throttled = throttled  # seconds the broker held the append back (broker/flow.py): not the client's
         self._started = time.monotonic()
         self._received = 0
         self.ended = False  # the client half-closed its stream
@@ -76,7 +80,7 @@ class _ClientStream:
             return None
         validate.append_content(msg)
         self._received += len(msg.content)
-        elapsed = time.monotonic() - self._started
+        elapsed = time.monotonic() - self._started - self._throttled()
         if elapsed > cfg.stall_timeout and self._received / elapsed < cfg.min_append_rate:
             raise ClientStalled(f"{self._received / elapsed:.0f} B/s is below the minimum {cfg.min_append_rate} B/s")
         return cast(pb.AppendRequest, msg)  # (not EOF: a message; grpc.aio is untyped)
@@ -131,7 +135,7 @@ async def _serve_append(broker: Host, context: grpc.aio.ServicerContext, journal
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     journal.append(first.journal)
     fsm = AppendFSM(broker, first)
-    client = _ClientStream(broker, context)
+    client = _ClientStream(broker, context, lambda: fsm.throttled)
     next_message = client.next_message
     try:
         end = await fsm.run(next_message)

@@ -49,6 +49,7 @@ import grpc
 from tidings.allocator import keys
 from tidings.allocator.converge import advertise_route
 from tidings.broker import _metrics as metrics
+from tidings.broker.flow import throttle
 from tidings.broker.pipeline import Acknowledgements, Pipeline
 from tidings.broker.replica import Replica, acquire
 from tidings.broker.resolver import Resolution
@@ -123,6 +124,7 @@ class AppendFSM:
         self.registers = pb.LabelSet()  # the journal's effective registers
         self.commit: pb.Fragment | None = None  # this append's span, with the SHA1 of its content
         self._invalidated = asyncio.Event()
+        self.throttled = 0.0  # seconds this append waited for its journal's rate (not the client's time)
         self._pln_header = False  # the next sync is a new pipeline's first: it carries the Header
         self._started = False
         self._sent = False  # this append has sent something through the pipeline's send side
@@ -191,7 +193,10 @@ class AppendFSM:
         return await self.run_to()
 
     async def _on_client_message(self, msg: pb.AppendRequest | BaseException | None) -> None:
-        """A client message is its content chunk, then (with `commit`) the empty chunk that commits."""
+        """A client message is its content chunk (once the journal's rate lets it go: broker/flow.py),
+        then (with `commit`) the empty chunk that commits."""
+        if isinstance(msg, pb.AppendRequest) and msg.content and not self._invalidated.is_set():
+            self.throttled += await throttle(self.broker, self.replica, len(msg.content), self._invalidated)
         if isinstance(msg, pb.AppendRequest) and msg.commit:
             if msg.content:
                 await self.on_stream_content(pb.AppendRequest(content=msg.content))

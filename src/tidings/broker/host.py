@@ -37,6 +37,7 @@ class BrokerConfig:
     journal_limit: int = 1024
     stall_timeout: float = 10.0  # a client silent this long is cut off
     min_append_rate: int = 16 * 1024  # bytes/s a client must average after stall_timeout
+    max_append_rate: int = 0  # bytes/s any journal's appends may take at most (0: only its spec's limit)
     # Seconds between a primary's zero-byte health-check appends of each journal (Gazette's healthCheckInterval:
     # a minute). Route changes pulse at once; dead connections are found by the transport's keep-alive.
     pulse_interval: float = 60.0

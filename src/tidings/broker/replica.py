@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tidings.broker import _metrics as metrics
+from tidings.broker.flow import AppendFlow
 from tidings.fragment import retention
 from tidings.fragment.fragment import Fragment
 from tidings.fragment.index import FragmentIndex
@@ -102,6 +103,7 @@ class Replica:
     ) -> None:
         self.journal = journal
         self.spec = spec
+        self.flow = AppendFlow()  # (its appends' rate, while primary: kept across Append RPCs)
         self.persister = persister
         self.default_store = default_store
         self.persist_delay = persist_delay

@@ -105,6 +105,15 @@ def broker(
     min_append_rate: Annotated[
         int, typer.Option(envvar="TIDINGS_MIN_APPEND_RATE", help="Bytes/s below which a slow append is cut off.")
     ] = 16 * 1024,
+    max_append_rate: Annotated[
+        int,
+        typer.Option(
+            envvar="TIDINGS_MAX_APPEND_RATE",
+            min=0,
+            help="Bytes/s any journal's appends may take at most on this broker (0: only the spec's "
+            "max_append_rate); faster appends wait, none fails.",
+        ),
+    ] = 0,
     pulse_interval: Annotated[
         float,
         typer.Option(
@@ -177,6 +186,7 @@ def broker(
         metrics_journals=metrics_journals,
         stall_timeout=stall_timeout,
         min_append_rate=min_append_rate,
+        max_append_rate=max_append_rate,
         pulse_interval=pulse_interval,
         lease_ttl=lease_ttl,
         exit_timeout=exit_timeout,
