@@ -61,6 +61,24 @@ MISTAKES = [
     pytest.param(("cluster", "up", "--metrics-port", "-1"), {}, "--metrics-port is -1", id="metrics-port"),
     pytest.param(("cluster", "up", "--metrics-port", "65535"), {}, "would pass 65535", id="metrics-port-high"),
     pytest.param(("journals", "suspend"), {}, "give a journal NAME or --selector S", id="suspend-nothing"),
+    pytest.param(
+        ("broker", "--etcd", "127.0.0.1:2379", "--listen", "0.0.0.0:8080"),
+        {},
+        "tidings broker listens on 0.0.0.0:8080 but would announce an address nobody can dial: pass --advertise",
+        id="wildcard-listen",
+    ),
+    pytest.param(
+        ("broker", "--etcd", "127.0.0.1:2379", "--listen", "0.0.0.0:8080", "--advertise", "fd00::5"),
+        {},
+        "--advertise 'fd00::5' is not HOST, HOST:PORT or [IPv6]:PORT",
+        id="advertise-v6-unbracketed",
+    ),
+    pytest.param(
+        ("consumer", "--app", "x:y", "--etcd", "127.0.0.1:2379", "--listen", "[::]:9090"),
+        {},
+        "tidings consumer listens on [::]:9090 but would announce an address nobody can dial",
+        id="consumer-wildcard",
+    ),
 ]
 
 

@@ -32,6 +32,7 @@ class BrokerConfig:
     zone: str = "local"
     suffix: str = "broker-0"
     listen: str = "127.0.0.1:0"
+    advertise: str = ""  # HOST or HOST:PORT other hosts dial ("": --listen's; a wildcard --listen needs one)
     data_dir: Path = Path("data")
     root: str = "/tidings/cluster"
     journal_limit: int = 1024

@@ -66,6 +66,14 @@ def broker(
             callback=check_endpoint("--listen (TIDINGS_LISTEN)"),
         ),
     ] = ("127.0.0.1:8080"),
+    advertise: Annotated[
+        str,
+        typer.Option(
+            envvar="TIDINGS_ADVERTISE",
+            help="HOST or HOST:PORT other hosts reach this process at (announced in etcd; '' : --listen's). "
+            "Needed when --listen's host is 0.0.0.0 or [::]; an IPv6 literal in brackets.",
+        ),
+    ] = "",
     replication_listen: Annotated[
         str,
         typer.Option(
@@ -170,7 +178,12 @@ def broker(
     from tidings.broker.host import BrokerConfig
     from tidings.broker.malloc import tune_malloc
     from tidings.broker.service import Broker
+    from tidings.member.serving import advertised
 
+    try:  # (before anything starts: an address nobody could dial is one line)
+        advertised(listen, advertise, "tidings broker")
+    except TidingsError as exc:
+        usage(str(exc))
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tune_malloc()
     cfg = BrokerConfig(
@@ -178,6 +191,7 @@ def broker(
         zone=zone,
         suffix=id,
         listen=listen,
+        advertise=advertise,
         replication_listen=replication_listen,
         data_dir=data_dir,
         root=root,

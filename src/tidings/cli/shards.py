@@ -92,6 +92,14 @@ def consumer(
             callback=check_endpoint("--listen", any_port=True),
         ),
     ] = DEFAULT_CONSUMER,
+    advertise: Annotated[
+        str,
+        typer.Option(
+            envvar="TIDINGS_ADVERTISE",
+            help="HOST or HOST:PORT other hosts reach this process at (announced in etcd; '' : --listen's). "
+            "Needed when --listen's host is 0.0.0.0 or [::]; an IPv6 literal in brackets.",
+        ),
+    ] = "",
     root: Annotated[
         str, typer.Option(envvar="TIDINGS_ROOT", help="etcd key prefix of this application's shards.")
     ] = "/tidings/consumers/default",
@@ -116,9 +124,11 @@ def consumer(
     `READY HOST:PORT` once it serves (then `METRICS HOST:PORT`); SIGTERM hands its shards to other
     processes (at most --exit-timeout seconds), then exits; exit code 1 if its etcd lease is lost."""
     from tidings.consumer.service import Consumer, ConsumerConfig, load_app
+    from tidings.member.serving import advertised
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        advertised(listen, advertise, "tidings consumer")  # (an address nobody could dial: one line, first)
         application = load_app(app_ref)
     except TidingsError as exc:
         usage(str(exc))
@@ -129,6 +139,7 @@ def consumer(
         zone=zone,
         suffix=id,
         listen=listen,
+        advertise=advertise,
         root=root,
         data_dir=data_dir,
         shard_limit=shard_limit,

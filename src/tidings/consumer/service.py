@@ -68,6 +68,7 @@ class ConsumerConfig:
     zone: str = "local"
     suffix: str = "consumer-0"
     listen: str = "127.0.0.1:0"
+    advertise: str = ""  # HOST or HOST:PORT other hosts dial ("": --listen's; a wildcard --listen needs one)
     root: str = "/tidings/consumers/default"
     data_dir: Path = Path("data/consumer")  # shards' local files (`Shard.path`): SQLite stores
     shard_limit: int = 1024

@@ -34,7 +34,7 @@ from tidings.allocator.state import State
 from tidings.keyspace import KeySpace
 from tidings.keyspace.decode import decoder
 from tidings.keyspace.etcd import Etcd
-from tidings.member.serving import listen_grpc, serve_metrics, stop_metrics
+from tidings.member.serving import WILDCARDS, advertised, host_of, listen_grpc, serve_metrics, stop_metrics
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import validate
 from tidings.protocol.status import TidingsError
@@ -51,6 +51,7 @@ class MemberConfig(Protocol):
     zone: str
     suffix: str
     listen: str
+    advertise: str
     root: str
     lease_ttl: int
     metrics_listen: str | None
@@ -115,6 +116,13 @@ class MemberProcess:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
+    def announced(self, bound: str) -> str:
+        """The endpoint to announce for another listener of this process bound at `bound`: on the
+        advertised host when --advertise is given or `bound` is a wildcard, with its own port."""
+        if self.config.advertise or host_of(bound) in WILDCARDS:
+            return f"{host_of(self.endpoint)}:{bound.rpartition(':')[2]}"
+        return bound
+
     async def start(self) -> MemberProcess:
         cfg = self.config
         validate.process_id(self.process_id, self.kind.member)
@@ -127,14 +135,15 @@ class MemberProcess:
             await self._prepare(undo)
             self.server = grpc.aio.server(options=self.server_options)
             self._add_servicer(self.server)
-            self.endpoint = listen_grpc(self.server, cfg.listen, self.who)
-            host, port = self.endpoint.rsplit(":", 1)
+            bound = listen_grpc(self.server, cfg.listen, self.who)
+            self.endpoint = advertised(bound, cfg.advertise, self.who)
+            host, port = bound.rsplit(":", 1)
             await self.server.start()
             undo.push_async_callback(self.server.stop, 0)
             await self._serve_more(undo, host)
             if cfg.metrics_listen:
                 served = serve_metrics(cfg.metrics_listen, host, int(port), self.who)
-                self._metrics_server, self.metrics_endpoint = served
+                self._metrics_server, self.metrics_endpoint = served[0], self.announced(served[1])
                 undo.callback(stop_metrics, self._metrics_server)
             self.spec = self._member_spec()
             self.announcement: Announcement = await announce(self.etcd, cfg.root, self.spec, ttl=cfg.lease_ttl)

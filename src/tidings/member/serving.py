@@ -15,7 +15,9 @@ from prometheus_client import Counter
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import UsageError
 
-__all__ = ["check_listen", "counted", "listen_grpc", "serve_metrics", "stop_metrics"]
+__all__ = ["advertised", "check_listen", "counted", "host_of", "listen_grpc", "serve_metrics", "stop_metrics"]
+
+WILDCARDS = {"", "0.0.0.0", "::", "[::]"}  # (hosts a server may listen on but nobody can dial)
 
 
 def check_listen(listen: str) -> None:
@@ -39,6 +41,41 @@ def listen_grpc(server: grpc.aio.Server, listen: str, who: str) -> str:
     except (OSError, RuntimeError) as err:
         raise UsageError(f"{who} cannot listen on {listen} ({err}); pass another --listen") from None
     return f"{listen.rsplit(':', 1)[0]}:{port}"
+
+
+def advertised(bound: str, advertise: str, who: str, flag: str = "--advertise") -> str:
+    """The endpoint other hosts dial for a service bound at `bound` (HOST:PORT): `advertise` (HOST or
+    HOST:PORT; an IPv6 literal in brackets) with the bound port unless it gives one, else `bound`
+    itself; a wildcard `bound` host without `advertise` is a UsageError (nobody could dial it)."""
+    port = bound.rpartition(":")[2]
+    if advertise:
+        host, given = _host_port(advertise, who, flag)
+        return f"{host}:{given or port}"
+    if host_of(bound) in WILDCARDS:
+        raise UsageError(
+            f"{who} listens on {bound} but would announce an address nobody can dial: pass {flag} HOST[:PORT] "
+            "(the address other hosts reach it at)"
+        )
+    return bound
+
+
+def _host_port(text: str, who: str, flag: str) -> tuple[str, str]:
+    """(HOST, PORT or "") of HOST, HOST:PORT, [IPv6] or [IPv6]:PORT."""
+    if text.startswith("["):
+        host, _, rest = text.partition("]")
+        host += "]"
+        if rest == "" or (rest.startswith(":") and rest[1:].isdigit()):
+            return host, rest[1:]
+    elif text.count(":") <= 1:
+        host, _, port = text.partition(":")
+        if host and (port == "" or port.isdigit()) and not text.endswith(":"):
+            return host, port
+    raise UsageError(f"{who}: {flag} {text!r} is not HOST, HOST:PORT or [IPv6]:PORT (an IPv6 literal in brackets)")
+
+
+def host_of(endpoint: str) -> str:
+    """HOST of HOST:PORT (an IPv6 literal keeps its brackets)."""
+    return endpoint.rpartition(":")[0]
 
 
 def serve_metrics(listen: str, host: str, port: int, who: str) -> tuple[Any, str]:

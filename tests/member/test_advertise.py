@@ -1,0 +1,87 @@
+"""Addresses for real networks (member/serving.py `advertised`): a process announces the address other
+hosts dial (--advertise, or its --listen address), never a wildcard nobody can dial (refused in one
+line), for its gRPC service, its replication port and its metrics alike; IPv6 literals in brackets.
+Real etcd and brokers."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.cluster import TestCluster
+from tidings.member.serving import advertised
+from tidings.protocol.status import UsageError
+
+
+@pytest.mark.parametrize(
+    ("bound", "advertise", "announced"),
+    [
+        ("127.0.0.1:8080", "", "127.0.0.1:8080"),
+        ("0.0.0.0:8080", "10.0.0.5", "10.0.0.5:8080"),
+        ("0.0.0.0:8080", "broker-1.example:443", "broker-1.example:443"),
+        ("[::]:8080", "[fd00::5]", "[fd00::5]:8080"),
+        ("[::]:8080", "[fd00::5]:9", "[fd00::5]:9"),
+        ("[::1]:8080", "", "[::1]:8080"),
+    ],
+)
+def test_the_announced_address(bound: str, advertise: str, announced: str) -> None:
+    assert advertised(bound, advertise, "broker b0") == announced
+
+
+@pytest.mark.parametrize(
+    ("bound", "advertise", "says"),
+    [
+        ("0.0.0.0:8080", "", "listens on 0.0.0.0:8080 but would announce an address nobody can dial: pass --advertise"),
+        ("[::]:8080", "", "listens on [::]:8080 but would announce an address nobody can dial"),
+        ("0.0.0.0:8080", "fd00::5", "'fd00::5' is not HOST, HOST:PORT or [IPv6]:PORT (an IPv6 literal in brackets)"),
+        ("0.0.0.0:8080", "host:", "'host:' is not HOST"),
+    ],
+)
+def test_an_address_nobody_can_dial_is_refused_in_one_line(bound: str, advertise: str, says: str) -> None:
+    with pytest.raises(UsageError, match="broker b0") as refused:
+        advertised(bound, advertise, "broker b0")
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.fixture
+async def brokers(etcd, etcd_root, tmp_path):
+    tc = TestCluster(etcd.endpoint, etcd_root, tmp_path)
+    try:
+        yield tc
+    finally:
+        await tc.stop()
+        from tidings.keyspace.etcd import Etcd
+
+        client = await Etcd.connect(etcd.endpoint)
+        try:
+            await client.delete_prefix(etcd_root + "/")
+        finally:
+            await client.aclose()
+
+
+async def test_a_broker_on_a_wildcard_announces_its_advertised_address(brokers) -> None:
+    with pytest.raises(UsageError, match="pass --advertise"):
+        await brokers.add_broker("zone-a", listen="0.0.0.0:0")
+    for zone in ("zone-a", "zone-b"):
+        await brokers.add_broker(zone, listen="0.0.0.0:0", advertise="127.0.0.1", metrics_listen="0.0.0.0:0")
+    async with brokers.client() as c:
+        members = (await c.members()).members
+        for m in members:  # gRPC, replication and metrics, all on the advertised host
+            for endpoint in (m.spec.endpoint, m.spec.replication_endpoint, m.spec.metrics_endpoint):
+                assert endpoint.startswith("127.0.0.1:") and not endpoint.endswith(":0"), m.spec
+        await brokers.create_journal("adv/j", 2)  # (replicated between the two through the announced ports)
+        await c.append("adv/j", b"across the advertised addresses")
+        assert (
+            b"".join([ch.content async for ch in c.reader("adv/j", 0, block=False)])
+            == b"across the advertised addresses"
+        )
+
+
+async def test_a_broker_serves_on_ipv6(brokers) -> None:
+    b = await brokers.add_broker("zone-a", listen="[::1]:0")
+    assert b.endpoint.startswith("[::1]:")
+    await brokers.create_journal("v6/j", 1)
+    async with brokers.client() as c:
+        await c.append("v6/j", b"over ::1")
+        assert await c.write_head("v6/j") == len(b"over ::1")
+        (m,) = (await c.members()).members
+        assert m.spec.replication_endpoint.startswith("[::1]:"), m.spec
