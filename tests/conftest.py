@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -79,13 +80,27 @@ async def etcd_client(etcd: EtcdProcess):
 @pytest.fixture
 async def cluster(etcd: EtcdProcess, etcd_root: str, tmp_path):
     """Three in-process brokers in three zones over the session etcd; stopped and cleaned after."""
+    async with _brokers(etcd, etcd_root, tmp_path) as tc:
+        for zone in ("zone-a", "zone-b", "zone-c"):
+            await tc.add_broker(zone)
+        yield tc
+
+
+@pytest.fixture
+async def brokers(etcd: EtcdProcess, etcd_root: str, tmp_path):
+    """A cluster a test configures itself: `brokers(**config)` gives a TestCluster without brokers (each
+    `add_broker` takes its own flags too); stopped and its keys deleted after."""
+    async with contextlib.AsyncExitStack() as stack:
+        yield lambda **config: stack.enter_async_context(_brokers(etcd, etcd_root, tmp_path, **config))
+
+
+@contextlib.asynccontextmanager
+async def _brokers(etcd: EtcdProcess, etcd_root: str, tmp_path, **config):
     from tests.support.cluster import TestCluster
     from tidings.keyspace.etcd import Etcd
 
-    tc = TestCluster(etcd.endpoint, etcd_root, tmp_path)
+    tc = TestCluster(etcd.endpoint, etcd_root, tmp_path, **config)
     try:
-        for zone in ("zone-a", "zone-b", "zone-c"):
-            await tc.add_broker(zone)
         yield tc
     finally:
         await tc.stop()

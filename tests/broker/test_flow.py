@@ -68,42 +68,27 @@ async def test_a_route_change_ends_the_wait() -> None:
     assert waited < 5
 
 
-async def test_a_limited_journal_waits_and_its_neighbour_does_not(etcd, etcd_root, tmp_path) -> None:
-    from tests.support.cluster import TestCluster
-
+async def test_a_limited_journal_waits_and_its_neighbour_does_not(brokers) -> None:
     # A client must average 256 KiB/s after a second: the limited journal's 64 KiB/s would cut it off
     # if the broker counted its own wait against the client.
-    tc = TestCluster(etcd.endpoint, etcd_root, tmp_path, metrics_journals=True, stall_timeout=1.0,
-                     min_append_rate=256 << 10)  # fmt: skip
-    try:
-        await tc.add_broker("zone-a")
-        await tc.create_journal("quota/limited", 1, max_append_rate=64 << 10)
-        await tc.create_journal("quota/free", 1)
-        chunk = bytes(range(256)) * 256  # 64 KiB
-        limited, free = chunk * 3, chunk * 16
+    tc = await brokers(metrics_journals=True, stall_timeout=1.0, min_append_rate=256 << 10)
+    await tc.add_broker("zone-a")
+    await tc.create_journal("quota/limited", 1, max_append_rate=64 << 10)
+    await tc.create_journal("quota/free", 1)
+    chunk = bytes(range(256)) * 256  # 64 KiB
+    limited, free = chunk * 3, chunk * 16
 
-        def throttled(journal: str) -> float:
-            return (
-                REGISTRY.get_sample_value("tidings_journal_append_throttled_seconds_total", {"journal": journal}) or 0
-            )
+    def throttled(journal: str) -> float:
+        return REGISTRY.get_sample_value("tidings_journal_append_throttled_seconds_total", {"journal": journal}) or 0
 
-        before = throttled("quota/limited"), throttled("quota/free")
-        async with tc.client() as c:
-            slow = asyncio.ensure_future(c.append("quota/limited", [chunk] * 3))  # (a stream: its chunks one by one)
-            for _ in range(4):
-                await c.append("quota/free", chunk * 4)
-            a = await slow
-            assert (a.end - a.begin, await c.write_head("quota/free")) == (len(limited), len(free))
-            got = b"".join([ch.content async for ch in c.reader("quota/limited", 0, block=False)])
-            assert got == limited
-        assert throttled("quota/limited") > before[0]  # it waited for its rate
-        assert throttled("quota/free") == before[1]  # its neighbour never did
-    finally:
-        await tc.stop()
-        from tidings.keyspace.etcd import Etcd
-
-        client = await Etcd.connect(etcd.endpoint)
-        try:
-            await client.delete_prefix(etcd_root + "/")
-        finally:
-            await client.aclose()
+    before = throttled("quota/limited"), throttled("quota/free")
+    async with tc.client() as c:
+        slow = asyncio.ensure_future(c.append("quota/limited", [chunk] * 3))  # (a stream: its chunks one by one)
+        for _ in range(4):
+            await c.append("quota/free", chunk * 4)
+        a = await slow
+        assert (a.end - a.begin, await c.write_head("quota/free")) == (len(limited), len(free))
+        got = b"".join([ch.content async for ch in c.reader("quota/limited", 0, block=False)])
+        assert got == limited
+    assert throttled("quota/limited") > before[0]  # it waited for its rate
+    assert throttled("quota/free") == before[1]  # its neighbour never did

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.cluster import TestCluster
 from tidings.member.serving import advertised
 from tidings.protocol.status import UsageError
 
@@ -42,23 +41,8 @@ def test_an_address_nobody_can_dial_is_refused_in_one_line(bound: str, advertise
     assert says in str(refused.value) and "\n" not in str(refused.value)
 
 
-@pytest.fixture
-async def brokers(etcd, etcd_root, tmp_path):
-    tc = TestCluster(etcd.endpoint, etcd_root, tmp_path)
-    try:
-        yield tc
-    finally:
-        await tc.stop()
-        from tidings.keyspace.etcd import Etcd
-
-        client = await Etcd.connect(etcd.endpoint)
-        try:
-            await client.delete_prefix(etcd_root + "/")
-        finally:
-            await client.aclose()
-
-
 async def test_a_broker_on_a_wildcard_announces_its_advertised_address(brokers) -> None:
+    brokers = await brokers()
     with pytest.raises(UsageError, match="pass --advertise"):
         await brokers.add_broker("zone-a", listen="0.0.0.0:0")
     for zone in ("zone-a", "zone-b"):
@@ -77,6 +61,7 @@ async def test_a_broker_on_a_wildcard_announces_its_advertised_address(brokers) 
 
 
 async def test_a_broker_serves_on_ipv6(brokers) -> None:
+    brokers = await brokers()
     b = await brokers.add_broker("zone-a", listen="[::1]:0")
     assert b.endpoint.startswith("[::1]:")
     await brokers.create_journal("v6/j", 1)

@@ -128,6 +128,16 @@ MetricsOpt = Annotated[
 ]
 
 
+AdvertiseOpt = Annotated[
+    str,
+    typer.Option(
+        envvar="TIDINGS_ADVERTISE",
+        help="HOST or HOST:PORT other hosts reach this process at (announced in etcd; '' : --listen's). "
+        "Needed when --listen's host is 0.0.0.0 or [::]; an IPv6 literal in brackets.",
+    ),
+]
+
+
 DeadlineOpt = Annotated[
     float,
     typer.Option(

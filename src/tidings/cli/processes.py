@@ -14,6 +14,7 @@ import typer
 
 from tidings.cli._common import (
     DEFAULT_BROKER,
+    AdvertiseOpt,
     BrokerOpt,
     at_least,
     broker_client,
@@ -66,14 +67,7 @@ def broker(
             callback=check_endpoint("--listen (TIDINGS_LISTEN)"),
         ),
     ] = ("127.0.0.1:8080"),
-    advertise: Annotated[
-        str,
-        typer.Option(
-            envvar="TIDINGS_ADVERTISE",
-            help="HOST or HOST:PORT other hosts reach this process at (announced in etcd; '' : --listen's). "
-            "Needed when --listen's host is 0.0.0.0 or [::]; an IPv6 literal in brackets.",
-        ),
-    ] = "",
+    advertise: AdvertiseOpt = "",
     replication_listen: Annotated[
         str,
         typer.Option(

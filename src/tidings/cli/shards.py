@@ -12,6 +12,7 @@ import typer
 
 from tidings.cli._common import (
     DEFAULT_BROKER,
+    AdvertiseOpt,
     BrokerOpt,
     MetricsOpt,
     at_least,
@@ -92,14 +93,7 @@ def consumer(
             callback=check_endpoint("--listen", any_port=True),
         ),
     ] = DEFAULT_CONSUMER,
-    advertise: Annotated[
-        str,
-        typer.Option(
-            envvar="TIDINGS_ADVERTISE",
-            help="HOST or HOST:PORT other hosts reach this process at (announced in etcd; '' : --listen's). "
-            "Needed when --listen's host is 0.0.0.0 or [::]; an IPv6 literal in brackets.",
-        ),
-    ] = "",
+    advertise: AdvertiseOpt = "",
     root: Annotated[
         str, typer.Option(envvar="TIDINGS_ROOT", help="etcd key prefix of this application's shards.")
     ] = "/tidings/consumers/default",
