@@ -134,12 +134,14 @@ async def test_a_zombie_primary_records_nothing_after_its_successors_handoff(clu
     SIGCONT: every recorder append of the zombie fails its register check (the log, played, skips no
     op of a dead branch), it stops, and each word is counted once."""
     await journals(cluster)
-    procs = ConsumerProcs(cluster, etcd_root + "-consumer", tmp_path, "tests.support.consumers:SlowRecordedCounts")
+    procs = ConsumerProcs(cluster, etcd_root + "-consumer", tmp_path, "tests.support.consumers:RecordedCounts")
     words = [random.Random(11).choice(WORDS) for _ in range(600)]
     try:
         a = await procs.start("c0", "zone-a")
         async with ShardClient(a) as sc:
-            await sc.apply([pb.ShardApplyRequest.Change(upsert=shard(0, **SPEC))])
+            # (transactions held open 2-4 s: the primary stopped mid-stream is mid-transaction)
+            slow = shard(0, **SPEC, min_txn_duration="2s", max_txn_duration="4s")
+            await sc.apply([pb.ShardApplyRequest.Change(upsert=slow)])
 
         async def statuses(via: str = "c0") -> dict[str, int]:
             async with ShardClient(procs.endpoints[via]) as sc:
@@ -149,7 +151,7 @@ async def test_a_zombie_primary_records_nothing_after_its_successors_handoff(clu
         await wait_until(lambda: _eq(statuses(), {"zone-a/c0": PRIMARY}), 30, interval=0.2)
         await procs.start("c1", "zone-b")
         await wait_until(lambda: _eq(statuses(), {"zone-a/c0": PRIMARY, "zone-b/c1": STANDBY}), 30, interval=0.2)
-        await produce(cluster, "wc/in/0", words[:200])  # (two seconds of work at least)
+        await produce(cluster, "wc/in/0", words[:200])
         producing = asyncio.ensure_future(produce(cluster, "wc/in/0", words[200:400]))
         procs.procs["c0"].send_signal(signal.SIGSTOP)  # (mid-stream, most likely in a transaction)
         try:

@@ -3,8 +3,6 @@ application whose shards each keep a SQLite file and publish running counts to w
 
 from __future__ import annotations
 
-import asyncio
-
 from tidings.consumer import Application, SQLiteStore, sqlite_store
 from tidings.consumer.service import Consumer, ConsumerConfig
 from tidings.consumer.store_recorded import RecordedSQLiteStore
@@ -37,14 +35,6 @@ class RecordedCounts(Counts):
 
     def new_store(self, shard) -> SQLiteStore:
         return sqlite_store(shard, schema=[COUNTS])
-
-
-class SlowRecordedCounts(RecordedCounts):
-    """RecordedCounts taking a few milliseconds a message: a primary stopped mid-stream is mid-transaction."""
-
-    async def consume_message(self, shard, store, env, publisher) -> None:
-        await asyncio.sleep(0.01)
-        await super().consume_message(shard, store, env, publisher)
 
 
 class SmallRollovers(RecordedCounts):
