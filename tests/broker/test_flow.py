@@ -2,10 +2,12 @@
 fast, and a journal under its limit (or unlimited) is never held back by another's.
 
 The bucket's arithmetic on a clock the test moves (a burst of one second of rate, credit banked up to
-BANK seconds, a changed limit starting afresh, an unlimited journal never charged); then real brokers:
+BANK seconds, a changed limit starting afresh, an unlimited journal never charged, an append's wait
+bounded by its budget with the debt kept, a cancelled wait's charge given back); then real brokers:
 a limited journal's appends wait (its chunks counted as throttled, its content intact), its
-neighbour's never do, and the wait is the broker's, not the client's (the minimum-rate check that
-would cut a slow client off leaves it out)."""
+neighbour's never do, and the wait is the broker's, not the client's: neither an append's own wait,
+nor another's it queued behind, nor a primary's throttling seen through a proxying broker cuts a
+client off for being slow."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from tidings.broker.flow import BANK, AppendFlow, effective_rate
+from tidings.client import AsyncClient
 
 
 class Clock:
@@ -60,6 +63,26 @@ def test_a_changed_limit_starts_afresh_and_an_unlimited_journal_is_never_charged
     assert flow.charge(2000, 2000) == 0  # (a new limit: a second of it, the old debt forgotten)
 
 
+async def test_an_appends_wait_is_bounded_and_its_debt_kept() -> None:
+    clock = Clock()
+    flow = AppendFlow(clock)
+    assert await flow.take(1000, 1000) == 0
+    assert await asyncio.wait_for(flow.take(10**6, 1000, budget=0.0), 5) == 0  # (no budget left: goes on)
+    assert flow.charge(0, 1000) == pytest.approx(1000.0)  # (its debt stays with the journal)
+
+
+async def test_a_cancelled_wait_gives_back_what_it_did_not_wait_for() -> None:
+    clock = Clock()
+    flow = AppendFlow(clock)
+    flow.charge(1000, 1000)  # (the burst, spent)
+    waiting = asyncio.ensure_future(flow.take(5000, 1000))
+    await asyncio.sleep(0)  # (let it start waiting: the cancellation under test lands mid-wait)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert flow.charge(0, 1000) == 0  # (the clock did not move: all of it came back)
+
+
 async def test_a_route_change_ends_the_wait() -> None:
     flow = AppendFlow()
     invalidated = asyncio.Event()
@@ -84,11 +107,26 @@ async def test_a_limited_journal_waits_and_its_neighbour_does_not(brokers) -> No
     before = throttled("quota/limited"), throttled("quota/free")
     async with tc.client() as c:
         slow = asyncio.ensure_future(c.append("quota/limited", [chunk] * 3))  # (a stream: its chunks one by one)
+        queued = asyncio.ensure_future(c.append("quota/limited", [chunk] * 2))  # (waits for the pipeline first)
         for _ in range(4):
             await c.append("quota/free", chunk * 4)
-        a = await slow
-        assert (a.end - a.begin, await c.write_head("quota/free")) == (len(limited), len(free))
+        a, q = await slow, await queued
+        assert (a.end - a.begin, q.end - q.begin) == (len(limited), 2 * len(chunk))
+        assert await c.write_head("quota/free") == len(free)
         got = b"".join([ch.content async for ch in c.reader("quota/limited", 0, block=False)])
-        assert got == limited
+        assert got == limited + chunk * 2 or got == chunk * 2 + limited
     assert throttled("quota/limited") > before[0]  # it waited for its rate
     assert throttled("quota/free") == before[1]  # its neighbour never did
+
+
+async def test_an_append_through_another_broker_is_not_cut_off_for_the_primarys_throttling(brokers) -> None:
+    tc = await brokers(stall_timeout=1.0, min_append_rate=256 << 10)
+    for zone in ("zone-a", "zone-b"):
+        await tc.add_broker(zone)
+    await tc.create_journal("quota/limited", 1, max_append_rate=64 << 10)
+    route = tc.route("quota/limited")
+    proxy = next(b for b in tc.brokers if b.endpoint != route.endpoints[route.primary])
+    chunk = bytes(range(256)) * 256
+    async with AsyncClient(proxy.endpoint) as c:  # (a new client: its first append goes through `proxy`)
+        result = await c.append("quota/limited", [chunk] * 4)  # (~3 s at the primary's rate)
+    assert result.end - result.begin == 4 * len(chunk)

@@ -62,11 +62,20 @@ async def test_a_broker_on_a_wildcard_announces_its_advertised_address(brokers) 
 
 async def test_a_broker_serves_on_ipv6(brokers) -> None:
     brokers = await brokers()
-    b = await brokers.add_broker("zone-a", listen="[::1]:0")
+    b = await brokers.add_broker("zone-a", listen="[::1]:0", metrics_listen="auto")
     assert b.endpoint.startswith("[::1]:")
     await brokers.create_journal("v6/j", 1)
     async with brokers.client() as c:
         await c.append("v6/j", b"over ::1")
         assert await c.write_head("v6/j") == len(b"over ::1")
         (m,) = (await c.members()).members
-        assert m.spec.replication_endpoint.startswith("[::1]:"), m.spec
+        assert m.spec.replication_endpoint.startswith("[::1]:") and m.spec.metrics_endpoint.startswith("[::1]:"), m.spec
+
+
+async def test_an_address_its_flag_named_is_announced_as_named(brokers) -> None:
+    brokers = await brokers()
+    await brokers.add_broker("zone-a", advertise="localhost", replication_listen="127.0.0.1:0", metrics_listen="auto")
+    async with brokers.client() as c:
+        (m,) = (await c.members()).members
+    assert m.spec.endpoint.startswith("localhost:") and m.spec.metrics_endpoint.startswith("localhost:")
+    assert m.spec.replication_endpoint.startswith("127.0.0.1:"), m.spec  # (--replication-listen's, as given)

@@ -63,13 +63,15 @@ class _ClientStream:
         self._context = context
         self._cfg = broker.config
         self._throttled = throttled  # seconds the broker held the append back (broker/flow.py): not the client's
-        self._started = time.monotonic()
+        self._started = 0.0  # (the first read: time queued for the pipeline before it is not the client's)
+        self.police_rate = True  # (off when proxying: the primary polices, and throttles, the stream)
         self._received = 0
         self.ended = False  # the client half-closed its stream
 
     async def next_message(self) -> pb.AppendRequest | None:
         """The client's next validated message, None at end-of-stream."""
         cfg = self._cfg
+        self._started = self._started or time.monotonic()
         try:
             async with asyncio.timeout(cfg.stall_timeout):
                 msg = await self._context.read()
@@ -81,7 +83,7 @@ class _ClientStream:
         validate.append_content(msg)
         self._received += len(msg.content)
         elapsed = time.monotonic() - self._started - self._throttled()
-        if elapsed > cfg.stall_timeout and self._received / elapsed < cfg.min_append_rate:
+        if self.police_rate and elapsed > cfg.stall_timeout and self._received / elapsed < cfg.min_append_rate:
             raise ClientStalled(f"{self._received / elapsed:.0f} B/s is below the minimum {cfg.min_append_rate} B/s")
         return cast(pb.AppendRequest, msg)  # (not EOF: a message; grpc.aio is untyped)
 
@@ -184,6 +186,7 @@ async def _proxy(
     req.CopyFrom(first)
     req.header.CopyFrom(fsm.resolved.header)
     req.do_not_proxy = True
+    client.police_rate = False
     call = JournalStub(broker.channel(endpoint)).Append()  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
     try:
         try:

@@ -196,7 +196,9 @@ class AppendFSM:
         """A client message is its content chunk (once the journal's rate lets it go: broker/flow.py),
         then (with `commit`) the empty chunk that commits."""
         if isinstance(msg, pb.AppendRequest) and msg.content and not self._invalidated.is_set():
-            self.throttled += await throttle(self.broker, self.replica, len(msg.content), self._invalidated)
+            self.throttled += await throttle(
+                self.broker, self.replica, len(msg.content), self._invalidated, self.throttled
+            )
         if isinstance(msg, pb.AppendRequest) and msg.commit:
             if msg.content:
                 await self.on_stream_content(pb.AppendRequest(content=msg.content))

@@ -126,7 +126,7 @@ class Broker(MemberProcess):
             id=self.process_id,
             endpoint=self.endpoint,
             journal_limit=self.config.journal_limit,
-            replication_endpoint=self.announced(self.replication.endpoint),
+            replication_endpoint=self.announced(self.replication.endpoint, not self.config.replication_listen),
             metrics_endpoint=self.metrics_endpoint,
         )
 

@@ -77,6 +77,8 @@ class BrokerProcess:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=preexec,
+            # (each broker announces its own --listen: a TIDINGS_ADVERTISE of the caller's is no broker's)
+            env={k: v for k, v in os.environ.items() if k != "TIDINGS_ADVERTISE"},
         )
         log.close()
         assert self.proc.stdout is not None

@@ -116,10 +116,11 @@ class MemberProcess:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def announced(self, bound: str) -> str:
+    def announced(self, bound: str, derived: bool) -> str:
         """The endpoint to announce for another listener of this process bound at `bound`: on the
-        advertised host when --advertise is given or `bound` is a wildcard, with its own port."""
-        if self.config.advertise or host_of(bound) in WILDCARDS:
+        advertised host (with its own port) when `bound` is a wildcard, or when it was `derived` from
+        --listen and --advertise is given; else `bound` (an address its flag named)."""
+        if host_of(bound) in WILDCARDS or (derived and self.config.advertise):
             return f"{host_of(self.endpoint)}:{bound.rpartition(':')[2]}"
         return bound
 
@@ -143,7 +144,10 @@ class MemberProcess:
             await self._serve_more(undo, host)
             if cfg.metrics_listen:
                 served = serve_metrics(cfg.metrics_listen, host, int(port), self.who)
-                self._metrics_server, self.metrics_endpoint = served[0], self.announced(served[1])
+                self._metrics_server, self.metrics_endpoint = (
+                    served[0],
+                    self.announced(served[1], cfg.metrics_listen == "auto"),
+                )
                 undo.callback(stop_metrics, self._metrics_server)
             self.spec = self._member_spec()
             self.announcement: Announcement = await announce(self.etcd, cfg.root, self.spec, ttl=cfg.lease_ttl)

@@ -88,7 +88,7 @@ def serve_metrics(listen: str, host: str, port: int, who: str) -> tuple[Any, str
         tries = [[host, str(port + 1000 if 0 < port <= 64535 else 0)], [host, "0"]]
     for i, (mhost, mport) in enumerate(tries):
         try:
-            server, _thread = start_http_server(int(mport), addr=mhost)
+            server, _thread = start_http_server(int(mport), addr=mhost.strip("[]"))  # (an IPv6 literal: bare)
         except OSError as err:
             if i + 1 < len(tries):
                 continue
