@@ -235,6 +235,46 @@ def test_cluster_up_serves_then_sigterm_leaves_nothing_running(tmp_path: Path) -
             proc.wait()
 
 
+def test_cluster_up_on_ipv6_loopback_announces_bracketed_endpoints_and_serves(tmp_path: Path) -> None:
+    """`cluster up --listen-host ::1`: etcd and every broker listen there and announce `[::1]:PORT`;
+    a journal replicated between them takes an append and reads it back through either broker."""
+    import signal
+
+    from tests.support.waiting import wait_until_sync
+    from tidings.cluster.etcd import free_port
+
+    port = free_port("::1")
+    args = ["cluster", "up", "--brokers", "2", "--port", str(port), "--listen-host", "::1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tidings.cli", *args, "--data-dir", str(tmp_path / "data")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines: list[str] = []
+        wait_until_sync(lambda: lines.append(proc.stdout.readline()) or "ready" in lines[-1], 60)  # type: ignore[union-attr]
+        brokers = [line.split()[1] for line in lines if line.startswith("broker")]
+        assert brokers == [f"[::1]:{port}", f"[::1]:{port + 1}"], lines
+        assert next(line.split()[1] for line in lines if line.startswith("etcd")).startswith("[::1]:"), lines
+        spec = tmp_path / "v6.yaml"
+        spec.write_text("name: v6/j\nreplication: 2\n")
+        assert tidings("journals", "apply", str(spec), broker=brokers[0]).returncode == 0
+        r = tidings("journals", "append", "v6/j", broker=brokers[1], stdin=b"over ::1\n")
+        assert r.returncode == 0, r.stderr
+        r = tidings("journals", "read", "v6/j", "--no-block", broker=brokers[0])
+        assert r.returncode == 0 and r.stdout == b"over ::1\n", r
+        listed = tidings("members", "list", "--json", broker=brokers[0]).stdout
+        members = [json.loads(line) for line in listed.splitlines()]
+        assert all(m["endpoint"].startswith("[::1]:") for m in members) and len(members) == 2, members
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_demo_runs_the_pipeline_and_checks_it(tmp_path: Path) -> None:
     """`make demo`'s command, shortened: producers, Spark streaming, the sink, the exact check."""
     env = {**os.environ, "TIDINGS_DEMO_TXNS": "10", "TIDINGS_DEMO_PACE": "0.05"}

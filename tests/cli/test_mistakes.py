@@ -79,6 +79,18 @@ MISTAKES = [
         "tidings consumer listens on [::]:9090 but would announce an address nobody can dial",
         id="consumer-wildcard",
     ),
+    pytest.param(
+        ("cluster", "up", "--listen-host", "0.0.0.0"),
+        {},
+        "a cluster listening on 0.0.0.0 would announce addresses nobody can dial: pass --advertise-host HOST",
+        id="cluster-wildcard",
+    ),
+    pytest.param(
+        ("cluster", "up", "--listen-host", "192.0.2.77"),
+        {},
+        "192.0.2.77:8080 is taken or not this host's address: give another --port or --listen-host",
+        id="cluster-foreign-host",
+    ),
 ]
 
 

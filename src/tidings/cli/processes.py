@@ -29,7 +29,7 @@ from tidings.cli._common import (
 )
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import desired_replication
-from tidings.protocol.status import TidingsError
+from tidings.protocol.status import TidingsError, UsageError
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -235,13 +235,29 @@ def cluster_up(
             callback=at_least("--metrics-port", 0),
         ),
     ] = 0,
+    listen_host: Annotated[
+        str,
+        typer.Option(
+            envvar="TIDINGS_LISTEN_HOST",
+            help="Where etcd and the brokers listen: 127.0.0.1, ::1, or an address other hosts reach "
+            "(0.0.0.0 or :: need --advertise-host).",
+        ),
+    ] = "127.0.0.1",
+    advertise_host: Annotated[
+        str,
+        typer.Option(
+            envvar="TIDINGS_ADVERTISE_HOST",
+            help="The address etcd and the brokers announce (each broker's --advertise); default: --listen-host.",
+        ),
+    ] = "",
 ) -> None:
-    """Private etcd + N brokers on loopback, in the foreground; Ctrl-C stops everything.
+    """Private etcd + N brokers on one host (loopback unless --listen-host), in the foreground; Ctrl-C
+    stops everything.
 
     Restarting on the same --data-dir keeps journals and their data. If this process dies (even
     by SIGKILL), its brokers and etcd get SIGTERM and exit."""
     from tidings.cluster import LocalCluster
-    from tidings.cluster.etcd import port_free
+    from tidings.cluster.etcd import endpoint_of, port_free
 
     ranges = [(flag, first) for flag, first in (("--port", port), ("--metrics-port", metrics_port)) if first]
     for flag, first in ranges:  # (what the flags say is wrong first: it does not depend on what else runs)
@@ -249,12 +265,23 @@ def cluster_up(
             usage(f"{flag} {first}: the {brokers} brokers' ports would pass 65535: give a lower {flag}")
     if metrics_port and not (metrics_port + brokers <= port or port + brokers <= metrics_port):
         usage(f"--metrics-port {metrics_port} overlaps the brokers' ports from --port {port}: give another")
+    try:
+        lc = LocalCluster(
+            brokers=brokers,
+            zones=zones,
+            data_dir=data_dir,
+            port=port,
+            metrics_port=metrics_port,
+            listen_host=listen_host,
+            advertise_host=advertise_host,
+        )
+    except UsageError as mistake:  # (a wildcard --listen-host without --advertise-host)
+        usage(str(mistake))
     for flag, first in ranges:
         for at in range(first, first + brokers):  # (before anything starts: one line, not a broker's death)
-            if not port_free(at):  # (TIME-WAIT left by a cluster just stopped is no conflict)
-                usage(f"{flag} {first}: 127.0.0.1:{at} is taken (another process listens there): give another "
-                      f"{flag} (the brokers use {brokers} ports from it)")  # fmt: skip
-    lc = LocalCluster(brokers=brokers, zones=zones, data_dir=data_dir, port=port, metrics_port=metrics_port)
+            if not port_free(at, lc.listen_host):  # (TIME-WAIT left by a cluster just stopped is no conflict)
+                usage(f"{flag} {first}: {endpoint_of(lc.listen_host, at)} is taken or not this host's address: "
+                      f"give another {flag} or --listen-host (the brokers use {brokers} ports from it)")  # fmt: skip
     stop = False
 
     def on_signal(*_: object) -> None:

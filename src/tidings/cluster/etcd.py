@@ -40,30 +40,42 @@ def last_line(path: Path) -> str:
     return lines[-1] if lines else ""
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 for a server that may restart on it; callers bind it soon after.
+def endpoint_of(host: str, port: int) -> str:
+    """HOST:PORT, an IPv6 literal in brackets (`[::1]:8080`)."""
+    bare = host.strip("[]")
+    return f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port on `host` for a server that may restart on it; callers bind it soon after.
 
     It is drawn below the kernel's ephemeral range, so no outgoing connection and no port-0 listener
     (a broker's replication port, say) can take it while its owner is down between restarts.
     """
+    host = host.strip("[]")
     low = _ephemeral_low()
     for _ in range(100):
         port = random.randrange(10_000, low) if low > 11_000 else 0
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        with socket.socket(_family(host), socket.SOCK_STREAM) as s:
             try:
-                s.bind(("127.0.0.1", port))
+                s.bind((host, port))
             except OSError:
                 continue
-            bound: int = s.getsockname()[1]  # (host, port) of an AF_INET socket
+            bound: int = s.getsockname()[1]  # (host, port[, flow, scope]) of an AF_INET(6) socket
             return bound
-    raise ClusterError("no free TCP port on 127.0.0.1")
+    raise ClusterError(f"no free TCP port on {host}")
 
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
     """Whether a server could listen on `host:port` now. A port held only by connections in TIME-WAIT
     (its last server stopped a moment ago) is free, as it is to gRPC's and etcd's SO_REUSEADDR
     listeners; one another socket listens on is not."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    host = host.strip("[]")
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
@@ -127,24 +139,34 @@ def find_etcd() -> str:
 
 
 class EtcdProcess:
-    """One etcd member on 127.0.0.1 with its own data dir; `start()` returns once it serves.
+    """One etcd member with its own data dir; `start()` returns once it serves.
 
+    Clients are served on `host` (127.0.0.1 unless told; a wildcard needs `advertise_host`, the
+    address clients are told to dial); the peer port of this one-member cluster stays on 127.0.0.1.
     Uses short heartbeat/election timeouts so a fresh member is ready in ~0.2 s.
     """
 
-    def __init__(self, data_dir: str | Path | None = None, client_port: int = 0, peer_port: int = 0) -> None:
+    def __init__(
+        self,
+        data_dir: str | Path | None = None,
+        client_port: int = 0,
+        peer_port: int = 0,
+        host: str = "127.0.0.1",
+        advertise_host: str = "",
+    ) -> None:
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="tidings-etcd-"))
+        self.host, self.advertise_host = host, advertise_host or host
         self.client_port, self.peer_port = client_port, peer_port
         if not self._own_dir and not (client_port and peer_port):
             self._reuse_ports()  # the ports an earlier run on this data dir used, when they are free
-        self.client_port = self.client_port or free_port()
+        self.client_port = self.client_port or free_port(host)
         self.peer_port = self.peer_port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return endpoint_of(self.advertise_host, self.client_port)
 
     PORTS_FILE = "ports.json"  # in the data dir: a restart serves on the same endpoint (scripts keep it)
 
@@ -154,7 +176,7 @@ class EtcdProcess:
             client, peer = int(old["client"]), int(old["peer"])
         except (OSError, ValueError, KeyError, TypeError):
             return
-        if not self.client_port and port_free(client):
+        if not self.client_port and port_free(client, self.host):
             self.client_port = client
         if not self.peer_port and peer != self.client_port and port_free(peer):
             self.peer_port = peer
@@ -174,7 +196,7 @@ class EtcdProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._save_ports()
         log = open(self.data_dir / "etcd.log", "ab")
-        client = f"http://127.0.0.1:{self.client_port}"
+        client = f"http://{endpoint_of(self.host, self.client_port)}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         argv, preexec = die_with_parent(
             [
@@ -182,7 +204,7 @@ class EtcdProcess:
                 "--name=tidings",
                 f"--data-dir={self.data_dir / 'member-data'}",
                 f"--listen-client-urls={client}",
-                f"--advertise-client-urls={client}",
+                f"--advertise-client-urls={self.url}",
                 f"--listen-peer-urls={peer}",
                 f"--initial-advertise-peer-urls={peer}",
                 f"--initial-cluster=tidings={peer}",

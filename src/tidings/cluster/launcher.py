@@ -29,8 +29,10 @@ from typing import Any, TypeVar
 import uvloop
 
 from tidings.allocator.keys import members_prefix
-from tidings.cluster.etcd import ClusterError, EtcdProcess, die_with_parent, free_port, last_line
+from tidings.cluster.etcd import ClusterError, EtcdProcess, die_with_parent, endpoint_of, free_port, last_line
 from tidings.keyspace.etcd import Etcd
+from tidings.member.serving import WILDCARDS
+from tidings.protocol.status import UsageError
 
 DEFAULT_ROOT = "/tidings/cluster"
 
@@ -39,10 +41,22 @@ class BrokerProcess:
     """One `tidings broker` child process."""
 
     def __init__(
-        self, etcd: str, zone: str, suffix: str, port: int, data_dir: Path, extra: list[str], root: str = DEFAULT_ROOT
+        self,
+        etcd: str,
+        zone: str,
+        suffix: str,
+        port: int,
+        data_dir: Path,
+        extra: list[str],
+        root: str = DEFAULT_ROOT,
+        listen_host: str = "127.0.0.1",
+        advertise_host: str = "",
     ) -> None:
         self.zone, self.suffix, self.port = zone, suffix, port
-        self.endpoint = f"127.0.0.1:{port}"
+        self.listen = endpoint_of(listen_host, port)
+        self.endpoint = endpoint_of(advertise_host or listen_host, port)  # what it announces; clients dial it
+        if advertise_host:
+            extra = ["--advertise", self.endpoint, *extra]
         self.metrics_endpoint = ""  # where it serves /metrics, from its READY line
         self.data_dir = data_dir
         self.args = [
@@ -57,7 +71,7 @@ class BrokerProcess:
             "--id",
             suffix,
             "--listen",
-            self.endpoint,
+            self.listen,
             "--data-dir",
             str(data_dir),
             "--root",
@@ -77,7 +91,7 @@ class BrokerProcess:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=preexec,
-            # (each broker announces its own --listen: a TIDINGS_ADVERTISE of the caller's is no broker's)
+            # (each broker announces what it was told: a TIDINGS_ADVERTISE of the caller's is no broker's)
             env={k: v for k, v in os.environ.items() if k != "TIDINGS_ADVERTISE"},
         )
         log.close()
@@ -128,7 +142,11 @@ class BrokerProcess:
 
 class LocalCluster:
     """etcd + N brokers over Z zones; broker i listens on `port + i` (0: free ports), and serves /metrics
-    on `metrics_port + i` (0: its own choice, see `tidings broker --metrics`)."""
+    on `metrics_port + i` (0: its own choice, see `tidings broker --metrics`).
+
+    Everything listens on `listen_host` (127.0.0.1; `::1`, or a routable address to reach the cluster
+    from other hosts); a wildcard one (0.0.0.0, ::) needs `advertise_host`, the address etcd and each
+    broker announce (each broker's `--advertise`)."""
 
     def __init__(
         self,
@@ -139,7 +157,15 @@ class LocalCluster:
         etcd: str | None = None,
         root: str = DEFAULT_ROOT,
         metrics_port: int = 0,
+        listen_host: str = "127.0.0.1",
+        advertise_host: str = "",
     ) -> None:
+        if listen_host.strip("[]") in WILDCARDS and not advertise_host:
+            raise UsageError(
+                f"a cluster listening on {listen_host} would announce addresses nobody can dial: "
+                "pass --advertise-host HOST (the address other hosts reach this one at)"
+            )
+        self.listen_host, self.advertise_host = listen_host.strip("[]"), advertise_host.strip("[]")
         self.data_dir = Path(data_dir).resolve()
         self.n, self.zones, self.port = brokers, zones, port
         self.metrics_port = metrics_port  # broker i serves /metrics on it + i (0: each its port + 1000, or any)
@@ -155,20 +181,30 @@ class LocalCluster:
         return f"file://{self.data_dir / 'fragments'}/"
 
     def broker(self, i: int) -> BrokerProcess:
-        port = self.port + i if self.port else free_port()
+        port = self.port + i if self.port else free_port(self.listen_host)
         zone = f"zone-{chr(ord('a') + i % self.zones)}"
         assert self.etcd_endpoint is not None
         extra = ["--default-store", self.store_url, *self.extra]  # journals without stores persist here
         if self.metrics_port:
-            extra = ["--metrics", f"127.0.0.1:{self.metrics_port + i}", *extra]
+            extra = ["--metrics", endpoint_of(self.listen_host, self.metrics_port + i), *extra]
         return BrokerProcess(
-            self.etcd_endpoint, zone, f"broker-{i}", port, self.data_dir / f"broker-{i}", extra, self.root
+            self.etcd_endpoint,
+            zone,
+            f"broker-{i}",
+            port,
+            self.data_dir / f"broker-{i}",
+            extra,
+            self.root,
+            self.listen_host,
+            self.advertise_host,
         )
 
     def start(self) -> LocalCluster:
         try:
             if self.etcd_endpoint is None:
-                self.etcd_proc = EtcdProcess(self.data_dir / "etcd").start()
+                self.etcd_proc = EtcdProcess(
+                    self.data_dir / "etcd", host=self.listen_host, advertise_host=self.advertise_host
+                ).start()
                 self.etcd_endpoint = self.etcd_proc.endpoint
                 self.cleared = _run_async(_clear_members(self.etcd_endpoint, self.root))
             (self.data_dir / "fragments").mkdir(parents=True, exist_ok=True)
