@@ -86,9 +86,9 @@ MISTAKES = [
         id="cluster-wildcard",
     ),
     pytest.param(
-        ("cluster", "up", "--listen-host", "192.0.2.77"),
+        ("cluster", "up", "--listen-host", "198.51.100.77"),
         {},
-        "192.0.2.77:8080 is taken or not this host's address: give another --port or --listen-host",
+        "198.51.100.77:8080 is taken or not this host's address: give another --port or --listen-host",
         id="cluster-foreign-host",
     ),
 ]

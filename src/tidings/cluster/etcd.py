@@ -153,7 +153,10 @@ class EtcdProcess:
         peer_port: int = 0,
         host: str = "127.0.0.1",
         advertise_host: str = "",
+        wrap: tuple[str, ...] = (),
     ) -> None:
+        """`wrap` runs etcd through another command (`ip netns exec NS`: a test's host)."""
+        self.wrap = wrap
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="tidings-etcd-"))
         self.host, self.advertise_host = host, advertise_host or host
@@ -200,6 +203,7 @@ class EtcdProcess:
         peer = f"http://127.0.0.1:{self.peer_port}"
         argv, preexec = die_with_parent(
             [
+                *self.wrap,
                 find_etcd(),
                 "--name=tidings",
                 f"--data-dir={self.data_dir / 'member-data'}",

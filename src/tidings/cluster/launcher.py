@@ -51,7 +51,9 @@ class BrokerProcess:
         root: str = DEFAULT_ROOT,
         listen_host: str = "127.0.0.1",
         advertise_host: str = "",
+        wrap: tuple[str, ...] = (),
     ) -> None:
+        """`wrap` runs the broker through another command (`ip netns exec NS`: a test's host)."""
         self.zone, self.suffix, self.port = zone, suffix, port
         self.listen = endpoint_of(listen_host, port)
         self.endpoint = endpoint_of(advertise_host or listen_host, port)  # what it announces; clients dial it
@@ -60,6 +62,7 @@ class BrokerProcess:
         self.metrics_endpoint = ""  # where it serves /metrics, from its READY line
         self.data_dir = data_dir
         self.args = [
+            *wrap,
             sys.executable,
             "-m",
             "tidings.cli",

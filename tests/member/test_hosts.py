@@ -1,0 +1,154 @@
+"""Brokers on separate hosts: etcd and each broker in its own network namespace on a private bridge
+(tests/support/netns.py), listening on 0.0.0.0 and announcing their host's address. Every broker takes
+appends and serves reads for a replicated journal (routing and replication go over the announced
+addresses only: nothing is reachable through 127.0.0.1), and the kill -9 of its primary re-homes it
+with no acknowledged append lost."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.cluster import FAST_BROKER_FLAGS
+from tests.support.netns import Net
+from tests.support.waiting import wait_until
+from tidings.client import AsyncClient
+from tidings.cluster import BrokerProcess, EtcdProcess
+from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.specs import spec_from_dict
+from tidings.protocol.status import TidingsError
+
+
+class Hosts:
+    """etcd on host `etcd`, broker i on host `b<i>`: each listening on 0.0.0.0, announcing its own IP."""
+
+    def __init__(self, net: Net, data: Path) -> None:
+        self.net, self.data = net, data
+        self.store = f"file://{data / 'fragments'}/"
+        self.etcd = EtcdProcess(data / "etcd", client_port=2379, peer_port=2380, host="0.0.0.0",
+                                advertise_host=net.host("etcd").ip, wrap=net.hosts["etcd"].wrap)  # fmt: skip
+        self.brokers: list[BrokerProcess] = []
+
+    def start(self, n: int) -> Hosts:
+        self.etcd.start()
+        (self.data / "fragments").mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            h = self.net.host(f"b{i}")
+            extra = [*FAST_BROKER_FLAGS, "--default-store", self.store]
+            b = BrokerProcess(self.etcd.endpoint, f"zone-{'abc'[i % 3]}", f"broker-{i}", 8080, self.data / h.name,
+                              extra, "/tidings/hosts", "0.0.0.0", h.ip, h.wrap)  # fmt: skip
+            self.brokers.append(b.start())
+        return self
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [b.endpoint for b in self.brokers if b.alive()]
+
+    def stop(self) -> None:
+        """SIGTERM to every broker at once (each one alone would hand its journals to the others), then etcd."""
+        for b in self.brokers:
+            if b.alive():
+                b.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        for b in self.brokers:
+            try:
+                if b.proc is not None:
+                    b.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                b.kill()
+        self.etcd.stop()
+
+
+@pytest.fixture
+def hosts(tmp_path: Path) -> Iterator[Hosts]:
+    with Net() as net:
+        hs = Hosts(net, tmp_path)
+        try:
+            yield hs
+        finally:
+            hs.stop()
+
+
+async def test_brokers_on_separate_hosts_serve_every_journal_and_survive_a_primary_kill(hosts: Hosts) -> None:
+    hs = hosts.start(4)  # (a spare for R=3)
+    ips = {h.ip for h in hs.net.hosts.values()}
+    assert all(ep.rsplit(":", 1)[0] in ips for ep in hs.endpoints), hs.endpoints
+    spec = spec_from_dict({"name": "hosts/j", "replication": 3, "fragment": {"length": "64KiB", "stores": [hs.store]}})
+    async with AsyncClient(hs.endpoints[0]) as c:
+        await c.apply([pb.ApplyRequest.Change(upsert=spec)])
+        members = (await c.members()).members
+        for m in members:  # gRPC, replication and metrics: each on its own host's address
+            for endpoint in (m.spec.endpoint, m.spec.replication_endpoint, m.spec.metrics_endpoint):
+                assert endpoint.rsplit(":", 1)[0] in ips, m.spec
+
+        async def primary() -> pb.Route | None:
+            route = next(j.route for j in (await c.list()).journals if j.spec.name == "hosts/j")
+            return route if route.primary >= 0 and len(route.members) == 3 else None
+
+        await wait_until(primary, 30)
+
+    acked: list[tuple[int, int, bytes]] = []
+    for i, ep in enumerate(hs.endpoints):  # through every broker: all but one proxy to the primary
+        async with AsyncClient(ep) as c:
+            body = f"<via broker {i}>".encode()
+            r = await c.append("hosts/j", body)
+            acked.append((r.begin, r.end, body))
+    expect = b"".join(body for _, _, body in sorted(acked))
+    for ep in hs.endpoints:  # reads through every broker, each from its own replica or proxied
+        async with AsyncClient(ep) as c:
+            assert await c.read_all("hosts/j") == expect
+
+    async with AsyncClient(hs.endpoints[0]) as c:
+        route = next(j.route for j in (await c.list()).journals if j.spec.name == "hosts/j")
+    victim = next(b for b in hs.brokers if b.suffix == route.members[route.primary].suffix)
+    victim.kill()  # SIGKILL: its lease expires, the journal is re-homed on the other three hosts
+
+    async def appended_after_the_kill() -> bool:
+        for ep in hs.endpoints:
+            try:
+                async with AsyncClient(ep, retries=2) as c:
+                    r = await c.append("hosts/j", b"<after the kill>")
+                acked.append((r.begin, r.end, b"<after the kill>"))
+                return True
+            except TidingsError:
+                continue
+        return False
+
+    await wait_until(appended_after_the_kill, 60, interval=0.2)
+    async with AsyncClient(hs.endpoints[0]) as c:
+        data = await c.read_all("hosts/j")
+        route = next(j.route for j in (await c.list()).journals if j.spec.name == "hosts/j")
+    assert route.primary >= 0 and route.members[route.primary].suffix != victim.suffix, route
+    for b, e, body in acked:
+        assert data[b:e] == body, f"acknowledged append at [{b},{e}) changed"
+
+
+def test_the_hosts_are_gone_after_the_test(tmp_path: Path) -> None:
+    """A Net removes its namespaces, its bridge and every process it started, also when a test fails."""
+    with pytest.raises(RuntimeError, match="the test failed"), Net() as net:
+        h = net.host("x")
+        proc = h.popen([sys.executable, "-c", "import signal; signal.pause()"])
+        names = (net.bridge, h.ns)
+        raise RuntimeError("the test failed")
+    assert proc.poll() is not None
+    assert h.ns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert names[0] not in subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+
+
+def test_without_root_the_hosts_tests_skip_saying_why() -> None:
+    """Where namespaces cannot be made (not root), a hosts test is skipped with the reason, not failed."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run the probe as another user")
+    r = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+         "from tests.support.netns import require; require()"],
+        capture_output=True, text=True, cwd=Path(__file__).parents[2], timeout=60,
+    )  # fmt: skip
+    assert "Skipped: network-namespace hosts need root with CAP_NET_ADMIN (not root)" in r.stderr, r.stderr
