@@ -34,9 +34,10 @@ ROOMS = {
     "targets": "logplayer",
     "logplayer": "logplayer",
     "wal": "logplayer",
+    "auth": "auth",
 }
 
-HELP_ORDER = ("processes", "publish", "shards", "journals", "logplayer")  # (typer lists commands as registered)
+HELP_ORDER = ("processes", "publish", "shards", "journals", "logplayer", "auth")  # (typer lists commands as registered)
 
 
 def _version(value: bool) -> None:
@@ -90,7 +91,7 @@ def __getattr__(name: str) -> typer.Typer:
 
 # One-shot client commands: once one is done, the process ends without the interpreter's teardown
 # (gRPC's shutdown of its threads and channels costs ~0.15 s a call); servers and Spark end as usual.
-FAST_EXIT = frozenset({"journals", "publish", "members", "status", "shards", "wal", "targets"})
+FAST_EXIT = frozenset({"journals", "publish", "members", "status", "shards", "wal", "targets", "auth"})
 
 
 def main() -> None:

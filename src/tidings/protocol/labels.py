@@ -2,8 +2,10 @@
 
 A LabelSet is sorted by (name, value) and may hold several values per name. A selector
 matches a set when every `include` label is present (an include with an empty value matches
-any value of that name) and no `exclude` label is. Register semantics follow Gazette: an
-empty register set matches any `check_registers` selector.
+any value of that name) and no `exclude` label is. A selector label named `NAME:prefix`
+matches a label NAME whose value starts with its value (Gazette's prefix labels): with the
+meta-label `name` (`journal_labels`), `name:prefix=shop/` selects every journal under shop/.
+Register semantics follow Gazette: an empty register set matches any `check_registers` selector.
 """
 
 from __future__ import annotations
@@ -43,7 +45,13 @@ def subtract(a: pb.LabelSet, b: pb.LabelSet) -> pb.LabelSet:
     return label_set([(k, v) for k, vs in values_a.items() if values_b.get(k) != vs for v in vs])
 
 
+PREFIX = ":prefix"  # a selector label's name suffix: match values starting with the label's value
+
+
 def _contains(ls: pb.LabelSet, label: pb.Label) -> bool:
+    if label.name.endswith(PREFIX):
+        name = label.name[: -len(PREFIX)]
+        return any(lb.name == name and lb.value.startswith(label.value) for lb in ls.labels)
     for lb in ls.labels:
         if lb.name == label.name and (label.value == "" or lb.value == label.value):
             return True
@@ -56,6 +64,12 @@ def matches(selector: pb.LabelSelector | None, ls: pb.LabelSet) -> bool:
     return all(_contains(ls, lb) for lb in selector.include.labels) and not any(
         _contains(ls, lb) for lb in selector.exclude.labels
     )
+
+
+def journal_labels(name: str, labels: pb.LabelSet) -> pb.LabelSet:
+    """A journal's labels with its meta-label `name` (which `name:prefix` selectors match too): what a
+    selector, a List's or a token's, is matched against."""
+    return union(labels, label_set({"name": name}))
 
 
 def registers_match(selector: pb.LabelSelector | None, registers: pb.LabelSet) -> bool:

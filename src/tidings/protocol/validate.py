@@ -63,10 +63,12 @@ def process_id(pid: pb.ProcessId, ctx: str = "process_id") -> None:
     token(pid.suffix, f"{ctx}.suffix")
 
 
-def label_set(ls: pb.LabelSet, ctx: str = "labels") -> None:
+def label_set(ls: pb.LabelSet, ctx: str = "labels", prefix_ok: bool = False) -> None:
+    """Names and values, sorted and unique; `prefix_ok`: a selector's, whose names may end in `:prefix`."""
     prev: tuple[str, str] | None = None
     for i, lb in enumerate(ls.labels):
-        if not _LABEL_NAME.match(lb.name) or len(lb.name) > 64:
+        name = lb.name.removesuffix(":prefix") if prefix_ok else lb.name
+        if not _LABEL_NAME.match(name) or len(name) > 64:
             raise ValidationError(f"{ctx}[{i}].name", f"label name {lb.name!r} must match [a-z0-9][a-z0-9_-./]*")
         if len(lb.value) > 1024:
             raise ValidationError(f"{ctx}[{i}].value", "label value longer than 1024 characters")
@@ -77,8 +79,8 @@ def label_set(ls: pb.LabelSet, ctx: str = "labels") -> None:
 
 
 def selector(sel: pb.LabelSelector, ctx: str = "selector") -> None:
-    label_set(sel.include, f"{ctx}.include")
-    label_set(sel.exclude, f"{ctx}.exclude")
+    label_set(sel.include, f"{ctx}.include", prefix_ok=True)
+    label_set(sel.exclude, f"{ctx}.exclude", prefix_ok=True)
 
 
 def store_url(url: str, ctx: str = "store") -> None:

@@ -1,0 +1,1 @@
+"""tidings.auth: keys, tokens, the verifier and the authorizers."""
