@@ -142,6 +142,14 @@ def local_cluster(request, etcd: EtcdProcess, etcd_root: str, tmp_path):
     yield from _local_cluster(etcd, etcd_root, tmp_path)
 
 
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory):
+    """Test certificates: one CA for the session (tests/support/certs.py)."""
+    from tests.support.certs import Certs
+
+    return Certs(tmp_path_factory.mktemp("certs"))
+
+
 @pytest.fixture
 async def consumers(cluster, etcd_root, tmp_path):
     """Consumer processes in this process over `cluster` (tests/support/consumers.py)."""

@@ -91,6 +91,24 @@ MISTAKES = [
         "198.51.100.77:8080 is taken or not this host's address: give another --port or --listen-host",
         id="cluster-foreign-host",
     ),
+    pytest.param(
+        ("broker", "--etcd", "127.0.0.1:2379", "--tls-cert", "{tmp}/three.yaml"),
+        {},
+        "--tls-cert without --tls-key: give both",
+        id="tls-cert-alone",
+    ),
+    pytest.param(
+        ("journals", "list"),
+        {"TIDINGS_TLS_CA": "/nonexistent/ca.pem"},
+        "cannot read --tls-ca /nonexistent/ca.pem (No such file or directory)",
+        id="tls-ca-missing",
+    ),
+    pytest.param(
+        ("cluster", "up", "--tls-cert", "{tmp}/three.yaml", "--tls-key", "{tmp}/three.yaml"),
+        {},
+        "--tls-cert {tmp}/three.yaml is not a PEM certificate",
+        id="tls-not-pem",
+    ),
 ]
 
 

@@ -51,7 +51,8 @@ class TestCluster:
         return b
 
     def client(self, i: int = 0) -> AsyncClient:
-        return AsyncClient(self.brokers[i].endpoint)
+        """A client of broker i (with the brokers' TLS, if they have it: their certificate is a client's too)."""
+        return AsyncClient(self.brokers[i].endpoint, tls=self.config.get("tls"))  # type: ignore[arg-type]
 
     async def create_journal(self, name: str, replication: int = 3, **fields: object) -> pb.JournalSpec:
         frag = {"length": "1MiB", "stores": [self.store_url], "refresh_interval": "1s", **fields.pop("fragment", {})}

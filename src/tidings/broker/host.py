@@ -20,6 +20,7 @@ from tidings.broker.transport import ReplicaStream
 from tidings.fragment.persister import Persister
 from tidings.keyspace import Etcd, KeySpace
 from tidings.protocol import protocol_pb2 as pb
+from tidings.tls import TLS
 
 __all__ = ["BrokerConfig", "Host"]
 
@@ -53,6 +54,7 @@ class BrokerConfig:
     prune_interval: float = 300.0
     metrics_journals: bool = False  # per-journal series (one per journal: mind the cardinality)
     auto_suspend: bool = False  # suspend idle journals (Gazette's AutoSuspend; see broker/pulse.py)
+    tls: TLS | None = None  # --tls-cert/--tls-key/--tls-ca: serve, and dial peers, with TLS
 
 
 class Host(Protocol):

@@ -28,6 +28,7 @@ from typing import cast
 
 import grpc
 
+from tidings import tls
 from tidings.allocator import keys
 from tidings.allocator.handoff import ETCD_STOP_TIMEOUT
 from tidings.allocator.kind import JOURNALS
@@ -206,7 +207,7 @@ class Broker(MemberProcess):
     def channel(self, endpoint: str) -> grpc.aio.Channel:
         ch = self._channels.get(endpoint)
         if ch is None:
-            ch = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint, options=PEER_CHANNEL_OPTIONS)
+            ch = self._channels[endpoint] = tls.channel(endpoint, self.config.tls, PEER_CHANNEL_OPTIONS)
         return ch
 
     def open_streams(self, route: pb.Route) -> list[ReplicaStream]:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # (annotations only: the client imports grpc, which no comman
     import threading
 
     from tidings.client import AsyncClient
+    from tidings.tls import TLS
 
 T = TypeVar("T")
 
@@ -161,10 +162,72 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def broker_client(broker: str, deadline: float = 0.0) -> AsyncClient:
-    """A client of `broker`: with a `deadline`, retrying transient failures for that many seconds."""
+    """A client of `broker` (TLS as the command's --tls-* say): with a `deadline`, retrying transient
+    failures for that many seconds."""
     from tidings.client import AsyncClient
 
-    return AsyncClient(broker, retries=1_000_000 if deadline else 8, deadline=deadline, fail_fast=True)
+    tls = client_tls()
+    return AsyncClient(broker, retries=1_000_000 if deadline else 8, deadline=deadline, fail_fast=True, tls=tls)
+
+
+# --tls-cert/--tls-key/--tls-ca: every command that serves or dials has them (`secured`, applied to
+# every command by cli/app.py); a server reads them with `server_tls`, a client with `client_tls`.
+_TLS_FLAGS: dict[str, Path | None] = {}
+_TLS_OPTIONS = {
+    "tls_cert": ("--tls-cert", "TIDINGS_TLS_CERT", "This process's certificate (PEM): a server serves TLS with it; "
+                 "a client presents it to servers that require one."),
+    "tls_key": ("--tls-key", "TIDINGS_TLS_KEY", "The private key of --tls-cert (PEM)."),
+    "tls_ca": ("--tls-ca", "TIDINGS_TLS_CA", "CA bundle (PEM) verifying peers; a server given one requires client "
+               "certificates it signed (mutual TLS)."),
+}  # fmt: skip
+
+
+def secured(command: Callable[..., T]) -> Callable[..., T]:
+    """`command` with the --tls-* options too (their values kept for `client_tls`/`server_tls`)."""
+    import functools
+    import inspect
+
+    if getattr(command, "__tidings_secured__", False):
+        return command
+    extra = {
+        name: Annotated[Path | None, typer.Option(flag, envvar=env, help=help, show_default=False)]
+        for name, (flag, env, help) in _TLS_OPTIONS.items()
+    }
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> T:
+        for name in extra:
+            _TLS_FLAGS[name] = kwargs.pop(name)
+        return command(*args, **kwargs)
+
+    sig = inspect.signature(command, eval_str=True)
+    params = [*sig.parameters.values()]
+    params += [
+        inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=a) for n, a in extra.items()
+    ]
+    run.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]  # (typer reads it)
+    run.__annotations__ = {**command.__annotations__, **extra}
+    run.__tidings_secured__ = True  # type: ignore[attr-defined]
+    return run
+
+
+def _tls(who: str, server: bool) -> TLS | None:
+    from tidings.tls import load
+
+    try:
+        return load(_TLS_FLAGS.get("tls_cert"), _TLS_FLAGS.get("tls_key"), _TLS_FLAGS.get("tls_ca"), who, server)
+    except TidingsError as mistake:
+        usage(str(mistake))
+
+
+def client_tls() -> TLS | None:
+    """The TLS a client command dials with (None: plaintext); a mistake in the flags is a usage line."""
+    return _tls("tidings", server=False)
+
+
+def server_tls(who: str) -> TLS | None:
+    """The TLS a server command (`who`) serves and dials with (None: plaintext)."""
+    return _tls(who, server=True)
 
 
 def load_yaml(file: Path, what: str, doc: str) -> Any:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
 import sys
 from typing import Annotated, NoReturn
 
 import typer
 from rich.markup import escape
 
-from tidings.cli._common import PLAIN, err
+from tidings.cli._common import PLAIN, err, secured
 from tidings.protocol.status import TidingsError, ValidationError
 
 # Each command or group and the module (a room of tidings.cli) that registers it: a command imports
@@ -65,9 +66,26 @@ def application(only: str = "") -> typer.Typer:
     rooms = [ROOMS[only]] if only in ROOMS else HELP_ORDER
     for room in rooms:
         importlib.import_module(f"tidings.cli.{room}").register(root)
+    _secure(root)
     if only in ROOMS:
         return _only(root, only)
     return root
+
+
+UNSECURED = frozenset({"demo", "auth"})  # (no peer to dial: the demo runs its own loopback cluster)
+
+
+def _secure(root: typer.Typer) -> None:
+    """Every command that serves or dials takes --tls-cert/--tls-key/--tls-ca (`_common.secured`)."""
+    from typer.main import get_command_name
+
+    commands = list(root.registered_commands)
+    for g in root.registered_groups:
+        if g.name not in UNSECURED and g.typer_instance is not None:
+            commands += g.typer_instance.registered_commands
+    for c in commands:
+        if c.callback is not None and (c.name or get_command_name(c.callback.__name__)) not in UNSECURED:
+            c.callback = secured(c.callback)
 
 
 def _only(root: typer.Typer, name: str) -> typer.Typer:
@@ -98,6 +116,8 @@ def main() -> None:
     """Entry point: run the app, turning TidingsErrors into one clear line and exit code 1 (2 for
     input that is invalid, a usage error: a spec field, a journal name, a flag)."""
     name = sys.argv[1] if len(sys.argv) > 1 else ""
+    # gRPC's C core logs each refused TLS handshake on stderr; the command says the cause in its own line
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     try:
         application(name)()
     except TidingsError as exc:

@@ -24,12 +24,14 @@ from tidings.cli._common import (
     broker_client,
     check_endpoint,
     check_log_level,
+    client_tls,
     err,
     group,
     out,
     plural,
     run_async,
     serve_until_signalled,
+    server_tls,
     usage,
 )
 from tidings.protocol.status import JournalNotFoundError, TidingsError, UsageError, ValidationError
@@ -99,7 +101,8 @@ def target_serve(
         fn = load_apply(apply) if apply else None
     except (UsageError, ValidationError) as exc:
         usage(str(exc))
-    server = TargetServer(id, db, listen, apply=fn, log_applied=log_applied, metrics_listen=metrics or None)
+    tls = server_tls(f"tidings target {id}")
+    server = TargetServer(id, db, listen, apply=fn, log_applied=log_applied, metrics_listen=metrics or None, tls=tls)
     serve_until_signalled(server.start, f"target {id}", 10.0)
 
 
@@ -154,6 +157,7 @@ def logplayer_run(
         usage(str(exc))
     declared = _load_targets(targets)
     state_path = state or Path("data/logplayer") / (wal_journal.replace("/", "_") + ".state")
+    tls = client_tls()  # (the brokers' and the targets')
 
     async def go() -> None:
         from tidings.client import AsyncClient
@@ -164,9 +168,9 @@ def logplayer_run(
             server, at = serve_metrics(metrics, host, int(port), "logplayer")
             err.print(f"metrics on http://{at}/metrics", highlight=False)
         # (a wrong --broker or WAL fails here, within 30 s: a server process may start beside its brokers)
-        async with AsyncClient(broker, retries=1_000_000, deadline=30.0) as probe:
+        async with AsyncClient(broker, retries=1_000_000, deadline=30.0, tls=tls) as probe:
             await probe.write_head(wal_journal)
-        async with AsyncClient(broker, retries=None) as client:  # (then the player waits out broker outages)
+        async with AsyncClient(broker, retries=None, tls=tls) as client:  # (then the player waits out broker outages)
             player = LogPlayer(client, wal_journal, declared, state_path=state_path, max_batch=max_batch,
                                dummy_every=dummy_every, ack_timeout=ack_timeout,
                                checkpoint_every=checkpoint_every)  # fmt: skip
@@ -332,7 +336,7 @@ def targets_status(
         return None if first else 0
 
     async def go() -> tuple[dict[str, pb.LastAckResponse | str], int | None, dict[str, int | None]]:
-        answers = await last_acks(declared)
+        answers = await last_acks(declared, tls=client_tls())
         head: int | None = None
         after: dict[str, int | None] = {}
         if wal_journal:

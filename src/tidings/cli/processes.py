@@ -25,6 +25,7 @@ from tidings.cli._common import (
     out,
     run_async,
     serve_until_signalled,
+    server_tls,
     usage,
 )
 from tidings.protocol import protocol_pb2 as pb
@@ -198,6 +199,7 @@ def broker(
         pulse_interval=pulse_interval,
         lease_ttl=lease_ttl,
         exit_timeout=exit_timeout,
+        tls=server_tls(f"tidings broker {zone}/{id}"),
         default_store=default_store,
         persist_delay=persist_delay,
         prune_interval=prune_interval,
@@ -282,6 +284,9 @@ def cluster_up(
             if not port_free(at, lc.listen_host):  # (TIME-WAIT left by a cluster just stopped is no conflict)
                 usage(f"{flag} {first}: {endpoint_of(lc.listen_host, at)} is taken or not this host's address: "
                       f"give another {flag} or --listen-host (the brokers use {brokers} ports from it)")  # fmt: skip
+    tls = server_tls("tidings cluster up")  # (checked before anything starts; each broker serves with it)
+    if tls is not None:
+        lc.extra = [arg for flag, path in tls.paths.items() for arg in (flag, str(Path(path).resolve()))]
     stop = False
 
     def on_signal(*_: object) -> None:
@@ -299,6 +304,8 @@ def cluster_up(
             metrics_at = f"  metrics=http://{b.metrics_endpoint}/metrics" if b.metrics_endpoint else ""
             out.print(f"broker   {b.endpoint}  zone={b.zone} id={b.suffix}{metrics_at}", highlight=False)
         out.print(f"store    {lc.store_url}  (for journals without stores)")
+        if tls is not None:
+            out.print("tls      on: clients pass --tls-ca (and --tls-cert/--tls-key when the brokers require them)")
         out.print("ready; Ctrl-C stops the cluster", style="bold")
         while not stop and all(b.alive() for b in lc.brokers):
             _pause(lambda: stop)

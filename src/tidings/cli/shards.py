@@ -19,6 +19,7 @@ from tidings.cli._common import (
     broker_client,
     check_endpoint,
     check_log_level,
+    client_tls,
     edit_then_apply,
     editor,
     group,
@@ -26,6 +27,7 @@ from tidings.cli._common import (
     out,
     run_async,
     serve_until_signalled,
+    server_tls,
     usage,
 )
 from tidings.protocol import labels, validate
@@ -71,7 +73,7 @@ def _shard_id(value: str) -> str:
 def _shard_client(consumer: str) -> ShardClient:
     from tidings.consumer.client import ShardClient
 
-    return ShardClient(consumer)
+    return ShardClient(consumer, tls=client_tls())
 
 
 def consumer(
@@ -140,6 +142,7 @@ def consumer(
         lease_ttl=lease_ttl,
         metrics_listen=metrics or None,
         exit_timeout=exit_timeout,
+        tls=server_tls(f"tidings consumer {zone}/{id}"),
     )
 
     serve_until_signalled(Consumer(cfg).start, f"consumer {zone}/{id}", exit_timeout)

@@ -49,6 +49,7 @@ from tidings.protocol.status import (
     map_grpc_error,
 )
 from tidings.tasks import cancelled_under_us
+from tidings.tls import TLS, channel, probe
 
 __all__ = ["Appender", "AsyncClient", "Reader"]
 
@@ -72,6 +73,8 @@ class AsyncClient:
     * `retries` - how many times one operation is retried before its error is raised; None: for as
       long as it takes (a long-running process's client: see `tidings.client._base`).
     * `zone` - the client's zone, for reads from a nearby replica.
+    * `tls` - dial the brokers with TLS (`tidings.tls.load`: their CA, and a certificate if they
+      require one); None: plaintext.
 
     Usage::
 
@@ -91,8 +94,10 @@ class AsyncClient:
         zone: str | None = None,
         deadline: float = 0.0,
         fail_fast: bool = False,
+        tls: TLS | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.tls = tls
         self.retry = RetryPolicy(attempts=retries, deadline=deadline)
         self.fail_fast = fail_fast  # give up at once on an address where no server ever answered
         self.routes = RouteCache(endpoint, zone)
@@ -107,7 +112,7 @@ class AsyncClient:
     def _channel(self, endpoint: str) -> grpc.aio.Channel:
         ch = self._channels.get(endpoint)
         if ch is None:
-            ch = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint, options=GRPC_OPTIONS)
+            ch = self._channels[endpoint] = channel(endpoint, self.tls, GRPC_OPTIONS)
         return ch
 
     def stub(self, endpoint: str | None = None) -> JournalStub:
@@ -161,7 +166,10 @@ class AsyncClient:
         if isinstance(err, TransportError) and err.code == grpc.StatusCode.UNAVAILABLE:
             self._down[endpoint] = time.monotonic() + DOWN_FOR
             if self.fail_fast and err.unreachable and not self._answered:
-                raise TransportError(str(err), err.code, unreachable=True) from None
+                # (a TLS mismatch gRPC does not name: the probe does, in the CLI's last act, blocking)
+                why = probe(endpoint, self.tls) if "Socket closed" in str(err) else ""
+                msg = f"UNAVAILABLE from {endpoint}: it closed the connection at once; {why}" if why else str(err)
+                raise TransportError(msg, err.code, unreachable=True) from None
         if getattr(err, "refresh_route", True):
             self.routes.invalidate(journal)
 

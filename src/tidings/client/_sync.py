@@ -20,6 +20,7 @@ from tidings.client._async import Appender, AsyncClient, Reader
 from tidings.client._base import AppendResult, Content, ReadChunk
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import UsageError
+from tidings.tls import TLS
 
 __all__ = ["Client", "SyncAppender", "SyncReader"]
 
@@ -82,10 +83,12 @@ class Client:
                 ...
     """
 
-    def __init__(self, endpoint: str, retries: int | None = 20, *, zone: str | None = None) -> None:
+    def __init__(
+        self, endpoint: str, retries: int | None = 20, *, zone: str | None = None, tls: TLS | None = None
+    ) -> None:
         self.endpoint = endpoint
         self._loop = LoopThread()
-        self.aio = AsyncClient(endpoint, retries, zone=zone)
+        self.aio = AsyncClient(endpoint, retries, zone=zone, tls=tls)
 
     def run(self, coro: Awaitable[T]) -> T:
         """Run a coroutine of `self.aio` (or anything else) on the client's loop and return its result."""

@@ -18,6 +18,8 @@ import grpc
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
 from tidings.protocol.status import TransportError, map_grpc_error, raise_for_status
+from tidings.tls import TLS
+from tidings.tls import channel as tls_channel
 
 __all__ = ["ShardClient"]
 
@@ -28,16 +30,17 @@ STAT_MARGIN = 1.0  # seconds a Stat answers before the caller's deadline (with w
 class ShardClient:
     """The Shard service of the consumer at `endpoint` (HOST:PORT)."""
 
-    def __init__(self, endpoint: str, deadline: float = 30.0) -> None:
+    def __init__(self, endpoint: str, deadline: float = 30.0, tls: TLS | None = None) -> None:
         self.endpoint = endpoint
         self.deadline = deadline
+        self.tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _stub(self, endpoint: str | None = None) -> pb_grpc.ShardStub:
         endpoint = endpoint or self.endpoint
         channel = self._channels.get(endpoint)
         if channel is None:
-            channel = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint)
+            channel = self._channels[endpoint] = tls_channel(endpoint, self.tls)
         return pb_grpc.ShardStub(channel)  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
 
     async def aclose(self) -> None:

@@ -49,6 +49,7 @@ from tidings.protocol import labels, validate
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
 from tidings.protocol.status import TidingsError, TransportError, UsageError, ValidationError
+from tidings.tls import TLS
 
 __all__ = ["Consumer", "ConsumerConfig", "ShardReplica", "load_app"]
 
@@ -75,6 +76,7 @@ class ConsumerConfig:
     lease_ttl: int = 5
     metrics_listen: str | None = None  # HOST:PORT serving /metrics; "auto": the gRPC port + 1000
     exit_timeout: float = 60.0
+    tls: TLS | None = None  # --tls-cert/--tls-key/--tls-ca: serve, and dial brokers and peers, with TLS
 
 
 def load_app(ref: str) -> Application:
@@ -134,7 +136,8 @@ class Consumer(MemberProcess):
 
     async def _prepare(self, undo: contextlib.AsyncExitStack) -> None:
         await self._check_broker()
-        self.client = AsyncClient(self.config.broker, retries=None)  # (shards wait out broker outages of any length)
+        # (shards wait out broker outages of any length)
+        self.client = AsyncClient(self.config.broker, retries=None, tls=self.config.tls)
         undo.push_async_callback(self.client.aclose)
         self.state = State.from_keyspace(self.keyspace, SHARDS)
 
@@ -175,7 +178,7 @@ class Consumer(MemberProcess):
         of any length, which for an address that never answered would be a wait for ever."""
         broker = self.config.broker
         try:
-            async with AsyncClient(broker, retries=BROKER_CHECK_RETRIES) as probe:
+            async with AsyncClient(broker, retries=BROKER_CHECK_RETRIES, tls=self.config.tls) as probe:
                 await probe.list(labels.parse_selector("name=tidings/consumer-start-check"))
         except TidingsError as err:
             raise UsageError(

@@ -44,6 +44,7 @@ from tidings.message.sequencer import Checkpoint
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
 from tidings.protocol.status import UsageError
+from tidings.tls import TLS, channel
 
 __all__ = ["LogPlayer", "PlayerState", "last_acks"]
 
@@ -94,13 +95,15 @@ def _save_state(path: Path, state: PlayerState) -> None:
         os.close(fd)
 
 
-async def last_acks(targets: Targets, timeout: float = 2.0) -> dict[str, pb.LastAckResponse | str]:
+async def last_acks(
+    targets: Targets, timeout: float = 2.0, tls: TLS | None = None
+) -> dict[str, pb.LastAckResponse | str]:
     """Every target's GetLastAck answer, or why there is none (for a start and `targets status`)."""
 
     async def ask(target_id: str, endpoint: str) -> pb.LastAckResponse | str:
         try:
-            async with grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS) as channel:
-                stub = pb_grpc.TargetStub(channel)  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
+            async with channel(endpoint, tls, CHANNEL_OPTIONS) as ch:
+                stub = pb_grpc.TargetStub(ch)  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
                 resp: pb.LastAckResponse = await stub.GetLastAck(pb.LastAckRequest(target=target_id), timeout=timeout)
                 return resp
         except grpc.aio.AioRpcError as exc:
@@ -163,7 +166,7 @@ class LogPlayer:
             self.start_end = state.checkpoint.journals[self.wal].read_through
         self.start_position = self._saved_position = state.position
         self.checkpoints = Checkpoints(state.position, state.checkpoint)
-        answers = await last_acks(self.targets)
+        answers = await last_acks(self.targets, tls=self.client.tls)
         epochs = [a.epoch for a in answers.values() if isinstance(a, pb.LastAckResponse)]
         self.epoch = min(max([*epochs, time.time_ns() // 1_000_000 - 1]) + 1, 2**63 - 1)
         nonce = random.getrandbits(63)
@@ -174,7 +177,13 @@ class LogPlayer:
                 open=pb.DeliverRequest.Open(target=t.id, player=self.name, epoch=self.epoch, nonce=nonce, wal=self.wal)
             )
             self.links[t.id] = TargetLink(
-                t, self.dispatcher, self._on_open, opening, max_batch=self.max_batch, ack_timeout=self.ack_timeout
+                t,
+                self.dispatcher,
+                self._on_open,
+                opening,
+                max_batch=self.max_batch,
+                ack_timeout=self.ack_timeout,
+                tls=self.client.tls,  # (one TLS per process: the brokers' and the targets' alike)
             )
         tasks = [asyncio.create_task(link.run(), name=f"link:{tid}") for tid, link in self.links.items()]
         try:

@@ -34,6 +34,8 @@ from tidings.logplayer.wal import Target
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
 from tidings.protocol.status import TargetFencedError, TidingsError, for_status
+from tidings.tls import TLS
+from tidings.tls import channel as tls_channel
 
 __all__ = ["CHANNEL_OPTIONS", "MAX_BATCH_BYTES", "MESSAGE_OPTIONS", "LinkFailed", "TargetLink"]
 
@@ -69,8 +71,10 @@ class TargetLink:
         max_batch: int = 256,
         ack_timeout: float = 5.0,
         backoff: tuple[float, float] = (0.05, 2.0),
+        tls: TLS | None = None,
     ) -> None:
         self.target = target
+        self.tls = tls
         self.id = target.id
         self.dispatcher = dispatcher
         self.queue: TargetQueue = dispatcher.queues[target.id]
@@ -129,7 +133,7 @@ class TargetLink:
         self.room.set()  # (a recovery waiting for room sees its term go stale)
 
     async def _connection(self) -> None:
-        async with grpc.aio.insecure_channel(self.target.endpoint, options=CHANNEL_OPTIONS) as channel:
+        async with tls_channel(self.target.endpoint, self.tls, CHANNEL_OPTIONS) as channel:
             call = pb_grpc.TargetStub(channel).Deliver()  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
             try:
                 await asyncio.wait_for(self._open(call), self.ack_timeout)

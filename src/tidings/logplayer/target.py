@@ -49,6 +49,7 @@ from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
 from tidings.protocol.status import UsageError
 from tidings.tasks import to_the_end
+from tidings.tls import TLS
 
 __all__ = ["ApplyFn", "TargetServer", "TargetService", "TargetStore", "WrongIndex", "apply_key_values"]
 
@@ -281,7 +282,9 @@ class TargetServer:
         apply: ApplyFn | None = None,
         log_applied: bool = False,
         metrics_listen: str | None = None,
+        tls: TLS | None = None,
     ) -> None:
+        self.tls = tls
         self.target = target
         self.db = db
         self.listen = listen
@@ -302,7 +305,7 @@ class TargetServer:
             pb_grpc.add_TargetServicer_to_server(  # type: ignore[no-untyped-call]  # generated gRPC code, untyped
                 TargetService(self.target, self.store), self._server
             )
-            self.endpoint = listen_grpc(self._server, self.listen, f"target {self.target}")
+            self.endpoint = listen_grpc(self._server, self.listen, f"target {self.target}", self.tls)
             host, port = self.endpoint.rsplit(":", 1)
             await self._server.start()
             undo.push_async_callback(self._server.stop, 0)

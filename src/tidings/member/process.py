@@ -38,6 +38,7 @@ from tidings.member.serving import WILDCARDS, advertised, host_of, listen_grpc, 
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import validate
 from tidings.protocol.status import TidingsError
+from tidings.tls import TLS, check_own
 
 __all__ = ["MemberConfig", "MemberProcess"]
 
@@ -56,6 +57,7 @@ class MemberConfig(Protocol):
     lease_ttl: int
     metrics_listen: str | None
     exit_timeout: float
+    tls: TLS | None
 
 
 class MemberProcess:
@@ -136,11 +138,13 @@ class MemberProcess:
             await self._prepare(undo)
             self.server = grpc.aio.server(options=self.server_options)
             self._add_servicer(self.server)
-            bound = listen_grpc(self.server, cfg.listen, self.who)
+            bound = listen_grpc(self.server, cfg.listen, self.who, cfg.tls)
             self.endpoint = advertised(bound, cfg.advertise, self.who)
             host, port = bound.rsplit(":", 1)
             await self.server.start()
             undo.push_async_callback(self.server.stop, 0)
+            if cfg.tls is not None and cfg.tls.ca is not None:  # (before it is announced: nobody dials a bad one)
+                await asyncio.to_thread(check_own, self.endpoint, cfg.tls, self.who)
             await self._serve_more(undo, host)
             if cfg.metrics_listen:
                 served = serve_metrics(cfg.metrics_listen, host, int(port), self.who)

@@ -14,6 +14,7 @@ from prometheus_client import Counter
 
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import UsageError
+from tidings.tls import TLS, server_port
 
 __all__ = ["advertised", "check_listen", "counted", "host_of", "listen_grpc", "serve_metrics", "stop_metrics"]
 
@@ -32,12 +33,12 @@ def check_listen(listen: str) -> None:
             s.bind(addr)
 
 
-def listen_grpc(server: grpc.aio.Server, listen: str, who: str) -> str:
-    """Bind `server` to `listen` (HOST:PORT, port 0: any free one) and return the endpoint it serves
-    on; an address this process cannot take is a UsageError naming `who` and --listen."""
+def listen_grpc(server: grpc.aio.Server, listen: str, who: str, tls: TLS | None = None) -> str:
+    """Bind `server` to `listen` (HOST:PORT, port 0: any free one; with `tls`, serving TLS) and return
+    the endpoint it serves on; an address this process cannot take is a UsageError naming `who` and --listen."""
     try:
         check_listen(listen)  # gRPC would fail too, but first print its own error line
-        port = server.add_insecure_port(listen)
+        port = server_port(server, listen, tls)
     except (OSError, RuntimeError) as err:
         raise UsageError(f"{who} cannot listen on {listen} ({err}); pass another --listen") from None
     return f"{listen.rsplit(':', 1)[0]}:{port}"

@@ -174,6 +174,33 @@ _UNREACHABLE = ("failed to connect to all addresses", "DNS resolution failed")  
 _SERVICE_ROLES = {"Journal": "broker", "Shard": "consumer", "Target": "target"}  # who serves each gRPC service
 
 
+_VERIFY = "CERTIFICATE_VERIFY_FAILED: "
+_ADVICE = {
+    "unable to get local issuer certificate": "its certificate is not signed by the CA in --tls-ca: give that CA",
+    "self-signed certificate in certificate chain": "its certificate is not signed by the CA in --tls-ca: give that CA",
+    "certificate has expired": "its certificate has expired: renew it",
+    "certificate is not yet valid": "its certificate is not valid yet (clocks differ?)",
+}
+
+
+def _tls_hint(details: str, endpoint: str) -> str:
+    """A one-line cause for a TLS failure in gRPC's error `details`, "" when it names none."""
+    if "WRONG_VERSION_NUMBER" in details:
+        return f"TLS: {endpoint} does not speak TLS (a plaintext server): drop --tls-* or dial its TLS port"
+    if _VERIFY in details:
+        reason = details.split(_VERIFY, 1)[1].split(":", 1)[0].strip()
+        return f"TLS: {endpoint}'s certificate failed verification ({reason}): " + _ADVICE.get(
+            reason, "check --tls-ca and the server's certificate"
+        )
+    if "Hostname Verification Check failed" in details:
+        host = endpoint.rpartition(":")[0]
+        return (
+            f"TLS: {endpoint}'s certificate is not valid for {host}: dial a name or address its certificate "
+            "names, or reissue it with this one"
+        )
+    return ""
+
+
 def map_grpc_error(err: grpc.RpcError, target: str = "", role: str = "broker") -> TransportError:
     """The one place gRPC errors become TidingsErrors; `role`: the kind of server `target` should be
     (broker, consumer, target), named when nothing answers there."""
@@ -188,6 +215,8 @@ def map_grpc_error(err: grpc.RpcError, target: str = "", role: str = "broker") -
         service = details.rsplit("tidings.protocol.", 1)[1].strip()
         role = _SERVICE_ROLES.get(service, f"{service} server")
         hint = f"{target or 'it'} is not a tidings {role} (an etcd endpoint?): give a {role}'s HOST:PORT"
+    elif name == "UNAVAILABLE" and (tls := _tls_hint(details, target or "the server")):
+        hint = tls
     elif "Failed parsing HTTP/2" in details:
         hint = f"{target or 'it'} does not speak gRPC (a web or /metrics port?): give a tidings server's HOST:PORT"
     msg = f"{name}{where}: {details}" + (f"; {hint}" if hint else "")

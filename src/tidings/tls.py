@@ -1,0 +1,198 @@
+"""TLS for every tidings channel (docs/design/production.md §3.3): one switch per process.
+
+`--tls-cert/--tls-key` give a process its certificate: a server serves TLS with it, and every channel
+it opens presents it when the peer asks (mutual TLS). `--tls-ca` gives the CA bundle that verifies
+peers: a client checks the servers it dials against it (without one, the system's roots), and a
+server given a CA **requires** client certificates signed by it (Gazette's rule: a CA means mTLS).
+A cluster is all-TLS or all-plaintext: endpoints stay `HOST:PORT`, and a process with TLS dials
+every peer with TLS. Without any flag nothing changes (plaintext, for loopback).
+
+The files are read once, at start, and checked there (a certificate without its key, a key that is
+not the certificate's, a file that is not PEM): each is one line naming the flag. A mismatch with a
+peer (a plaintext client at a TLS port, the wrong CA, an expired certificate, the wrong host name)
+is named from gRPC's handshake error (`protocol.status.map_grpc_error`), or by `probe` where gRPC only
+says "Socket closed".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import ssl
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from tidings.protocol.status import UsageError
+
+__all__ = ["TLS", "channel", "check_own", "load", "probe", "server_port"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TLS:
+    """A process's TLS material, read from the files its flags name (PEM bytes)."""
+
+    cert: bytes | None  # its certificate chain: served, and presented to servers that ask (mTLS)
+    key: bytes | None
+    ca: bytes | None  # verifies peers; on a server it also requires their certificates
+    paths: dict[str, str] = field(default_factory=dict, compare=False)  # flag -> file, for messages
+
+    @property
+    def mutual(self) -> bool:
+        """Whether a server with this TLS requires client certificates."""
+        return self.ca is not None
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        assert self.cert is not None and self.key is not None, "a server needs --tls-cert and --tls-key"
+        return grpc.ssl_server_credentials(
+            [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=self.ca is not None
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
+
+    def client_context(self) -> ssl.SSLContext:
+        """A stdlib client context with the same trust and certificate (the probe's)."""
+        ctx = ssl.create_default_context(cadata=self.ca.decode() if self.ca else None)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        if self.cert is not None and self.key is not None:
+            _load_chain(ctx, self.cert, self.key)
+        return ctx
+
+
+def load(cert: str | Path | None, key: str | Path | None, ca: str | Path | None, who: str, server: bool) -> TLS | None:
+    """The TLS the flags give `who`, or None when none is given; every mistake is a UsageError of one
+    line naming the flag (a server must have a certificate to serve TLS; a client may give only a CA)."""
+    if not (cert or key or ca):
+        return None
+    if bool(cert) != bool(key):
+        given, missing = ("--tls-cert", "--tls-key") if cert else ("--tls-key", "--tls-cert")
+        raise UsageError(f"{who}: {given} without {missing}: give both (a certificate and its private key)")
+    if server and not cert:
+        raise UsageError(
+            f"{who}: --tls-ca without --tls-cert/--tls-key: a server serving TLS needs its own certificate and key"
+        )
+    paths = {flag: str(p) for flag, p in (("--tls-cert", cert), ("--tls-key", key), ("--tls-ca", ca)) if p}
+    pem = {flag: _read(who, flag, Path(p)) for flag, p in paths.items()}
+    tls = TLS(pem.get("--tls-cert"), pem.get("--tls-key"), pem.get("--tls-ca"), paths)
+    if tls.cert is not None and tls.key is not None:
+        try:
+            _load_chain(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), tls.cert, tls.key)
+        except ssl.SSLError as err:
+            what = (
+                f"--tls-key {paths['--tls-key']} does not match --tls-cert {paths['--tls-cert']}"
+                if "KEY_VALUES_MISMATCH" in str(err)
+                else f"--tls-cert {paths['--tls-cert']} or --tls-key {paths['--tls-key']} is not usable ({err.reason})"
+            )
+            raise UsageError(f"{who}: {what}: give the certificate and the private key made with it") from None
+    if tls.ca is not None:
+        try:
+            ssl.create_default_context(cadata=tls.ca.decode("ascii", "replace"))
+        except (ssl.SSLError, ValueError) as err:
+            raise UsageError(f"{who}: --tls-ca {paths['--tls-ca']} is not a PEM CA bundle ({err})") from None
+    return tls
+
+
+def _read(who: str, flag: str, path: Path) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise UsageError(f"{who}: cannot read {flag} {path} ({err.strerror or err})") from None
+    marker = b"PRIVATE KEY-----" if flag == "--tls-key" else b"-----BEGIN CERTIFICATE-----"
+    if marker not in data:
+        kind = "private key" if flag == "--tls-key" else "certificate"
+        raise UsageError(f"{who}: {flag} {path} is not a PEM {kind}")
+    return data
+
+
+def _load_chain(ctx: ssl.SSLContext, cert: bytes, key: bytes) -> None:
+    """`load_cert_chain` from bytes (the stdlib reads only files: a private temporary one each)."""
+    with tempfile.TemporaryDirectory(prefix="tidings-tls-") as tmp:
+        cpath, kpath = Path(tmp, "cert.pem"), Path(tmp, "key.pem")
+        cpath.write_bytes(cert)
+        fd = os.open(kpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(key)
+        ctx.load_cert_chain(cpath, kpath)
+
+
+def channel(endpoint: str, tls: TLS | None, options: Any = None) -> grpc.aio.Channel:
+    """A grpc.aio channel to `endpoint`: TLS when the process has TLS, else plaintext."""
+    if tls is None:
+        return grpc.aio.insecure_channel(endpoint, options=options)
+    return grpc.aio.secure_channel(endpoint, tls.channel_credentials(), options=options)
+
+
+def server_port(server: grpc.aio.Server, listen: str, tls: TLS | None) -> int:
+    """Bind `server` to `listen` with TLS or without; the port bound."""
+    port: int = (
+        server.add_insecure_port(listen) if tls is None else server.add_secure_port(listen, tls.server_credentials())
+    )
+    return port
+
+
+def check_own(endpoint: str, tls: TLS, who: str, timeout: float = 5.0) -> None:
+    """Handshake with ourselves at the `endpoint` we announce, as a peer would (verifying with our CA
+    for the host name announced: a process without --tls-ca skips it): an expired certificate or one not
+    valid for that address is a UsageError of one line before anyone is told to dial it. Not reaching
+    ourselves (an address only others route) is only logged."""
+    host, _, port = endpoint.rpartition(":")
+    ctx = tls.client_context()
+    ctx.set_alpn_protocols(["h2"])
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as raw:
+            with ctx.wrap_socket(raw, server_hostname=host.strip("[]")):
+                pass
+    except ssl.SSLCertVerificationError as err:
+        why = err.verify_message or str(err)
+        advice = {
+            "certificate has expired": "renew it",
+            "unable to get local issuer certificate": "give --tls-ca the CA that signed it",
+            "self-signed certificate": "give --tls-ca the CA that signed it",
+        }.get(why, "give a certificate whose SANs include it" if "mismatch" in why else "check --tls-cert and --tls-ca")
+        raise UsageError(f"{who} cannot serve TLS at {endpoint}: its certificate: {why}: {advice}") from None
+    except (OSError, ValueError) as err:
+        log.warning("%s: could not check its own certificate at %s (%s); serving anyway", who, endpoint, err)
+
+
+def probe(endpoint: str, tls: TLS | None, timeout: float = 2.0) -> str:
+    """Why a connection to `endpoint` closed during its handshake ("Socket closed" is all gRPC says):
+    one stdlib TLS handshake to it, unverified, says whether it speaks TLS and whether it took us."""
+    host, _, port = endpoint.rpartition(":")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])
+    if tls is not None and tls.cert is not None and tls.key is not None:
+        _load_chain(ctx, tls.cert, tls.key)
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as raw:
+            with ctx.wrap_socket(raw, server_hostname=host.strip("[]")) as s:
+                s.settimeout(timeout)
+                closed = _closed_after_handshake(s)
+    except (ssl.SSLError, OSError, ValueError):
+        return ""
+    if tls is None:
+        return f"TLS: {endpoint} speaks TLS: pass --tls-ca (and --tls-cert/--tls-key if it wants a client certificate)"
+    if closed and tls.cert is None:
+        return f"TLS: {endpoint} requires a client certificate: pass --tls-cert and --tls-key (signed by its CA)"
+    if closed:
+        return f"TLS: {endpoint} refused our client certificate (not signed by its CA, or expired)"
+    return ""
+
+
+def _closed_after_handshake(s: ssl.SSLSocket) -> bool:
+    """Whether the server ends the connection right after the handshake (TLS 1.3 servers refuse a
+    client certificate only then)."""
+    try:
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        return s.recv(1) == b""
+    except TimeoutError:  # (it took us, and waits for more)
+        return False
+    except OSError:  # (ssl.SSLError included: an alert, "certificate required")
+        return True
