@@ -26,6 +26,10 @@ serializes a request once and `send`s the bytes to every peer's stream.
   bench/transport.py                      # both transports, ~1 minute
   bench/transport.py --quick              # smoke run, a few seconds
   bench/transport.py --transport tidings --seconds 5
+  bench/transport.py --transport tls      # tidings plaintext beside tidings over mutual TLS
+
+`tidings-tls` is the tidings transport over mutual TLS (`broker/transport_tls.py`): a CA and one
+certificate made for the run (trustme), shared by the sender and its peers.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from _common import CLK_TCK, child_processes, cpu_seconds, emit, rss_kib, run
 from tidings.broker.service import PEER_CHANNEL_OPTIONS, SERVER_OPTIONS
 from tidings.broker.transport import Dialer, MuxReplicaStream, PeerStream, ReplicationServer, StreamError
 from tidings.protocol import protocol_pb2 as pb
+from tidings.tls import TLS, load
 
 KiB, MiB, MB = 1024, 1024 * 1024, 1_000_000
 SERVICE, METHOD = "bench.Replication", "Replicate"
@@ -100,7 +105,9 @@ async def peer_main(kind: str) -> None:
         finally:
             await server.stop(0)
     else:
-        rs = await ReplicationServer(tidings_replicate).start("127.0.0.1:0")
+        rs = await ReplicationServer(tidings_replicate, tls=_tls() if kind == "tidings-tls" else None).start(
+            "127.0.0.1:0"
+        )
         try:
             print(rs.endpoint, flush=True)
             await stop.wait()
@@ -210,11 +217,29 @@ class TidingsFanout:
             s.close_send()
 
 
+def _tls() -> TLS:
+    """The run's certificate and CA (made by `main` into TIDINGS_BENCH_CERTS)."""
+    d = os.environ["TIDINGS_BENCH_CERTS"]
+    tls = load(f"{d}/cert.pem", f"{d}/key.pem", f"{d}/ca.pem", "bench", server=True)
+    assert tls is not None
+    return tls
+
+
+def make_certs(d: str) -> None:
+    import trustme
+
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(f"{d}/ca.pem")
+    cert = ca.issue_cert("127.0.0.1")
+    cert.cert_chain_pems[0].write_to_path(f"{d}/cert.pem")
+    cert.private_key_pem.write_to_path(f"{d}/key.pem")
+
+
 class TidingsTransport:
     name = "tidings"
 
-    def __init__(self) -> None:
-        self.dialer = Dialer()
+    def __init__(self, tls: TLS | None = None) -> None:
+        self.dialer = Dialer(tls)
 
     def open(self, endpoints: list[str]) -> TidingsFanout:
         return TidingsFanout([self.dialer.open(ep) for ep in endpoints])
@@ -393,7 +418,7 @@ async def pingpong_idle(t: TidingsTransport, peer: tuple[str, int], idle: int, c
 
 
 async def bench(kind: str, peers: list[tuple[str, int]], args: argparse.Namespace, recs: list[dict]) -> None:
-    t: Transport = GrpcTransport() if kind == "grpc" else TidingsTransport()
+    t: Transport = GrpcTransport() if kind == "grpc" else TidingsTransport(_tls() if kind == "tidings-tls" else None)
 
     def out(rec: dict) -> None:
         recs.append(emit(rec, transport=kind))
@@ -437,14 +462,16 @@ def table(recs: list[dict]) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--transport", choices=("grpc", "tidings", "both"), default="both")
+    p.add_argument("--transport", choices=("grpc", "tidings", "tidings-tls", "both", "tls"), default="both")
     p.add_argument("--quick", action="store_true", help="small counts: a smoke run of a few seconds")
     p.add_argument("--count", type=int, default=5000, help="requests timed in each sequential test")
     p.add_argument("--warmup", type=int, default=500, help="untimed requests before each sequential test")
     p.add_argument("--seconds", type=float, default=5.0, help="per pipelined measurement")
     p.add_argument("--window", type=int, default=64, help="requests in flight when pipelined (1 MiB: at most 16)")
     p.add_argument("--idle-streams", type=int, default=1000, help="idle streams beside the pingpong (tidings)")
-    p.add_argument("--peer", choices=("grpc", "tidings"), help=argparse.SUPPRESS)  # a child process of this script
+    p.add_argument(
+        "--peer", choices=("grpc", "tidings", "tidings-tls"), help=argparse.SUPPRESS
+    )  # a child process of this script
     args = p.parse_args()
     if args.peer:
         uvloop.run(peer_main(args.peer))
@@ -454,7 +481,13 @@ def main() -> int:
     if min(args.count, args.window, args.idle_streams) < 1 or args.warmup < 0 or args.seconds <= 0:
         p.error("--count, --window and --idle-streams must be at least 1, --warmup at least 0, --seconds over 0")
     recs: list[dict] = []
-    for kind in ("grpc", "tidings") if args.transport == "both" else (args.transport,):
+    kinds = {"both": ("grpc", "tidings"), "tls": ("tidings", "tidings-tls")}.get(args.transport, (args.transport,))
+    if "tidings-tls" in kinds and "TIDINGS_BENCH_CERTS" not in os.environ:
+        import tempfile
+
+        os.environ["TIDINGS_BENCH_CERTS"] = tempfile.mkdtemp(prefix="tidings-bench-certs-")
+        make_certs(os.environ["TIDINGS_BENCH_CERTS"])
+    for kind in kinds:
         try:
             with peer_processes(kind, 2) as peers:
                 run(bench(kind, peers, args, recs))

@@ -1,4 +1,5 @@
-"""The replication transport on its own: framing, multiplexing, and every way a stream can fail.
+"""The replication transport on its own: framing, multiplexing, and every way a stream can fail,
+each in plaintext and over mutual TLS (`transport_tls.py`: the same guarantees on TLS sockets).
 
 A real ReplicationServer and Dialer on loopback; the handler stands in for the broker's
 `serve_replicate` (echoing, refusing, or not reading), so each failure is driven exactly.
@@ -15,7 +16,7 @@ import grpc
 import pytest
 
 from tests.support.waiting import wait_until
-from tidings.broker import transport
+from tidings.broker import transport, transport_tls
 from tidings.broker.transport import (
     HEADER,
     HELLO,
@@ -27,6 +28,16 @@ from tidings.broker.transport import (
     StreamError,
 )
 from tidings.protocol import protocol_pb2 as pb
+from tidings.tls import TLS
+
+_tls: TLS | None = None  # this test's: None (plaintext) or mutual TLS
+
+
+@pytest.fixture(autouse=True, params=["plaintext", "tls"])
+def security(request: pytest.FixtureRequest, certs) -> TLS | None:
+    global _tls
+    _tls = certs.tls("replication") if request.param == "tls" else None
+    return _tls
 
 
 async def echo(stream: PeerStream) -> None:
@@ -37,7 +48,7 @@ async def echo(stream: PeerStream) -> None:
 
 @contextlib.asynccontextmanager
 async def serving(handler: Callable[[PeerStream], Awaitable[None]] = echo) -> AsyncIterator[ReplicationServer]:
-    server = await ReplicationServer(handler).start("127.0.0.1:0")
+    server = await ReplicationServer(handler, tls=_tls).start("127.0.0.1:0")
     try:
         yield server
     finally:
@@ -46,7 +57,7 @@ async def serving(handler: Callable[[PeerStream], Awaitable[None]] = echo) -> As
 
 @contextlib.asynccontextmanager
 async def dialing() -> AsyncIterator[Dialer]:
-    dialer = Dialer()
+    dialer = Dialer(_tls)
     try:
         yield dialer
     finally:
@@ -160,7 +171,7 @@ async def test_nobody_listening_fails_the_stream() -> None:
 
 async def raw_connection(server: ReplicationServer) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     host, port = server.endpoint.rsplit(":", 1)
-    return await asyncio.open_connection(host, int(port))
+    return await asyncio.open_connection(host, int(port), ssl=transport_tls.contexts(_tls)[1] if _tls else None)
 
 
 @pytest.mark.parametrize(
@@ -195,7 +206,8 @@ async def test_a_silent_peer_is_dropped_by_keepalive(monkeypatch: pytest.MonkeyP
     async def frozen(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         accepted.append(writer)  # never reads, never writes
 
-    silent = await asyncio.start_server(frozen, "127.0.0.1", 0)
+    ssl = transport_tls.contexts(_tls)[0] if _tls else None  # (over TLS: frozen once the handshake is done)
+    silent = await asyncio.start_server(frozen, "127.0.0.1", 0, ssl=ssl)
     try:
         port = silent.sockets[0].getsockname()[1]
         async with dialing() as dialer:
@@ -323,7 +335,7 @@ async def test_close_send_on_a_stream_that_sent_nothing_ends_it() -> None:
 async def test_a_primary_that_means_another_broker_is_refused() -> None:
     """A stale endpoint (the peer restarted elsewhere, another broker took its port) must not carry a
     stream to the wrong broker: HELLO names the broker meant, and any other refuses the connection."""
-    server = await ReplicationServer(echo, "zone-a/b1").start("127.0.0.1:0")
+    server = await ReplicationServer(echo, "zone-a/b1", tls=_tls).start("127.0.0.1:0")
     try:
         async with dialing() as dialer:
             wrong = dialer.open(server.endpoint, "zone-a/b2")

@@ -1,5 +1,6 @@
-"""TLS on the gRPC services (tidings/tls.py): brokers given --tls-cert/--tls-key/--tls-ca serve only
-TLS, require client certificates from their CA (mutual TLS) and dial each other with TLS; a client with
+"""TLS on the gRPC services and the replication port (tidings/tls.py, broker/transport_tls.py): brokers
+given --tls-cert/--tls-key/--tls-ca serve only TLS, require client certificates from their CA (mutual
+TLS) and dial and replicate to each other with TLS; a client with
 the CA and a certificate appends and reads through every broker. Every mismatch a user makes (no TLS
 at a TLS port, TLS at a plaintext one, the wrong CA, no or a foreign client certificate, an expired
 certificate, a certificate for another host name) ends the `tidings` command with one line naming the
@@ -20,7 +21,7 @@ async def test_a_tls_cluster_serves_appends_and_reads_through_every_broker(broke
     bs = await brokers(tls=certs.tls("broker"))
     for zone in ("zone-a", "zone-b"):
         await bs.add_broker(zone)
-    await bs.create_journal("tls/j", 1)  # (one replica: the other broker proxies, over TLS)
+    await bs.create_journal("tls/j", 2)  # (replicated over TLS; appends through the non-primary are proxied)
     written = []
     for i in range(2):
         async with bs.client(i) as c:

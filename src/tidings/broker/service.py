@@ -110,9 +110,11 @@ class Broker(MemberProcess):
 
     async def _serve_more(self, undo: contextlib.AsyncExitStack, host: str) -> None:
         cfg = self.config
-        self.dialer = Dialer()
+        self.dialer = Dialer(cfg.tls)
         undo.push_async_callback(self.dialer.aclose)
-        self.replication = ReplicationServer(functools.partial(serve_replicate, self), f"{cfg.zone}/{cfg.suffix}")
+        self.replication = ReplicationServer(
+            functools.partial(serve_replicate, self), f"{cfg.zone}/{cfg.suffix}", tls=cfg.tls
+        )
         listen = cfg.replication_listen or f"{host}:0"
         try:
             await self.replication.start(listen)

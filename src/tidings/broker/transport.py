@@ -35,8 +35,8 @@ before every peer answered its sync proposal (`append_fsm.py`).
 
 **HELLO.** The primary's HELLO names the broker it means to reach ("zone/suffix"); another broker
 (a stale endpoint: the peer moved, someone else took its port) answers HELLO then refuses with its
-reason (an END on stream 0), so a stream never lands on the wrong replica. TLS and a capability
-check belong here too (the later authorization issue): either side can refuse before any stream.
+reason (an END on stream 0), so a stream never lands on the wrong replica. With TLS (a broker's
+--tls-*), connections are TLS sockets driven by `transport_tls.py`, mutual when a CA is given.
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ from typing import Any, Protocol, cast
 import grpc
 from google.protobuf.message import DecodeError
 
+from tidings.broker import transport_tls
 from tidings.protocol import protocol_pb2 as pb
+from tidings.tls import TLS
 
 log = logging.getLogger(__name__)
 
@@ -485,9 +487,11 @@ class MuxReplicaStream(_Inbox):
 
 
 class Dialer:
-    """The primary's connections to its peers: one per peer, dialed on first use."""
+    """The primary's connections to its peers: one per peer, dialed on first use (with `tls`: over TLS,
+    verifying each peer's certificate for the host dialled; `transport_tls.py`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TLS | None = None) -> None:
+        self._tls = transport_tls.contexts(tls)[1] if tls is not None else None
         self._conns: dict[tuple[str, str], _PrimaryConnection] = {}
         self._dialing: dict[tuple[str, str], asyncio.Task[_PrimaryConnection]] = {}
 
@@ -519,10 +523,12 @@ class Dialer:
     async def _dial(self, endpoint: str, member: str) -> _PrimaryConnection:
         try:
             host, port = _split(endpoint)
-            async with asyncio.timeout(CONNECT_TIMEOUT):
-                _transport, conn = await asyncio.get_running_loop().create_connection(
-                    lambda: _PrimaryConnection(endpoint, member, self._forget), host, port
-                )
+            made = functools.partial(_PrimaryConnection, endpoint, member, self._forget)
+            if self._tls is not None:
+                conn = cast(_PrimaryConnection, await transport_tls.dial(host, port, self._tls, made, CONNECT_TIMEOUT))
+            else:
+                async with asyncio.timeout(CONNECT_TIMEOUT):
+                    _transport, conn = await asyncio.get_running_loop().create_connection(made, host, port)
         except (OSError, ValueError, TimeoutError) as exc:
             raise StreamError(f"{endpoint}: {exc or type(exc).__name__}") from None
         self._conns[(endpoint, member)] = conn
@@ -692,19 +698,25 @@ class _MuxPeerStream(_Inbox):
 class ReplicationServer:
     """A broker's replication port: accepts primaries' connections and serves their streams."""
 
-    def __init__(self, handler: Handler, identity: str = "") -> None:
+    def __init__(self, handler: Handler, identity: str = "", tls: TLS | None = None) -> None:
         self.handler = handler
         self.identity = identity  # "zone/suffix": a primary that means another broker is refused
         self.connections: set[_PeerConnection] = set()
         self.endpoint = ""
         self._server: asyncio.Server | None = None
+        self._tls = transport_tls.contexts(tls)[0] if tls is not None else None  # (a CA: mutual TLS)
+        self._tls_listener: transport_tls.TLSListener | None = None
 
     async def start(self, listen: str) -> ReplicationServer:
         host, port = _split(listen)
-        self._server = await asyncio.get_running_loop().create_server(
-            lambda: _PeerConnection(self), host, port, reuse_address=True
-        )
-        bound = self._server.sockets[0].getsockname()[1]
+        if self._tls is not None:
+            self._tls_listener = transport_tls.TLSListener(self._tls, lambda: _PeerConnection(self))
+            bound = await self._tls_listener.start(host, port)
+        else:
+            self._server = await asyncio.get_running_loop().create_server(
+                lambda: _PeerConnection(self), host, port, reuse_address=True
+            )
+            bound = self._server.sockets[0].getsockname()[1]
         self.endpoint = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
         return self
 
@@ -712,6 +724,8 @@ class ReplicationServer:
         """Stop accepting, close every connection (their handlers are cancelled) and wait for them."""
         if self._server is not None:
             self._server.close()
+        if self._tls_listener is not None:
+            self._tls_listener.close()
         tasks = [s.task for c in self.connections for s in c.streams.values() if s.task is not None]
         for conn in list(self.connections):
             conn.close("the broker is stopping")

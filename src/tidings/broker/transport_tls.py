@@ -1,0 +1,305 @@
+"""TLS for the replication transport: OpenSSL over memory BIOs on the loop's own TCP transport, under
+the same `asyncio.Protocol`s as plaintext (`transport.py`).
+
+Why not `loop.create_connection(ssl=...)`: asyncio's SSLProtocol (uvloop's too) spends its time in
+Python machinery around each record, measured at +142 µs per replicated 1 KiB round trip (29 -> 171
+µs, docs/design/production.md §2.2). Why not a non-blocking `SSLSocket`: without read-ahead OpenSSL
+reads each record in two system calls (header, then body), and every call goes through Python; it
+measured +35-50 µs a round trip here. `_TLSLayer` keeps the loop's C transport for the socket (one
+read per readiness, writes and flow control in C) and does only the cryptography in Python:
+
+- **Reads**: what the socket gave goes into the incoming BIO, then `SSLObject.read` is called while
+  the BIO or OpenSSL holds bytes (a partial record ends it with one `SSLWantReadError`).
+- **Writes**: `SSLObject.write` into the outgoing BIO (a memory BIO never blocks), whose bytes go to
+  the TCP transport at once, in slices of `WRITE_SLICE` (a 64 MiB frame is not encrypted whole).
+  The TCP transport's flow control (`pause_writing`/`resume_writing`, its buffer limits) is the
+  connection's.
+- **Handshakes** are bounded (`HANDSHAKE_TIMEOUT`: a silent client cannot hold a slot); a server
+  logs one line per refused handshake, at most one per source address per `REFUSAL_LOG_EVERY`.
+- **Close** aborts or closes the TCP transport (no close_notify round trip: every stream ends by a
+  frame of its own).
+
+A CA given means mutual TLS: the server requires a client certificate signed by it, and clients
+verify the server's certificate for the host they dial. ALPN `tidings-replicate/1` on both ends, so
+a gRPC client (ALPN h2) at this port fails its handshake with a named alert.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+from tidings.tls import TLS
+
+__all__ = ["HANDSHAKE_TIMEOUT", "TLSListener", "contexts", "dial"]
+
+log = logging.getLogger(__name__)
+
+ALPN = "tidings-replicate/1"
+HANDSHAKE_TIMEOUT = 5.0
+READ_SIZE = 64 * 1024  # (a TLS record holds at most 16 KiB)
+WRITE_SLICE = 256 * 1024  # bytes encrypted at a time (a 64 MiB frame is not encrypted whole)
+REFUSAL_LOG_EVERY = 10.0
+
+
+def contexts(tls: TLS) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """(server, client) contexts for the replication port: TLS 1.2+, ALPN, mutual when a CA is given."""
+    from tidings.tls import _load_chain
+
+    assert tls.cert is not None and tls.key is not None, "a broker serving TLS has --tls-cert and --tls-key"
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    for ctx in (server, client):
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.set_alpn_protocols([ALPN])
+        _load_chain(ctx, tls.cert, tls.key)
+        if tls.ca is not None:
+            ctx.load_verify_locations(cadata=tls.ca.decode())
+    if tls.ca is None:
+        client.load_default_certs()
+    else:
+        server.verify_mode = ssl.CERT_REQUIRED
+    return server, client
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS: {exc.verify_message}"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS handshake failed: {exc.reason or exc}"
+    if isinstance(exc, TimeoutError):
+        return f"TLS handshake not done within {HANDSHAKE_TIMEOUT:g}s"
+    return str(exc) or type(exc).__name__
+
+
+async def dial(
+    host: str, port: int, ctx: ssl.SSLContext, protocol: Callable[[], asyncio.Protocol], timeout: float
+) -> asyncio.Protocol:
+    """Connect to `host:port`, handshake (verifying its certificate for `host`), and run `protocol()`
+    over the connection; OSError naming the cause if any step fails."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[asyncio.Protocol] = loop.create_future()
+    layer: _TLSLayer | None = None
+    try:
+        async with asyncio.timeout(timeout):
+            _, layer = await loop.create_connection(lambda: _TLSLayer(ctx, protocol, done, host), host, port)
+            return await done
+    except BaseException as exc:
+        if layer is not None:
+            layer.abort()
+        if isinstance(exc, ssl.SSLError | TimeoutError):
+            raise OSError(_why(exc)) from None
+        raise
+
+
+class TLSListener:
+    """A TLS replication port: accepts, handshakes (bounded), then runs `protocol()` per connection."""
+
+    def __init__(self, ctx: ssl.SSLContext, protocol: Callable[[], asyncio.Protocol]) -> None:
+        self.ctx, self.protocol = ctx, protocol
+        self._server: asyncio.Server | None = None
+        self._logged: dict[str, float] = {}
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on `host:port` (0: any free port); the port bound."""
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: _TLSLayer(self.ctx, self.protocol, None, refused=self._refused), host, port, reuse_address=True
+        )
+        bound: int = self._server.sockets[0].getsockname()[1]
+        return bound
+
+    def _refused(self, peer: Any, why: str) -> None:
+        source = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        now = time.monotonic()
+        if now - self._logged.get(source, -REFUSAL_LOG_EVERY) >= REFUSAL_LOG_EVERY:
+            self._logged[source] = now
+            if len(self._logged) > 4096:
+                self._logged.clear()
+            log.warning("replication from %s: refused at the TLS handshake (%s)", source, why)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+
+class _TLSLayer(asyncio.Protocol):
+    """TLS between the loop's TCP transport (below) and a connection's protocol (above, through the
+    `_TLSTransport` it is given once the handshake is done)."""
+
+    def __init__(
+        self,
+        ctx: ssl.SSLContext,
+        protocol: Callable[[], asyncio.Protocol],
+        done: asyncio.Future[asyncio.Protocol] | None,  # a dialer's: the handshake's outcome
+        host: str | None = None,  # a dialer's: the name the peer's certificate must carry
+        refused: Callable[[Any, str], None] | None = None,  # a server's: log a refused handshake
+    ) -> None:
+        self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self._ssl = ctx.wrap_bio(self._incoming, self._outgoing, server_side=done is None, server_hostname=host)
+        self._make, self._done, self._refused = protocol, done, refused
+        self._raw: asyncio.Transport | None = None
+        self._upper: asyncio.Protocol | None = None  # once the handshake is done
+        self._timer: asyncio.TimerHandle | None = None
+        self._lost = False
+        self._error: Exception | None = None  # why the connection ended, if TLS said
+        self._buf = bytearray(READ_SIZE)
+
+    # -- below: the TCP transport ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._raw = cast(asyncio.Transport, transport)  # (uvloop's are no asyncio.Transport subclass)
+        if self._done is None:
+            self._timer = asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT, self._handshake_late)
+        self._handshake()
+
+    def data_received(self, data: bytes) -> None:
+        self._incoming.write(data)
+        if self._upper is None:
+            self._handshake()
+        else:
+            self._read()
+
+    def eof_received(self) -> bool | None:
+        return False  # (close: a TLS connection cannot half-close)
+
+    def pause_writing(self) -> None:
+        if self._upper is not None:
+            self._upper.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._upper is not None:
+            self._upper.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._upper is not None:
+            self._upper.connection_lost(exc or self._error)
+        elif self._done is not None and not self._done.done():
+            self._done.set_exception(OSError(f"connection closed during the TLS handshake ({exc or 'by the peer'})"))
+
+    # -- the handshake -----------------------------------------------------------------------
+
+    def _handshake(self) -> None:
+        try:
+            self._ssl.do_handshake()
+        except ssl.SSLWantReadError:
+            self._flush()
+            return
+        except ssl.SSLError as exc:
+            self._flush()  # (the alert tells the other side why)
+            self._fail(exc)
+            return
+        self._flush()
+        if self._timer is not None:
+            self._timer.cancel()
+        assert self._raw is not None
+        self._upper = self._make()
+        self._upper.connection_made(_TLSTransport(self, self._raw))
+        if self._done is not None and not self._done.done():
+            self._done.set_result(self._upper)
+        if not self._lost:
+            self._read()  # (application data that came with the handshake's last flight)
+
+    def _handshake_late(self) -> None:
+        if self._upper is None:
+            self._fail(TimeoutError())
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._done is not None:
+            if not self._done.done():
+                self._done.set_exception(exc)
+        elif self._refused is not None and self._raw is not None:
+            self._refused(self._raw.get_extra_info("peername"), _why(exc))
+        self.abort()
+
+    # -- the data ----------------------------------------------------------------------------
+
+    def _read(self) -> None:
+        """Decrypt what came, record by record, into one reused buffer (a fresh `read(n)` allocates n
+        bytes each call: 37 µs a record at 256 KiB); the connection copies what it keeps."""
+        upper = self._upper
+        assert upper is not None
+        buf = self._buf
+        while not self._lost and (self._incoming.pending or self._ssl.pending()):
+            try:
+                n = self._ssl.read(READ_SIZE, buf)
+            except ssl.SSLWantReadError:  # (a partial record: the rest comes with the next read)
+                return
+            except (ssl.SSLEOFError, ssl.SSLZeroReturnError):
+                self.abort()
+                return
+            except ssl.SSLError as exc:  # (an alert: TLS 1.3 refuses a client's certificate only now)
+                self._error = exc
+                self.abort()
+                return
+            if n:
+                with memoryview(buf) as view:
+                    upper.data_received(view[:n])  # type: ignore[index,arg-type]  # (typeshed: a slice of int; the connection takes any buffer)
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Encrypt `data` and hand it to the TCP transport."""
+        if self._lost or self._raw is None or self._raw.is_closing():
+            return
+        view = memoryview(data)
+        for at in range(0, len(view), WRITE_SLICE):
+            self._ssl.write(view[at : at + WRITE_SLICE])
+            self._raw.write(self._outgoing.read())
+
+    def _flush(self) -> None:
+        if self._outgoing.pending and self._raw is not None and not self._raw.is_closing():
+            self._raw.write(self._outgoing.read())
+
+    def abort(self) -> None:
+        if self._raw is not None:
+            self._raw.abort()
+
+
+class _TLSTransport(asyncio.Transport):
+    """What `transport._Connection` uses of an asyncio.Transport: writes are encrypted, the rest is the
+    TCP transport's."""
+
+    def __init__(self, layer: _TLSLayer, raw: asyncio.Transport) -> None:
+        super().__init__()
+        self._layer, self._raw = layer, raw
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        if name == "ssl_object":
+            return self._layer._ssl
+        return self._raw.get_extra_info(name, default)
+
+    def is_closing(self) -> bool:
+        return self._raw.is_closing()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._raw.set_write_buffer_limits(high, low)
+
+    def get_write_buffer_size(self) -> int:
+        return self._raw.get_write_buffer_size()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._layer.write(data)
+
+    def writelines(self, list_of_data: Any) -> None:
+        for data in list_of_data:
+            self._layer.write(data)
+
+    def pause_reading(self) -> None:
+        self._raw.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._raw.resume_reading()
+
+    def is_reading(self) -> bool:
+        return self._raw.is_reading()
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def abort(self) -> None:
+        self._raw.abort()
