@@ -55,6 +55,9 @@ class BrokerConfig:
     metrics_journals: bool = False  # per-journal series (one per journal: mind the cardinality)
     auto_suspend: bool = False  # suspend idle journals (Gazette's AutoSuspend; see broker/pulse.py)
     tls: TLS | None = None  # --tls-cert/--tls-key/--tls-ca: serve, and dial peers, with TLS
+    etcd_tls: TLS | None = None  # --etcd-tls-*: etcd over TLS
+    etcd_user: str = ""  # --etcd-user: as this etcd user (its password below, never shown)
+    etcd_password: str = dataclasses.field(default="", repr=False)
 
 
 class Host(Protocol):

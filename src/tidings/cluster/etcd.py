@@ -21,8 +21,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tidings.protocol.status import TidingsError, UsageError
+
+if TYPE_CHECKING:  # (annotations only: tidings.tls imports grpc)
+    from tidings.tls import TLS
 
 
 class ClusterError(TidingsError, RuntimeError):
@@ -154,9 +158,13 @@ class EtcdProcess:
         host: str = "127.0.0.1",
         advertise_host: str = "",
         wrap: tuple[str, ...] = (),
+        tls: TLS | None = None,
+        extra: tuple[str, ...] = (),
     ) -> None:
-        """`wrap` runs etcd through another command (`ip netns exec NS`: a test's host)."""
-        self.wrap = wrap
+        """`wrap` runs etcd through another command (`ip netns exec NS`: a test's host); with `tls` (a
+        certificate, its key and a CA) etcd serves clients TLS only and requires their certificates
+        (`--client-cert-auth`); `extra`: more etcd flags."""
+        self.wrap, self.tls, self.extra = wrap, tls, extra
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="tidings-etcd-"))
         self.host, self.advertise_host = host, advertise_host or host
@@ -193,13 +201,19 @@ class EtcdProcess:
 
     @property
     def url(self) -> str:
-        return f"http://{self.endpoint}"
+        return f"{'https' if self.tls else 'http'}://{self.endpoint}"
 
     def start(self, timeout: float = 20.0) -> EtcdProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._save_ports()
         log = open(self.data_dir / "etcd.log", "ab")
-        client = f"http://{endpoint_of(self.host, self.client_port)}"
+        client = f"{'https' if self.tls else 'http'}://{endpoint_of(self.host, self.client_port)}"
+        secure: list[str] = []
+        if self.tls is not None:
+            paths = self.tls.paths
+            secure = [f"--cert-file={paths['--tls-cert']}", f"--key-file={paths['--tls-key']}"]
+            if "--tls-ca" in paths:
+                secure += [f"--trusted-ca-file={paths['--tls-ca']}", "--client-cert-auth"]
         peer = f"http://127.0.0.1:{self.peer_port}"
         argv, preexec = die_with_parent(
             [
@@ -215,6 +229,8 @@ class EtcdProcess:
                 "--heartbeat-interval=10",
                 "--election-timeout=100",
                 "--log-level=warn",
+                *secure,
+                *self.extra,
             ]
         )
         self.proc = subprocess.Popen(
@@ -245,8 +261,9 @@ class EtcdProcess:
     def _healthy(self) -> bool:
         import urllib.request
 
+        context = self.tls.client_context() if self.tls is not None else None
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=0.5) as resp:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=0.5, context=context) as resp:
                 return b"true" in resp.read()
         except OSError:
             return False

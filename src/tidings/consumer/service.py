@@ -77,6 +77,9 @@ class ConsumerConfig:
     metrics_listen: str | None = None  # HOST:PORT serving /metrics; "auto": the gRPC port + 1000
     exit_timeout: float = 60.0
     tls: TLS | None = None  # --tls-cert/--tls-key/--tls-ca: serve, and dial brokers and peers, with TLS
+    etcd_tls: TLS | None = None  # --etcd-tls-*: etcd over TLS
+    etcd_user: str = ""  # --etcd-user: as this etcd user (its password below, never shown)
+    etcd_password: str = dataclasses.field(default="", repr=False)
 
 
 def load_app(ref: str) -> Application:

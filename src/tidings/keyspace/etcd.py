@@ -1,8 +1,16 @@
-"""A thin async etcd v3 client over aetcd's channel and raw gRPC stubs.
+"""A thin async etcd v3 client over raw gRPC stubs (aetcd's generated ones).
 
-aetcd 1.0.0 provides the connection; its high-level API drops what tidings needs (the response
-header revision of a transaction, watch progress notifications, one persistent lease keep-alive
-stream), so this module drives ``KVStub``, ``WatchStub`` and ``LeaseStub`` directly.
+aetcd's high-level API drops what tidings needs (the response header revision of a transaction,
+watch progress notifications, one persistent lease keep-alive stream) and its connection is
+plaintext only (`aetcd.Client.connect` builds an insecure channel), so this module opens its own
+channel, with TLS when given one (a CA verifying etcd, a client certificate for etcd's
+`--client-cert-auth`), and drives ``KVStub``, ``WatchStub``, ``LeaseStub`` and ``AuthStub`` directly.
+
+etcd users (`--etcd-user`): `Authenticate` gives a token that every call carries (`_EtcdToken`, a
+channel interceptor). etcd's tokens expire (`--auth-token-ttl`, 5 minutes unused by default): a
+unary call refused for an invalid token authenticates again once and is retried; a stream (a watch,
+the lease keep-alive) is opened with a token at most a second old, since its failure comes later,
+to the stream's own reopening loop.
 
 Keys are ``str`` (UTF-8 on the wire) and values ``bytes``. Every gRPC failure surfaces as a
 :class:`~tidings.protocol.status.TransportError` naming the etcd endpoint; a compacted watch start
@@ -29,13 +37,13 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
-import aetcd
 import grpc
 from aetcd import rpc
 
 from tidings.protocol.status import TidingsError, TransportError, UsageError, map_grpc_error
+from tidings.tls import TLS
 
 __all__ = [
     "KV",
@@ -195,17 +203,104 @@ def delete_op(key: str) -> RequestOp:
 # --- the client --------------------------------------------------------------------------
 
 
-def _parse_endpoint(endpoint: str) -> tuple[str, int]:
-    rest = endpoint
-    if rest.startswith("https://"):
-        raise UsageError(f"etcd endpoint {endpoint!r}: TLS is not supported; use an http:// or host:port endpoint")
-    if rest.startswith("http://"):
-        rest = rest[len("http://") :]
-    rest = rest.rstrip("/")
+def _parse_endpoint(endpoint: str) -> tuple[str, int, bool]:
+    """(host, port, https?) of HOST:PORT, http://HOST:PORT or https://HOST:PORT."""
+    rest, https = endpoint, endpoint.startswith("https://")
+    rest = rest.removeprefix("https://").removeprefix("http://").rstrip("/")
     host, sep, port = rest.rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise UsageError(f"etcd endpoint {endpoint!r} must look like 127.0.0.1:2379 or http://127.0.0.1:2379")
-    return host, int(port)
+        raise UsageError(f"etcd endpoint {endpoint!r} must look like 127.0.0.1:2379 or http(s)://127.0.0.1:2379")
+    return host, int(port), https
+
+
+_AUTHENTICATE = "/etcdserverpb.Auth/Authenticate"
+STREAM_TOKEN_AGE = 1.0  # seconds: a stream opens with a token at most this old (its failure comes later)
+TOKEN_REFRESH = 60.0  # seconds: a unary call authenticates again first if the token is older
+
+
+def _invalid_token(err: grpc.RpcError) -> bool:
+    details = err.details() if hasattr(err, "details") else ""
+    return "invalid auth token" in (details or "") or "user name is empty" in (details or "")
+
+
+class _EtcdToken:
+    """Adds an etcd user's token to every call; authenticates again when it went stale. (grpc.aio
+    takes one interceptor object per kind of call: `interceptors()`.)"""
+
+    def __init__(self, endpoint: str, user: str, password: str) -> None:
+        self.endpoint, self.user, self._password = endpoint, user, password
+        self.channel: grpc.aio.Channel | None = None  # set once the channel exists
+        self._token = ""
+        self._at = -1e9
+        self._lock = asyncio.Lock()
+
+    async def authenticate(self, older_than: float) -> None:
+        """A new token, unless another caller got one in the last `older_than` seconds."""
+        async with self._lock:
+            if time.monotonic() - self._at < older_than:
+                return
+            assert self.channel is not None
+            try:
+                resp = await rpc.AuthStub(self.channel).Authenticate(
+                    rpc.AuthenticateRequest(name=self.user, password=self._password), timeout=RPC_TIMEOUT
+                )
+            except grpc.aio.AioRpcError as err:
+                if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                    raise UsageError(
+                        f"etcd {self.endpoint} refused user {self.user}: {err.details()} "
+                        "(check --etcd-user and TIDINGS_ETCD_PASSWORD or --etcd-password-file)"
+                    ) from None
+                raise
+            self._token, self._at = resp.token, time.monotonic()
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = [(k, v) for k, v in (details.metadata or ()) if k != "token"]
+        return details._replace(metadata=(*metadata, ("token", self._token)))  # (a namedtuple)
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        if details.method in (_AUTHENTICATE, _AUTHENTICATE.encode()):
+            return await continuation(details, request)
+        await self.authenticate(TOKEN_REFRESH)
+        call = await continuation(self._details(details), request)
+        try:
+            return await call
+        except grpc.aio.AioRpcError as err:
+            if not _invalid_token(err):
+                raise
+        log.info("etcd %s: its token for %s went stale; authenticating again", self.endpoint, self.user)
+        await self.authenticate(0.0)
+        return await (await continuation(self._details(details), request))
+
+    async def intercept_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        await self.authenticate(STREAM_TOKEN_AGE)
+        return await continuation(self._details(details), request)
+
+    def interceptors(self) -> list[Any]:
+        return [_UnaryUnary(self), _UnaryStream(self), _StreamStream(self)]
+
+
+class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]  # (untyped base)
+    def __init__(self, token: _EtcdToken) -> None:
+        self.token = token
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await self.token.intercept_unary_unary(continuation, details, request)
+
+
+class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]  # (untyped base)
+    def __init__(self, token: _EtcdToken) -> None:
+        self.token = token
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await self.token.intercept_stream(continuation, details, request)
+
+
+class _StreamStream(grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]  # (untyped base)
+    def __init__(self, token: _EtcdToken) -> None:
+        self.token = token
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await self.token.intercept_stream(continuation, details, request_iterator)
 
 
 class Etcd:
@@ -221,42 +316,65 @@ class Etcd:
             await etcd.aclose()
     """
 
-    def __init__(self, endpoint: str, client: aetcd.Client) -> None:
+    def __init__(self, endpoint: str, channel: grpc.aio.Channel) -> None:
         self.endpoint = endpoint
-        self._client = client
-        channel = client.channel
-        self._metadata = client.metadata
+        self._channel = channel
+        self._metadata: tuple[tuple[str, str], ...] = ()  # (a user's token: the channel's interceptor adds it)
         self._kv = rpc.KVStub(channel)
         self._watch = rpc.WatchStub(channel)
         self._lease = rpc.LeaseStub(channel)
 
     @classmethod
-    async def connect(cls, endpoint: str, timeout: float = CONNECT_TIMEOUT) -> Etcd:
-        """Connect and wait until the channel is ready; TransportError after ``timeout`` seconds."""
-        host, port = _parse_endpoint(endpoint)
-        options = {
-            "grpc.max_receive_message_length": 64 * 1024 * 1024,
-            "grpc.keepalive_time_ms": 30_000,
-            "grpc.initial_reconnect_backoff_ms": RECONNECT_BACKOFF[0],
-            "grpc.max_reconnect_backoff_ms": RECONNECT_BACKOFF[1],
-        }
-        client = aetcd.Client(host=host, port=port, options=options)
+    async def connect(
+        cls,
+        endpoint: str,
+        timeout: float = CONNECT_TIMEOUT,
+        *,
+        tls: TLS | None = None,
+        user: str = "",
+        password: str = "",
+    ) -> Etcd:
+        """Connect and wait until the channel is ready; TransportError after ``timeout`` seconds. With
+        `tls` (or an https:// endpoint: the system's CAs) over TLS; with `user`, as that etcd user."""
+        host, port, https = _parse_endpoint(endpoint)
+        if https and tls is None:
+            tls = TLS(None, None, None)
+        options = [
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF[0]),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF[1]),
+        ]
+        token = _EtcdToken(endpoint, user, password) if user else None
+        target = f"{host}:{port}"
+        interceptors = token.interceptors() if token is not None else None
+        channel = (
+            grpc.aio.secure_channel(target, tls.channel_credentials(), options, interceptors=interceptors)
+            if tls is not None
+            else grpc.aio.insecure_channel(target, options, interceptors=interceptors)
+        )
         try:
-            await client.connect()
-            await asyncio.wait_for(client.channel.channel_ready(), timeout)
-        except (TimeoutError, aetcd.exceptions.ClientError, grpc.RpcError) as err:
-            await client.close()
+            await asyncio.wait_for(channel.channel_ready(), timeout)
+            if token is not None:
+                token.channel = channel
+                await token.authenticate(0.0)
+        except (TimeoutError, grpc.RpcError) as err:
+            await channel.close()
+            how = " over TLS (check --etcd-tls-ca and that etcd serves TLS)" if tls is not None else ""
             raise TransportError(
-                f"UNAVAILABLE from etcd {endpoint}: not reachable within {timeout:g}s ({type(err).__name__}); "
+                f"UNAVAILABLE from etcd {endpoint}: not reachable{how} within {timeout:g}s ({type(err).__name__}); "
                 "is etcd running there? (pass --etcd or set TIDINGS_ETCD)",
                 grpc.StatusCode.UNAVAILABLE,
                 retriable=True,
             ) from err
-        return cls(endpoint, client)
+        except BaseException:
+            await channel.close()
+            raise
+        return cls(endpoint, channel)
 
     async def aclose(self) -> None:
         """Close the channel; open watches and keep-alives fail with TransportError."""
-        await self._client.close()
+        await self._channel.close()
 
     def _error(self, err: grpc.RpcError) -> TransportError:
         """``map_grpc_error`` (code, retriable), with hints about etcd rather than about brokers."""

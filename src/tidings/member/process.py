@@ -58,6 +58,9 @@ class MemberConfig(Protocol):
     metrics_listen: str | None
     exit_timeout: float
     tls: TLS | None
+    etcd_tls: TLS | None
+    etcd_user: str
+    etcd_password: str
 
 
 class MemberProcess:
@@ -130,7 +133,7 @@ class MemberProcess:
         cfg = self.config
         validate.process_id(self.process_id, self.kind.member)
         async with contextlib.AsyncExitStack() as undo:  # undoes the steps taken if a later one fails
-            self.etcd = await Etcd.connect(cfg.etcd)
+            self.etcd = await Etcd.connect(cfg.etcd, tls=cfg.etcd_tls, user=cfg.etcd_user, password=cfg.etcd_password)
             undo.push_async_callback(self.etcd.aclose)
             self.keyspace = KeySpace(cfg.root, decoder(cfg.root, self.kind))
             await self.keyspace.start(self.etcd)
