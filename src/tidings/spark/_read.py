@@ -81,7 +81,7 @@ def read_partition(opts: SourceOptions, schema_json: str, partition: JournalRang
     if partition.begin >= partition.end:
         return
     lost = functools.partial(_lost, opts.fail_on_data_loss)
-    with Client(opts.broker, retries=None) as c:  # (a task waits out a broker outage: its range is fixed)
+    with opts.security.client(opts.broker, retries=None) as c:  # (a task waits out a broker outage: its range is fixed)
         if not _still_holds(c, opts.fail_on_data_loss, partition):
             return
         if opts.format == "raw":
@@ -212,11 +212,20 @@ def _cut_or_garbage(journal: str, garbage: Garbage) -> None:
 def unreachable(who: str, broker: str, exc: TransportError) -> UsageError:
     """The one line for a broker a query's driver cannot reach (`who`: source or sink)."""
     code = exc.code.name if exc.code is not None else "no answer"
-    return UsageError(f"tidings {who}: broker {broker} is unreachable ({code}); check option 'broker'")
+    said = str(exc)
+    tls = ""
+    if "TLS: " in said:
+        tls = "; " + said[said.index("TLS: ") :].replace("--tls-ca", "option tlsCa").replace(
+            "--tls-cert", "tlsCert"
+        ).replace("--tls-key", "tlsKey")
+    elif "Socket closed" in said:
+        tls = "; it may serve TLS: give options tlsCa (and tlsCert, tlsKey if it wants a client certificate)"
+    return UsageError(f"tidings {who}: broker {broker} is unreachable ({code}); check option 'broker'{tls}")
 
 
-def planning_client(broker: str) -> Client:
-    return Client(broker, retries=PLANNING_RETRIES)
+def planning_client(opts: SourceOptions) -> Client:
+    """A client of the query's broker for the driver (the sink's options have the same two fields)."""
+    return opts.security.client(opts.broker, retries=PLANNING_RETRIES)
 
 
 def resolve_journals(c: Client, opts: SourceOptions) -> list[pb.JournalSpec]:

@@ -8,14 +8,20 @@ the journals' byte offsets (each message's `offset` column), not message counts.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tidings.message.sequencer import DEFAULT_PRODUCER_HORIZON
 from tidings.protocol import validate
 from tidings.protocol.labels import parse_selector
 from tidings.protocol.specs import parse_duration_ms
 from tidings.protocol.status import UsageError, ValidationError
+
+if TYPE_CHECKING:  # (the client imports grpc: loaded where a client is made)
+    from tidings.client import Client
+    from tidings.tls import TLS
 
 DEFAULT_BROKER = "127.0.0.1:8080"
 DEFAULT_BYTES_PER_PARTITION = 128 << 20  # as spark.sql.files.maxPartitionBytes
@@ -24,11 +30,64 @@ FORMATS = ("json", "raw")
 Offsets = str | dict[str, int]  # "earliest", "latest", or {journal: offset}
 
 
+@dataclass(frozen=True)
+class Security:
+    """How a query's driver and tasks reach TLS brokers: options `tlsCa`, `tlsCert`, `tlsKey`, paths
+    of PEM files on every host (ship them with `spark-submit --files`: a relative path is then looked
+    up with SparkFiles). Read where a client is made, so each executor reads its own copy."""
+
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @classmethod
+    def parse(cls, get: Callable[[str], str | None], who: str) -> Security:
+        sec = cls(get("tlsCa"), get("tlsCert"), get("tlsKey"))
+        if bool(sec.tls_cert) != bool(sec.tls_key):
+            raise OptionError(
+                "tlsCert" if sec.tls_cert else "tlsKey", "needs its pair: give both tlsCert and tlsKey", who
+            )
+        sec.tls()  # (checked on the driver: a missing file is one line there, not a failure in every task)
+        return sec
+
+    def tls(self) -> TLS | None:
+        from tidings.tls import load
+
+        if not (self.tls_ca or self.tls_cert):
+            return None
+        try:
+            return load(_shipped(self.tls_cert), _shipped(self.tls_key), _shipped(self.tls_ca), "tidings", server=False)
+        except UsageError as exc:
+            flag = {"--tls-ca": "tlsCa", "--tls-cert": "tlsCert", "--tls-key": "tlsKey"}
+            text = str(exc).removeprefix("tidings: ")
+            for name, option in flag.items():
+                text = text.replace(name, f"option {option!r}")
+            raise UsageError(f"tidings: {text}") from None
+
+    def client(self, broker: str, retries: int | None = 20) -> Client:
+        from tidings.client import Client
+
+        return Client(broker, retries, tls=self.tls())
+
+
+def _shipped(path: str | None) -> str | None:
+    """`path`, or where `spark-submit --files` put a relative one on this host."""
+    if path is None or os.path.isabs(path) or os.path.exists(path):
+        return path
+    try:
+        from pyspark import SparkFiles
+
+        shipped = SparkFiles.get(path)
+    except Exception:  # (no SparkContext here: the path as given)
+        return path
+    return shipped if os.path.exists(shipped) else path
+
+
 class OptionError(UsageError):
     """An option of the tidings source is missing or wrong; the message names it and says what to give."""
 
-    def __init__(self, option: str, problem: str) -> None:
-        super().__init__(f"tidings source: option {option!r} {problem}")
+    def __init__(self, option: str, problem: str, who: str = "source") -> None:
+        super().__init__(f"tidings {who}: option {option!r} {problem}")
 
 
 @dataclass(frozen=True)
@@ -46,6 +105,7 @@ class SourceOptions:
     bytes_per_partition: int = DEFAULT_BYTES_PER_PARTITION  # batch: at most about this many bytes per task
     min_partitions: int = 1  # batch: at least this many tasks per journal, as its fragments allow
     producer_horizon: float = DEFAULT_PRODUCER_HORIZON  # streaming: seconds a quiet producer stays in offsets
+    security: Security = Security()
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SourceOptions:
@@ -96,6 +156,7 @@ class SourceOptions:
             bytes_per_partition=_positive(get("bytesPerPartition"), "bytesPerPartition") or DEFAULT_BYTES_PER_PARTITION,
             min_partitions=_positive(get("minPartitions"), "minPartitions", "number of partitions") or 1,
             producer_horizon=_duration(get("producerHorizon"), "producerHorizon") or DEFAULT_PRODUCER_HORIZON,
+            security=Security.parse(get, "source"),
         )
 
 

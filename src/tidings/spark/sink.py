@@ -30,7 +30,7 @@ import logging
 import os
 import uuid
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
@@ -38,11 +38,11 @@ from fsspec.implementations.local import LocalFileSystem
 from pyspark.sql.datasource import DataSourceStreamWriter, DataSourceWriter, WriterCommitMessage
 from pyspark.sql.types import StringType, StructType, TimestampType
 
-from tidings.client import AppendService, Client
+from tidings.client import AppendService
 from tidings.message import AckIntent, Publisher
 from tidings.protocol.status import JournalNotFoundError, TransportError, UsageError
 from tidings.spark._read import planning_client, unreachable
-from tidings.spark.options import DEFAULT_BROKER, OptionError
+from tidings.spark.options import DEFAULT_BROKER, OptionError, Security
 
 log = logging.getLogger(__name__)
 
@@ -56,20 +56,22 @@ class SinkOptions:
     journal: str | None  # None: each row's `journal` column
     checkpoint: str | None  # the query's checkpointLocation (streams)
     timestamps: tuple[str, ...] = ()  # top-level TIMESTAMP columns, written as UTC
+    security: Security = field(default_factory=Security)
 
     @classmethod
     def parse(cls, options: Mapping[str, str], schema: StructType, streaming: bool) -> SinkOptions:
         lower = {k.lower(): v for k, v in options.items() if v}
         journal = lower.get("journal")
         if journal is None:
-            field = next((f for f in schema.fields if f.name == "journal"), None)
-            if field is None or not isinstance(field.dataType, StringType):
+            column = next((f for f in schema.fields if f.name == "journal"), None)
+            if column is None or not isinstance(column.dataType, StringType):
                 raise OptionError("journal", "is missing and the rows have no string column 'journal': give one")
         checkpoint = lower.get("checkpointlocation")
         if streaming and checkpoint is None:
             raise OptionError("checkpointLocation", "is missing: the exactly-once sink records its ACKs there")
         timestamps = tuple(f.name for f in schema.fields if isinstance(f.dataType, TimestampType))
-        return cls(lower.get("broker", DEFAULT_BROKER), journal, checkpoint, timestamps)
+        security = Security.parse(lambda name: lower.get(name.lower()), "sink")
+        return cls(lower.get("broker", DEFAULT_BROKER), journal, checkpoint, timestamps, security)
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ class Acks(WriterCommitMessage):
 def check_target(opts: SinkOptions) -> None:
     """On the driver, before any task runs: the broker answers and the journal (option `journal`)
     exists, or the query fails in one line naming the option (rather than in every task)."""
-    with planning_client(opts.broker) as c:
+    with planning_client(opts) as c:  # type: ignore[arg-type]  # (it reads .broker and .security)
         try:
             if opts.journal is None:
                 c.list()
@@ -99,7 +101,7 @@ def check_target(opts: SinkOptions) -> None:
 
 def publish_rows(opts: SinkOptions, rows: Iterator[Any]) -> Acks:
     """Publish a task's rows uncommitted under a new producer; return the ACK intents that commit them."""
-    with Client(opts.broker, retries=None) as c:  # (a task waits out a broker outage)
+    with opts.security.client(opts.broker, retries=None) as c:  # (a task waits out a broker outage)
         service = AppendService(c.aio)
         pub = Publisher(service)
         pending = []
@@ -155,7 +157,7 @@ def write_acks(opts: SinkOptions, intents: list[tuple[str, bytes]]) -> None:
     """Append the ACKs (retried on transient failures: an ACK written twice commits nothing twice)."""
     if not intents:
         return
-    with Client(opts.broker) as c:
+    with opts.security.client(opts.broker) as c:
 
         async def write() -> None:
             service = AppendService(c.aio)

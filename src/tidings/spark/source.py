@@ -71,7 +71,7 @@ class TidingsBatchReader(DataSourceReader):
     @_one_line
     def partitions(self) -> list[JournalRange]:
         opts = self.options
-        with planning_client(opts.broker) as c:
+        with planning_client(opts) as c:
             ranges = []
             for spec in resolve_journals(c, opts):
                 begin = starting_offset(c, opts, spec.name)

@@ -110,7 +110,7 @@ class TidingsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     @property
     def client(self) -> Client:
         if self._client is None:
-            self._client = planning_client(self.options.broker)
+            self._client = planning_client(self.options)
         return self._client
 
     def _journals(self) -> dict[str, pb.JournalSpec]:
