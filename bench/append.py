@@ -14,6 +14,13 @@ CPU per append of the server process (`server_cpu_us`, /proc utime+stime) and of
   bench/append.py                       # everything: the floor, then R=1 and R=3
   bench/append.py --replicas 3 --seconds 3 --big-mib 256
   bench/append.py --only-floor          # the floor alone, a few seconds, no cluster
+  bench/append.py --tls --replicas 3 --no-floor --big-mib 64   # plaintext, then mutual TLS, same run
+
+With `--tls` the cluster's measurements run twice in one run, on a plaintext cluster and then on one
+serving mutual TLS (gRPC and the replication port; a CA and certificates made for the run with
+trustme), and the last lines give what TLS costs against the issue's budgets: `tls_overhead_pct` of
+the R=3 pipelined 64 KiB MB/s (at most 15%) and `tls_extra_median_us` of the R=3 sequential 1 KiB
+median (at most 100 us).
 """
 
 from __future__ import annotations
@@ -32,8 +39,14 @@ from _floor import floor_server
 
 from tidings.client import AsyncClient
 from tidings.cluster import LocalCluster
+from tidings.tls import TLS, load
 
 KiB, MiB, MB = 1024, 1024 * 1024, 1_000_000
+CLIENT_TLS: TLS | None = None  # the run's client TLS (--tls, the second pass)
+
+
+def client(endpoint: str) -> AsyncClient:
+    return AsyncClient(endpoint, tls=CLIENT_TLS)
 
 
 async def sequential_loop(c: AsyncClient, name: str, body: bytes, count: int) -> list[float]:
@@ -79,11 +92,11 @@ def latency_fields(lat: list[float]) -> dict:
 
 async def sequential(lc, r: int, size: int, count: int) -> dict:
     name = f"bench/seq-r{r}-{size}"
-    async with AsyncClient(lc.endpoints[0]) as c0:
+    async with client(lc.endpoints[0]) as c0:
         await create_journal(c0, lc, name, r)
         ep = await primary_endpoint(c0, name)
     body = os.urandom(size)
-    async with AsyncClient(ep) as c:
+    async with client(ep) as c:
         with CpuPerAppend(lc, ep) as cpu:
             lat = await sequential_loop(c, name, body, count)
     return emit(
@@ -125,11 +138,11 @@ async def pipelined_loop(
 
 async def pipelined(lc, r: int, size: int, seconds: float, window: int) -> dict:
     name = f"bench/pipe-r{r}-{size}"
-    async with AsyncClient(lc.endpoints[0]) as c0:
+    async with client(lc.endpoints[0]) as c0:
         await create_journal(c0, lc, name, r)
         ep = await primary_endpoint(c0, name)
     body = os.urandom(size)
-    async with AsyncClient(ep) as c:
+    async with client(ep) as c:
         with CpuPerAppend(lc, ep) as cpu:
             done, elapsed, lat = await pipelined_loop(c, name, body, seconds, window)
     return emit(
@@ -159,7 +172,7 @@ async def floor(seconds: float, count: int) -> list[dict]:
     name = "bench/floor"
     recs = []
     with floor_server() as (ep, pid):
-        async with AsyncClient(ep) as c:
+        async with client(ep) as c:
             for size in (KiB, 64 * KiB, MiB):
                 window = 64 if size <= 64 * KiB else 16
                 body = os.urandom(size)
@@ -209,7 +222,7 @@ async def floor(seconds: float, count: int) -> list[dict]:
 async def big_append(lc, r: int, mib: int) -> dict:
     """One append of `mib` MiB streamed in 256 KiB chunks; sample every broker's RSS meanwhile."""
     name = f"bench/big-r{r}"
-    async with AsyncClient(lc.endpoints[0]) as c0:
+    async with client(lc.endpoints[0]) as c0:
         await create_journal(c0, lc, name, r)
         ep = await primary_endpoint(c0, name)
     pids = [b.pid for b in lc.brokers if b.alive()]
@@ -231,7 +244,7 @@ async def big_append(lc, r: int, mib: int) -> dict:
             yield chunk
 
     t0 = time.perf_counter()
-    async with AsyncClient(ep) as c:
+    async with client(ep) as c:
         res = await c.append(name, gen())
     elapsed = time.perf_counter() - t0
     stop.set()
@@ -251,12 +264,70 @@ async def big_append(lc, r: int, mib: int) -> dict:
 
 
 def table(recs: list[dict]) -> None:
-    print(f"\n{'R':>2} {'test':<22} {'payload':>9} {'median_us':>10} {'p99_us':>8} {'msg/s':>8} {'MB/s':>7}")
+    print(f"\n{'R':>2} {'tls':>3} {'test':<22} {'payload':>9} {'median_us':>10} {'p99_us':>8} {'msg/s':>8} {'MB/s':>7}")
     for x in recs:
         print(
-            f"{x['replicas']:>2} {x['test']:<22} {x['payload_bytes']:>9} {x.get('median_us', ''):>10} "
+            f"{x['replicas']:>2} {'yes' if x.get('tls') else '':>3} {x['test']:<22} {x['payload_bytes']:>9} "
+            f"{x.get('median_us', ''):>10} "
             f"{x.get('p99_us', ''):>8} {x.get('msgs_per_s', ''):>8} {x.get('mb_per_s', ''):>7}"
         )
+
+
+async def cluster_runs(args, tls_files: dict[str, str] | None) -> list[dict]:
+    """The cluster's measurements, on a plaintext cluster or (`tls_files`) one serving mutual TLS."""
+    global CLIENT_TLS
+    recs: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="tidings-bench-") as tmp:
+        lc = LocalCluster(brokers=3, zones=3, data_dir=tmp)
+        lc.extra = ["--log-level", "warning"]
+        if tls_files is not None:
+            lc.extra += [arg for flag, path in tls_files.items() for arg in (flag, path)]
+        CLIENT_TLS = load(*tls_files.values(), "bench", server=False) if tls_files else None
+        with lc:
+            for r in args.replicas:
+                recs.append(await sequential(lc, r, KiB, args.count))
+                for size in (KiB, 64 * KiB, MiB):
+                    window = 64 if size <= 64 * KiB else 16
+                    recs.append(await pipelined(lc, r, size, args.seconds, window))
+                recs.append(await big_append(lc, r, args.big_mib))
+    for rec in recs:
+        rec["tls"] = tls_files is not None
+    return recs
+
+
+def make_certs(d: str) -> dict[str, str]:
+    """A CA and one certificate for 127.0.0.1 in `d`, as the flags' files."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    ca.cert_pem.write_to_path(f"{d}/ca.pem")
+    cert.cert_chain_pems[0].write_to_path(f"{d}/cert.pem")
+    cert.private_key_pem.write_to_path(f"{d}/key.pem")
+    return {"--tls-cert": f"{d}/cert.pem", "--tls-key": f"{d}/key.pem", "--tls-ca": f"{d}/ca.pem"}
+
+
+def tls_costs(plain: list[dict], tls: list[dict]) -> dict:
+    def pick(recs: list[dict], test: str, size: int, key: str) -> float | None:
+        return next(
+            (x[key] for x in recs if x["replicas"] == 3 and x["test"] == test and x["payload_bytes"] == size), None
+        )
+
+    p64, t64 = (
+        pick(plain, "append_pipelined", 64 * KiB, "mb_per_s"),
+        pick(tls, "append_pipelined", 64 * KiB, "mb_per_s"),
+    )
+    p1, t1 = pick(plain, "append_sync", KiB, "median_us"), pick(tls, "append_sync", KiB, "median_us")
+    return emit(
+        {
+            "test": "tls_cost",
+            "replicas": 3,
+            "payload_bytes": 64 * KiB,
+            "tls_overhead_pct": round((1 - t64 / p64) * 100, 1) if p64 and t64 else None,
+            "tls_extra_median_us": round(t1 - p1) if p1 and t1 else None,
+            "budget": "at most 15% of R=3 64 KiB MB/s; at most 100 us of the R=3 1 KiB sequential median",
+        }
+    )
 
 
 async def main_async(args) -> None:
@@ -266,17 +337,18 @@ async def main_async(args) -> None:
     if args.only_floor:
         table(recs)
         return
-    with tempfile.TemporaryDirectory(prefix="tidings-bench-") as tmp:
-        lc = LocalCluster(brokers=3, zones=3, data_dir=tmp)
-        lc.extra = ["--log-level", "warning"]
-        with lc:
-            for r in args.replicas:
-                recs.append(await sequential(lc, r, KiB, args.count))
-                for size in (KiB, 64 * KiB, MiB):
-                    window = 64 if size <= 64 * KiB else 16
-                    recs.append(await pipelined(lc, r, size, args.seconds, window))
-                recs.append(await big_append(lc, r, args.big_mib))
+    plain = await cluster_runs(args, None)
+    recs.extend(plain)
+    if args.tls:
+        with tempfile.TemporaryDirectory(prefix="tidings-bench-certs-") as certs:
+            secured = await cluster_runs(args, make_certs(certs))
+        recs.extend(secured)
     table(recs)
+    if args.tls:
+        cost = tls_costs(plain, secured)
+        print(
+            f"\nTLS: {cost['tls_overhead_pct']}% of R=3 64 KiB MB/s, +{cost['tls_extra_median_us']} us R=3 1 KiB median"
+        )
 
 
 def main() -> None:
@@ -287,6 +359,7 @@ def main() -> None:
     p.add_argument("--big-mib", type=int, default=1024, help="size of the single large append")
     p.add_argument("--no-floor", action="store_true", help="skip the no-op server measurements")
     p.add_argument("--only-floor", action="store_true", help="only the no-op server measurements (no cluster)")
+    p.add_argument("--tls", action="store_true", help="the cluster's measurements again over mutual TLS, and the cost")
     args = p.parse_args()
     if args.no_floor and args.only_floor:
         p.error("--no-floor and --only-floor exclude each other; pass one of them")
