@@ -31,6 +31,12 @@ MISTAKES = [
     ),
     pytest.param(("journals", "list", "--broker", "localhost"), {}, "'localhost' is not HOST:PORT", id="no-port"),
     pytest.param(("journals", "list", "--broker", "foo:bar"), {}, "'foo:bar' is not HOST:PORT", id="bad-port"),
+    pytest.param(
+        ("journals", "list", "--broker", "fd00::5:8080"),
+        {},
+        "'fd00::5:8080': an IPv6 address goes in brackets, e.g. [fd00::5]:8080",
+        id="ipv6-unbracketed",
+    ),
     pytest.param(("journals", "list"), {"TIDINGS_BROKER": "127.0.0.1:99999"}, "TIDINGS_BROKER", id="env-broker"),
     pytest.param(
         ("broker", "--etcd", "127.0.0.1:2379"), {"TIDINGS_LOG_LEVEL": "bogus"}, "'bogus' is not a level", id="log-level"

@@ -33,6 +33,9 @@ def test_the_announced_address(bound: str, advertise: str, announced: str) -> No
         ("[::]:8080", "", "listens on [::]:8080 but would announce an address nobody can dial"),
         ("0.0.0.0:8080", "fd00::5", "'fd00::5' is not HOST, HOST:PORT or [IPv6]:PORT (an IPv6 literal in brackets)"),
         ("0.0.0.0:8080", "host:", "'host:' is not HOST"),
+        ("0.0.0.0:8080", "0.0.0.0", "--advertise 0.0.0.0 is not an address others can dial"),
+        ("[::]:8080", "[::]:9090", "--advertise [::]:9090 is not an address others can dial"),
+        ("0.0.0.0:8080", "10.0.0.5:0", "--advertise 10.0.0.5:0 is not an address others can dial"),
     ],
 )
 def test_an_address_nobody_can_dial_is_refused_in_one_line(bound: str, advertise: str, says: str) -> None:

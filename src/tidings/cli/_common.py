@@ -69,6 +69,8 @@ def check_endpoint(
             forms = ["HOST:PORT", *(repr(w) for w in (*also, *([""] if optional else [])))]
             said = forms[0] if len(forms) == 1 else ", ".join(forms[:-1]) + " or " + forms[-1]
             usage(f"{flag} {value!r} is not {said}: give a host and a port from {least} to 65535, e.g. 127.0.0.1:8080")
+        if ":" in host and not (host.startswith("[") and host.endswith("]")):
+            usage(f"{flag} {value!r}: an IPv6 address goes in brackets, e.g. [{host}]:{port}")
         return value
 
     return check

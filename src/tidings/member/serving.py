@@ -51,6 +51,11 @@ def advertised(bound: str, advertise: str, who: str, flag: str = "--advertise") 
     port = bound.rpartition(":")[2]
     if advertise:
         host, given = _host_port(advertise, who, flag)
+        if host.strip("[]") in WILDCARDS or given == "0":
+            raise UsageError(
+                f"{who}: {flag} {advertise} is not an address others can dial: give this host's name or address"
+                " (and the port they reach it at, if not the one it listens on)"
+            )
         return f"{host}:{given or port}"
     if host_of(bound) in WILDCARDS:
         raise UsageError(
