@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import ssl
 import tempfile
@@ -38,9 +39,9 @@ log = logging.getLogger(__name__)
 class TLS:
     """A process's TLS material, read from the files its flags name (PEM bytes)."""
 
-    cert: bytes | None  # its certificate chain: served, and presented to servers that ask (mTLS)
-    key: bytes | None
-    ca: bytes | None  # verifies peers; on a server it also requires their certificates
+    cert: bytes | None = field(repr=False)  # its certificate chain: served, and presented to servers that ask
+    key: bytes | None = field(repr=False)  # (never in a repr: configs are logged)
+    ca: bytes | None = field(repr=False)  # only its PEM certificates; verifies peers (a server: requires theirs)
     paths: dict[str, str] = field(default_factory=dict, compare=False)  # flag -> file, for messages
 
     @property
@@ -57,9 +58,14 @@ class TLS:
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
 
+    @property
+    def ca_text(self) -> str | None:
+        """The CA bundle as the stdlib's `cadata` wants it (ASCII PEM: `load` kept only the certificates)."""
+        return self.ca.decode("ascii") if self.ca is not None else None
+
     def client_context(self) -> ssl.SSLContext:
         """A stdlib client context with the same trust and certificate (the probe's)."""
-        ctx = ssl.create_default_context(cadata=self.ca.decode() if self.ca else None)
+        ctx = ssl.create_default_context(cadata=self.ca_text)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         if self.cert is not None and self.key is not None:
             _load_chain(ctx, self.cert, self.key)
@@ -80,21 +86,33 @@ def load(cert: str | Path | None, key: str | Path | None, ca: str | Path | None,
         )
     paths = {flag: str(p) for flag, p in (("--tls-cert", cert), ("--tls-key", key), ("--tls-ca", ca)) if p}
     pem = {flag: _read(who, flag, Path(p)) for flag, p in paths.items()}
-    tls = TLS(pem.get("--tls-cert"), pem.get("--tls-key"), pem.get("--tls-ca"), paths)
+    bundle = pem.get("--tls-ca")
+    if bundle is not None:  # (only the certificates: comments in any encoding are no concern of OpenSSL's)
+        blocks = _PEM_CERT.findall(bundle)
+        if not blocks:
+            raise UsageError(f"{who}: --tls-ca {paths['--tls-ca']} is not a PEM CA bundle (no certificate in it)")
+        bundle = b"\n".join(blocks) + b"\n"
+    tls = TLS(pem.get("--tls-cert"), pem.get("--tls-key"), bundle, paths)
     if tls.cert is not None and tls.key is not None:
         try:
             _load_chain(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), tls.cert, tls.key)
-        except ssl.SSLError as err:
+        except _EncryptedKey:
+            raise UsageError(
+                f"{who}: --tls-key {paths['--tls-key']} is encrypted: give it unencrypted, readable by this user "
+                "only (openssl pkey -in KEY -out KEY.plain)"
+            ) from None
+        except (ssl.SSLError, OSError) as err:
+            reason = getattr(err, "reason", None) or err
             what = (
                 f"--tls-key {paths['--tls-key']} does not match --tls-cert {paths['--tls-cert']}"
                 if "KEY_VALUES_MISMATCH" in str(err)
-                else f"--tls-cert {paths['--tls-cert']} or --tls-key {paths['--tls-key']} is not usable ({err.reason})"
+                else f"--tls-cert {paths['--tls-cert']} or --tls-key {paths['--tls-key']} is not usable ({reason})"
             )
             raise UsageError(f"{who}: {what}: give the certificate and the private key made with it") from None
     if tls.ca is not None:
         try:
-            ssl.create_default_context(cadata=tls.ca.decode("ascii", "replace"))
-        except (ssl.SSLError, ValueError) as err:
+            ssl.create_default_context(cadata=tls.ca_text)
+        except (ssl.SSLError, ValueError, TypeError) as err:
             raise UsageError(f"{who}: --tls-ca {paths['--tls-ca']} is not a PEM CA bundle ({err})") from None
     return tls
 
@@ -119,7 +137,19 @@ def _load_chain(ctx: ssl.SSLContext, cert: bytes, key: bytes) -> None:
         fd = os.open(kpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as fh:
             fh.write(key)
-        ctx.load_cert_chain(cpath, kpath)
+        ctx.load_cert_chain(cpath, kpath, password=_no_password)
+
+
+_PEM_CERT = re.compile(rb"-----BEGIN CERTIFICATE-----[A-Za-z0-9+/=\s]*?-----END CERTIFICATE-----")
+
+
+class _EncryptedKey(Exception):
+    pass
+
+
+def _no_password() -> str:
+    """OpenSSL asks for an encrypted key's password (on the terminal, else it fails oddly): refuse."""
+    raise _EncryptedKey
 
 
 def channel(endpoint: str, tls: TLS | None, options: Any = None) -> grpc.aio.Channel:

@@ -141,3 +141,43 @@ async def test_a_token_etcd_no_longer_takes_is_replaced(auth_etcd: EtcdProcess) 
     finally:
         await raw.close()
         await etcd.aclose()
+
+
+async def test_calls_refused_together_authenticate_once_and_a_watch_outlives_it(
+    auth_etcd: EtcdProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(A token etcd forgot, say after its restart: every waiting call is refused at once.)"""
+    from tidings.keyspace import etcd as module
+
+    calls = []
+
+    class CountingAuth(rpc.AuthStub):  # type: ignore[misc]
+        def __init__(self, channel) -> None:
+            super().__init__(channel)
+            real = self.Authenticate
+
+            async def counted(*args, **kwargs):
+                calls.append(1)
+                return await real(*args, **kwargs)
+
+            self.Authenticate = counted
+
+    monkeypatch.setattr(module.rpc, "AuthStub", CountingAuth)
+    etcd = await Etcd.connect(auth_etcd.endpoint, user="tidings", password="s3cret")
+    raw = grpc.aio.insecure_channel(auth_etcd.endpoint)
+    try:
+        _, rev = await etcd.get("/sec/none")
+        watch = etcd.watch("/sec/", rev + 1)
+        root = await rpc.AuthStub(raw).Authenticate(rpc.AuthenticateRequest(name="root", password="rootpw"))
+        await rpc.AuthStub(raw).UserChangePassword(
+            rpc.AuthUserChangePasswordRequest(name="tidings", password="s3cret"), metadata=(("token", root.token),)
+        )
+        before = len(calls)
+        await asyncio.gather(*(etcd.put(f"/sec/c{i}", b"x") for i in range(20)))
+        assert len(calls) - before == 1
+        batch = await asyncio.wait_for(anext(watch), 10)  # (opened with the token etcd then forgot)
+        assert {e.kv.key for e in batch.events} <= {f"/sec/c{i}" for i in range(20)} and batch.events
+        await watch.aclose()
+    finally:
+        await raw.close()
+        await etcd.aclose()

@@ -18,6 +18,28 @@ def test_no_flag_is_plaintext() -> None:
     assert load(None, None, None, "broker b0", server=True) is None
 
 
+def test_a_ca_bundle_with_comments_in_any_encoding_loads_and_no_key_is_ever_shown(certs: Certs) -> None:
+    cert, key = certs.issue("good")
+    commented = certs.dir / "ca-commented.pem"
+    commented.write_bytes("# la CA de l'équipe\n".encode() + certs.ca_file.read_bytes())
+    tls = load(cert, key, commented, "broker b0", server=True)
+    assert tls is not None and tls.ca_text is not None and "équipe" not in tls.ca_text
+    assert "PRIVATE KEY" not in repr(tls)
+
+
+def test_an_encrypted_key_is_one_line_not_a_password_prompt(certs: Certs) -> None:
+    import subprocess
+
+    cert, key = certs.issue("good")
+    locked = certs.dir / "locked.key"
+    subprocess.run(
+        ["openssl", "pkey", "-in", str(key), "-out", str(locked), "-aes256", "-passout", "pass:x"], check=True
+    )
+    with pytest.raises(UsageError, match="is encrypted: give it unencrypted") as refused:
+        load(cert, locked, None, "broker b0", server=True)
+    assert "\n" not in str(refused.value)
+
+
 def test_a_certificate_with_its_key_and_a_ca_is_mutual_tls(certs: Certs) -> None:
     cert, key = certs.issue("good")
     tls = load(cert, key, certs.ca_file, "broker b0", server=True)

@@ -529,7 +529,9 @@ class Dialer:
             else:
                 async with asyncio.timeout(CONNECT_TIMEOUT):
                     _transport, conn = await asyncio.get_running_loop().create_connection(made, host, port)
-        except (OSError, ValueError, TimeoutError) as exc:
+        except TimeoutError:
+            raise StreamError(f"{endpoint}: not reachable within {CONNECT_TIMEOUT:g}s") from None
+        except (OSError, ValueError) as exc:
             raise StreamError(f"{endpoint}: {exc or type(exc).__name__}") from None
         self._conns[(endpoint, member)] = conn
         return conn

@@ -58,7 +58,7 @@ def contexts(tls: TLS) -> tuple[ssl.SSLContext, ssl.SSLContext]:
         ctx.set_alpn_protocols([ALPN])
         _load_chain(ctx, tls.cert, tls.key)
         if tls.ca is not None:
-            ctx.load_verify_locations(cadata=tls.ca.decode())
+            ctx.load_verify_locations(cadata=tls.ca_text)
     if tls.ca is None:
         client.load_default_certs()
     else:
@@ -66,33 +66,42 @@ def contexts(tls: TLS) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     return server, client
 
 
-def _why(exc: BaseException) -> str:
+def _why(exc: BaseException, timeout: float = HANDSHAKE_TIMEOUT) -> str:
     if isinstance(exc, ssl.SSLCertVerificationError):
         return f"TLS: {exc.verify_message}"
     if isinstance(exc, ssl.SSLError):
-        return f"TLS handshake failed: {exc.reason or exc}"
+        return f"TLS handshake failed: {getattr(exc, 'reason', None) or exc}"
     if isinstance(exc, TimeoutError):
-        return f"TLS handshake not done within {HANDSHAKE_TIMEOUT:g}s"
+        return f"TLS handshake not done within {timeout:g}s"
     return str(exc) or type(exc).__name__
+
+
+class _NotReplication(OSError):
+    """The other side's TLS named no `tidings-replicate/1` (ALPN): another service's client or port."""
 
 
 async def dial(
     host: str, port: int, ctx: ssl.SSLContext, protocol: Callable[[], asyncio.Protocol], timeout: float
 ) -> asyncio.Protocol:
     """Connect to `host:port`, handshake (verifying its certificate for `host`), and run `protocol()`
-    over the connection; OSError naming the cause if any step fails."""
+    over the connection, all within `timeout`; OSError naming the step and cause if any fails."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[asyncio.Protocol] = loop.create_future()
     layer: _TLSLayer | None = None
+    deadline = loop.time() + timeout
     try:
-        async with asyncio.timeout(timeout):
-            _, layer = await loop.create_connection(lambda: _TLSLayer(ctx, protocol, done, host), host, port)
+        try:
+            async with asyncio.timeout_at(deadline):
+                _, layer = await loop.create_connection(lambda: _TLSLayer(ctx, protocol, done, host), host, port)
+        except TimeoutError:
+            raise OSError(f"not reachable within {timeout:g}s") from None
+        async with asyncio.timeout_at(deadline):
             return await done
     except BaseException as exc:
         if layer is not None:
             layer.abort()
         if isinstance(exc, ssl.SSLError | TimeoutError):
-            raise OSError(_why(exc)) from None
+            raise OSError(_why(exc, timeout)) from None
         raise
 
 
@@ -103,14 +112,25 @@ class TLSListener:
         self.ctx, self.protocol = ctx, protocol
         self._server: asyncio.Server | None = None
         self._logged: dict[str, float] = {}
+        self._handshaking: set[_TLSLayer] = set()  # (aborted at close: none may serve after it)
+        self._closed = False
 
     async def start(self, host: str, port: int) -> int:
         """Listen on `host:port` (0: any free port); the port bound."""
-        self._server = await asyncio.get_running_loop().create_server(
-            lambda: _TLSLayer(self.ctx, self.protocol, None, refused=self._refused), host, port, reuse_address=True
-        )
+        self._server = await asyncio.get_running_loop().create_server(self._layer, host, port, reuse_address=True)
         bound: int = self._server.sockets[0].getsockname()[1]
         return bound
+
+    def _layer(self) -> _TLSLayer:
+        layer = _TLSLayer(self.ctx, self._upper, None, refused=self._refused)
+        self._handshaking.add(layer)
+        layer.settled = self._handshaking.discard
+        return layer
+
+    def _upper(self) -> asyncio.Protocol:
+        if self._closed:
+            raise ConnectionAbortedError("the replication port is closing")
+        return self.protocol()
 
     def _refused(self, peer: Any, why: str) -> None:
         source = str(peer[0]) if isinstance(peer, tuple) else str(peer)
@@ -119,11 +139,14 @@ class TLSListener:
             self._logged[source] = now
             if len(self._logged) > 4096:
                 self._logged.clear()
-            log.warning("replication from %s: refused at the TLS handshake (%s)", source, why)
+            log.warning("replication from %s: refused (%s)", source, why)
 
     def close(self) -> None:
+        self._closed = True
         if self._server is not None:
             self._server.close()
+        for layer in list(self._handshaking):
+            layer.abort()
 
 
 class _TLSLayer(asyncio.Protocol):
@@ -146,7 +169,8 @@ class _TLSLayer(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._lost = False
         self._error: Exception | None = None  # why the connection ended, if TLS said
-        self._buf = bytearray(READ_SIZE)
+        self._buf: bytearray | None = None  # (made once the handshake is done: a stranger's costs nothing)
+        self.settled: Callable[[_TLSLayer], None] | None = None  # told once the handshake ended, either way
 
     # -- below: the TCP transport ------------------------------------------------------------
 
@@ -176,6 +200,7 @@ class _TLSLayer(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
+        self._settle()
         if self._timer is not None:
             self._timer.cancel()
         if self._upper is not None:
@@ -198,8 +223,18 @@ class _TLSLayer(asyncio.Protocol):
         self._flush()
         if self._timer is not None:
             self._timer.cancel()
+        if self._ssl.selected_alpn_protocol() != ALPN:  # (OpenSSL goes on without a protocol in common)
+            spoken = self._ssl.selected_alpn_protocol() or "no"
+            self._fail(_NotReplication(f"the other side speaks {spoken} ALPN, not {ALPN} (another service?)"))
+            return
         assert self._raw is not None
-        self._upper = self._make()
+        self._settle()
+        try:
+            self._upper = self._make()
+        except ConnectionAbortedError:  # (the port closed while this one was shaking hands)
+            self.abort()
+            return
+        self._buf = bytearray(READ_SIZE)
         self._upper.connection_made(_TLSTransport(self, self._raw))
         if self._done is not None and not self._done.done():
             self._done.set_result(self._upper)
@@ -209,6 +244,11 @@ class _TLSLayer(asyncio.Protocol):
     def _handshake_late(self) -> None:
         if self._upper is None:
             self._fail(TimeoutError())
+
+    def _settle(self) -> None:
+        if self.settled is not None:
+            self.settled(self)
+            self.settled = None
 
     def _fail(self, exc: BaseException) -> None:
         if self._done is not None:
@@ -223,12 +263,11 @@ class _TLSLayer(asyncio.Protocol):
     def _read(self) -> None:
         """Decrypt what came, record by record, into one reused buffer (a fresh `read(n)` allocates n
         bytes each call: 37 µs a record at 256 KiB); the connection copies what it keeps."""
-        upper = self._upper
-        assert upper is not None
-        buf = self._buf
+        upper, buf = self._upper, self._buf
+        assert upper is not None and buf is not None
         while not self._lost and (self._incoming.pending or self._ssl.pending()):
             try:
-                n = self._ssl.read(READ_SIZE, buf)
+                n = cast(int, self._ssl.read(READ_SIZE, buf))  # (with a buffer: the bytes read into it)
             except ssl.SSLWantReadError:  # (a partial record: the rest comes with the next read)
                 return
             except (ssl.SSLEOFError, ssl.SSLZeroReturnError):
@@ -236,11 +275,15 @@ class _TLSLayer(asyncio.Protocol):
                 return
             except ssl.SSLError as exc:  # (an alert: TLS 1.3 refuses a client's certificate only now)
                 self._error = exc
+                if self._refused is not None and self._raw is not None:  # (garbage on the port: one line)
+                    self._refused(self._raw.get_extra_info("peername"), f"TLS: {getattr(exc, 'reason', None) or exc}")
                 self.abort()
                 return
-            if n:
-                with memoryview(buf) as view:
-                    upper.data_received(view[:n])  # type: ignore[index,arg-type]  # (typeshed: a slice of int; the connection takes any buffer)
+            if n == 0:  # (after the other side's close_notify every read is 0 and consumes nothing)
+                self.abort()
+                return
+            with memoryview(buf) as view:
+                upper.data_received(view[:n])  # type: ignore[arg-type]  # (the connection takes any buffer)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Encrypt `data` and hand it to the TCP transport."""

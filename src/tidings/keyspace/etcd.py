@@ -233,11 +233,14 @@ class _EtcdToken:
         self._token = ""
         self._at = -1e9
         self._lock = asyncio.Lock()
+        self.started = False  # (then a refusal is a retriable TransportError, not a usage error)
+        self._auth_off_logged = False
 
-    async def authenticate(self, older_than: float) -> None:
-        """A new token, unless another caller got one in the last `older_than` seconds."""
-        async with self._lock:
-            if time.monotonic() - self._at < older_than:
+    async def authenticate(self, older_than: float, stale: str | None = None) -> None:
+        """A new token, unless another caller got one in the last `older_than` seconds or (`stale`: the
+        token a call was refused for) one since: callers refused together authenticate once."""
+        async with asyncio.timeout(RPC_TIMEOUT), self._lock:
+            if time.monotonic() - self._at < older_than or (stale is not None and self._token != stale):
                 return
             assert self.channel is not None
             try:
@@ -245,12 +248,22 @@ class _EtcdToken:
                     rpc.AuthenticateRequest(name=self.user, password=self._password), timeout=RPC_TIMEOUT
                 )
             except grpc.aio.AioRpcError as err:
-                if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
-                    raise UsageError(
-                        f"etcd {self.endpoint} refused user {self.user}: {err.details()} "
-                        "(check --etcd-user and TIDINGS_ETCD_PASSWORD or --etcd-password-file)"
-                    ) from None
-                raise
+                if err.code() == grpc.StatusCode.FAILED_PRECONDITION and "not enabled" in (err.details() or ""):
+                    if not self._auth_off_logged:  # (etcd's authentication was turned off: no token needed)
+                        log.warning("etcd %s: authentication is not enabled; going on without user %s",
+                                    self.endpoint, self.user)  # fmt: skip
+                        self._auth_off_logged = True
+                    self._token, self._at = "", time.monotonic()
+                    return
+                why = f"etcd {self.endpoint} refused user {self.user}: {err.details()}"
+                if err.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                    raise TransportError(f"{err.code().name} from {why}", err.code(), retriable=True) from None
+                if self.started:  # (a password changed under a running process: it retries, loudly)
+                    log.error("%s; retrying (set its new password and restart this process)", why)
+                    raise TransportError(why, grpc.StatusCode.UNAUTHENTICATED, retriable=True) from None
+                raise UsageError(
+                    f"{why} (check --etcd-user and TIDINGS_ETCD_PASSWORD or --etcd-password-file)"
+                ) from None
             self._token, self._at = resp.token, time.monotonic()
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
@@ -261,6 +274,7 @@ class _EtcdToken:
         if details.method in (_AUTHENTICATE, _AUTHENTICATE.encode()):
             return await continuation(details, request)
         await self.authenticate(TOKEN_REFRESH)
+        used = self._token
         call = await continuation(self._details(details), request)
         try:
             return await call
@@ -268,7 +282,7 @@ class _EtcdToken:
             if not _invalid_token(err):
                 raise
         log.info("etcd %s: its token for %s went stale; authenticating again", self.endpoint, self.user)
-        await self.authenticate(0.0)
+        await self.authenticate(0.0, stale=used)
         return await (await continuation(self._details(details), request))
 
     async def intercept_stream(self, continuation: Any, details: Any, request: Any) -> Any:
@@ -358,6 +372,7 @@ class Etcd:
             if token is not None:
                 token.channel = channel
                 await token.authenticate(0.0)
+                token.started = True
         except (TimeoutError, grpc.RpcError) as err:
             await channel.close()
             how = " over TLS (check --etcd-tls-ca and that etcd serves TLS)" if tls is not None else ""
