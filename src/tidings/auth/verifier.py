@@ -16,7 +16,6 @@ names it.
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 import logging
 import math
 import time
@@ -52,17 +51,10 @@ class ServicerContext(Protocol):
     async def abort(self, code: Any, details: str = "", trailing_metadata: Any = ()) -> Any: ...
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Call:
-    """The RPC being served, as its task sees it once verified: what a later refusal's line names."""
-
-    rpc: str
-    context: ServicerContext
-    sub: str
-
-
-# The verified call of the running RPC's task (grpc.aio runs each RPC in a task of its own): the resolver,
-# which hides journals, knows neither the RPC nor its peer.
+# The verified call of the running RPC's task, (rpc, context, sub) (grpc.aio runs each RPC in a task of its
+# own): what a later refusal's line names; the resolver, which hides journals, knows neither the RPC nor
+# its peer. (A tuple: a dataclass costs 0.7 µs more per call.)
+_Call = tuple[str, "ServicerContext", str]
 _CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("tidings_auth_call", default=None)
 
 
@@ -178,15 +170,15 @@ class Verifier:
             claims = self.verify_metadata(context.invocation_metadata(), cap)
         except AuthError as exc:
             await self.refuse(context, exc, rpc)
-        _CALL.set(_Call(rpc, context, claims.sub))
+        _CALL.set((rpc, context, claims.sub))
         return claims
 
     async def refuse(self, context: ServicerContext, exc: AuthError, rpc: str = "") -> NoReturn:
         """End the RPC in `context` with `exc`'s code and reason (an Apply outside the token's selector,
         after `verify` let it in), logged and counted."""
         call = _CALL.get()
-        rpc = rpc or (call.rpc if call is not None else "")
-        sub = exc.sub or (call.sub if call is not None else "")
+        rpc = rpc or (call[0] if call is not None else "")
+        sub = exc.sub or (call[2] if call is not None else "")
         self._refusals.note(rpc, _peer(context), sub, exc.code, exc.reason)
         await _abort(context, exc)
 
@@ -194,16 +186,18 @@ class Verifier:
         """`what` ("journal shop/b") lies outside the verified token's selector and was answered as missing
         (`answered`: JOURNAL_NOT_FOUND): logged (naming it: the operator may see it, the caller never
         does) and counted."""
-        call = _CALL.get()
-        rpc, context, sub = (call.rpc, call.context, call.sub) if call is not None else ("", None, "")
+        rpc, context, sub = _CALL.get() or ("", None, "")
         self._refusals.note(rpc, _peer(context), sub, answered, f"{what} outside the token's selector")
+
+
+_EVERYTHING: Final = Claims(cap=Capability.ALL, sel=pb.LabelSelector(), exp=NEVER)  # (one: read-only)
 
 
 class NoVerifier:
     """Auth off: every request holds every capability over everything, for ever."""
 
     def verify_metadata(self, metadata: Metadata | None, cap: int, now: float | None = None) -> Claims:
-        return Claims(cap=Capability.ALL, sel=pb.LabelSelector(), exp=NEVER)
+        return _EVERYTHING
 
     async def verify(self, context: ServicerContext, cap: int, rpc: str = "") -> Claims:
         return self.verify_metadata(None, cap)

@@ -351,6 +351,12 @@ def _recover_all(data_dir: Path, revisions: dict[str, int]) -> dict[str, Recover
     return out
 
 
+# Each RPC's capability (docs/design/production.md §3.7), as ints: an IntFlag member costs 0.2 µs a lookup.
+_LIST, _APPLY, _READ, _APPEND = (
+    int(c) for c in (Capability.LIST, Capability.APPLY, Capability.READ, Capability.APPEND)
+)
+
+
 class _Servicer(pb_grpc.JournalServicer):
     """gRPC entry points; bad input becomes INVALID_ARGUMENT naming the field, never a crash. Every RPC
     first checks its caller's token for the capability it needs (Gazette's VerifiedJournalServer: each
@@ -364,28 +370,28 @@ class _Servicer(pb_grpc.JournalServicer):
     async def Append(
         self, request_iterator: AsyncIterator[pb.AppendRequest], context: grpc.aio.ServicerContext
     ) -> pb.AppendResponse:
-        claims = await self.verifier.verify(context, Capability.APPEND, "Append")
+        claims = await self.verifier.verify(context, _APPEND, "Append")
         return await serve_append(self.broker, context, claims)
 
     async def Read(self, request: pb.ReadRequest, context: grpc.aio.ServicerContext) -> None:
-        claims = await self.verifier.verify(context, Capability.READ, "Read")
+        claims = await self.verifier.verify(context, _READ, "Read")
         with counted(metrics.RPC_STATUS, "read", context) as outcome:
             outcome.append(await serve_read(self.broker, request, context, claims))
 
     async def List(self, request: pb.ListRequest, context: grpc.aio.ServicerContext) -> None:
-        claims = await self.verifier.verify(context, Capability.LIST, "List")
+        claims = await self.verifier.verify(context, _LIST, "List")
         await serve_list(self.broker, request, context, claims)
 
     async def Apply(self, request: pb.ApplyRequest, context: grpc.aio.ServicerContext) -> pb.ApplyResponse:
-        claims = await self.verifier.verify(context, Capability.APPLY, "Apply")
+        claims = await self.verifier.verify(context, _APPLY, "Apply")
         return await serve_apply(self.broker, request, context, claims)
 
     async def ListMembers(self, request: pb.MembersRequest, context: grpc.aio.ServicerContext) -> pb.MembersResponse:
-        claims = await self.verifier.verify(context, Capability.LIST, "ListMembers")
+        claims = await self.verifier.verify(context, _LIST, "ListMembers")
         return await serve_list_members(self.broker, request, context, claims)
 
     async def ListFragments(
         self, request: pb.FragmentsRequest, context: grpc.aio.ServicerContext
     ) -> pb.FragmentsResponse:
-        claims = await self.verifier.verify(context, Capability.READ, "ListFragments")
+        claims = await self.verifier.verify(context, _READ, "ListFragments")
         return await serve_list_fragments(self.broker, request, context, claims)
