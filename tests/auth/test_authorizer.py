@@ -78,3 +78,50 @@ def test_a_bearer_authorizer_sends_its_token_whatever_the_call() -> None:
 
 def test_no_authorizer_sends_nothing() -> None:
     assert NoAuthorizer().metadata(Capability.ALL) == ()
+
+
+def test_a_capped_expiry_never_outlives_the_caller() -> None:
+    """A broker proxying a call signs a token expiring no later than its caller's (`exp`): it reuses a token
+    expiring sooner still, and signs one of its own for a caller whose token ends first."""
+    clock = _Clock()
+    a = KeyedAuthorizer(KeySet((NEW,)), clock=clock)
+    sel = labels.parse_selector("name=shop/orders")
+    check = Verifier(KeySet((NEW,)))
+    long = a.metadata(Capability.APPEND, sel, exp=NOW + 7200)  # (a caller's token for 2 h: the hour wins)
+    assert check.verify_metadata(long, Capability.APPEND, NOW).exp == 1_800_003_600
+    short = a.metadata(Capability.APPEND, sel, exp=NOW + 60)
+    assert short != long and check.verify_metadata(short, Capability.APPEND, NOW).exp == int(NOW + 60)
+    assert a.metadata(Capability.APPEND, sel, exp=NOW + 120) == short  # (it expires sooner: reused)
+    clock.now += 31  # (half its life spent: renewed, still within its caller's)
+    renewed = a.metadata(Capability.APPEND, sel, exp=NOW + 120)
+    assert renewed != short and check.verify_metadata(renewed, Capability.APPEND, clock.now).exp == int(NOW + 120)
+
+
+def test_clients_claim_what_each_call_touches() -> None:
+    """Gazette's per-call claims: an append, a read or a fragments listing `name=<journal>`, a List its
+    selector, an Apply everything; a Shard call `id=<shard>` (each shard unassigned), a shard List its
+    selector. Each call's token says exactly that."""
+    from tidings.client import AsyncClient
+    from tidings.consumer.client import ShardClient
+    from tidings.protocol import protocol_pb2 as pb
+
+    keys = KeySet((NEW,))
+    check = Verifier(keys)
+    client = AsyncClient("127.0.0.1:1", auth=KeyedAuthorizer(keys))
+
+    def claimed(md: tuple[tuple[str, str], ...], cap: int) -> tuple[int, str]:
+        claims = check.verify_metadata(md, cap)
+        return claims.cap, labels.format_selector(claims.sel)
+
+    assert claimed(client._metadata(Capability.APPEND, "shop/orders"), 0) == (Capability.APPEND, "name=shop/orders")
+    assert client._metadata(Capability.APPEND, "shop/orders") is client._metadata(Capability.APPEND, "shop/orders")
+    sel = labels.parse_selector("app=shop")
+    assert claimed(client._metadata(Capability.LIST, selector=sel), 0) == (Capability.LIST, "app=shop")
+    assert claimed(client._metadata(Capability.APPLY), 0) == (Capability.APPLY, "")
+    shards = ShardClient("127.0.0.1:1", auth=KeyedAuthorizer(keys))
+    assert claimed(shards._metadata("Stat", pb.StatRequest(shard="wc/0")), 0) == (Capability.READ, "id=wc/0")
+    assert claimed(shards._metadata("GetHints", pb.GetHintsRequest(shard="wc/1")), 0) == (Capability.READ, "id=wc/1")
+    assert claimed(shards._metadata("List", pb.ShardListRequest(selector=sel)), 0) == (Capability.LIST, "app=shop")
+    unassign = shards._metadata("Unassign", pb.UnassignRequest(shards=["wc/0", "wc/1"]))
+    assert claimed(unassign, 0) == (Capability.APPLY, "id=wc/0,id=wc/1")
+    assert claimed(shards._metadata("Apply", pb.ShardApplyRequest()), 0) == (Capability.APPLY, "")

@@ -210,3 +210,36 @@ def test_the_package_exports_are_sorted_and_load_no_grpc() -> None:
     probe = "import sys, tidings.auth; print('grpc' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "False", r
+
+
+def test_refusals_log_once_per_peer_host_and_reason_every_ten_seconds_and_count_all(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client retrying in a loop (a new port per connection) cannot flood the log; every refusal counts."""
+    from prometheus_client import REGISTRY
+
+    def count() -> float:
+        return REGISTRY.get_sample_value("tidings_auth_refusals_total", {"service": "test", "code": "X"}) or 0.0
+
+    now = [100.0]
+    refusals = verifier_module._RefusalLog("test", clock=lambda: now[0])
+    before = count()
+    caplog.set_level("INFO", logger="tidings.auth.verifier")
+    for port, reason in [(1, "bad"), (2, "bad"), (3, "worse"), (4, "bad")]:
+        refusals.note("Append", f"10.0.0.5:{port}", "", "X", reason)
+    refusals.note("Append", "10.0.0.6:1", "bob", "X", "bad")
+    now[0] += 10
+    refusals.note("Read", "10.0.0.5:9", "", "X", "bad")
+    assert [r.getMessage() for r in caplog.records] == [
+        "refused Append from 10.0.0.5:1: bad",
+        "refused Append from 10.0.0.5:3: worse",
+        "refused Append from 10.0.0.6:1 (sub bob): bad",
+        "refused Read from 10.0.0.5:9: bad",
+    ]
+    assert count() == before + 6
+
+
+def test_a_call_may_go_on_until_its_token_expires_and_for_ever_without_auth() -> None:
+    claims = Claims(cap=Capability.READ, iat=NOW, exp=NOW + 60)
+    assert auth.expires_at(claims) == NOW + 65 and auth.seconds_left(claims, NOW) == 65  # (the leeway too)
+    assert auth.seconds_left(NoVerifier().verify_metadata((), Capability.READ)) is None

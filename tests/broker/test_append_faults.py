@@ -206,8 +206,8 @@ async def test_a_route_naming_a_peer_without_endpoint_fails_cleanly_and_leaks_no
     await break_pipeline(replica)
     real = primary.resolver.resolve
 
-    async def resolve_without_a_peer_endpoint(journal: str, min_revision: int = 0) -> Resolution:
-        res = await real(journal, min_revision)
+    async def resolve_without_a_peer_endpoint(journal: str, min_revision: int = 0, claims=None) -> Resolution:
+        res = await real(journal, min_revision, claims)
         if journal != j:
             return res
         header = pb.Header()

@@ -115,6 +115,36 @@ MISTAKES = [
         "--tls-cert {tmp}/three.yaml is not a PEM certificate",
         id="tls-not-pem",
     ),
+    pytest.param(
+        ("broker", "--etcd", "127.0.0.1:2379", "--auth-keys", "c2hvcnRrZXk="),
+        {},
+        "--auth-keys (TIDINGS_AUTH_KEYS): key at index 0 is 8 bytes",
+        id="auth-keys-short",
+    ),
+    pytest.param(
+        ("cluster", "up"),
+        {"TIDINGS_AUTH_KEYS_FILE": "/nonexistent/keys"},
+        "--auth-keys-file /nonexistent/keys: cannot be read",
+        id="auth-keys-file-missing",
+    ),
+    pytest.param(
+        ("journals", "list", "--auth-token", "a b"),
+        {},
+        "--auth-token (TIDINGS_AUTH_TOKEN) is empty or has spaces",
+        id="token-spaces",
+    ),
+    pytest.param(
+        ("journals", "list", "--auth-token", "x.y.z", "--auth-token-file", "{tmp}/three.yaml"),
+        {},
+        "--auth-token and --auth-token-file are both given: give one",
+        id="token-twice",
+    ),
+    pytest.param(
+        ("journals", "list"),
+        {"TIDINGS_AUTH_TOKEN_FILE": "/nonexistent/token"},
+        "--auth-token-file /nonexistent/token cannot be read",
+        id="token-file-missing",
+    ),
 ]
 
 

@@ -69,8 +69,8 @@ async def test_journals_append_gives_up_or_checks_when_an_answer_is_lost(cluster
     await cluster.wait_consistent("retry/lost", 3)
     swallowed = []
 
-    async def lossy(broker, context):
-        resp = await serve_append(broker, context)
+    async def lossy(broker, context, claims):
+        resp = await serve_append(broker, context, claims)
         if resp is not None and resp.commit.end > resp.commit.begin and not swallowed:
             swallowed.append(resp.commit)
             await asyncio.Event().wait()  # committed, but the answer never comes

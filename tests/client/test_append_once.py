@@ -48,7 +48,7 @@ class _LateDelivery:
         self.probed = asyncio.Event()
         self.release: asyncio.Future[None] | None = None
 
-    async def __call__(self, broker: Any, context: grpc.aio.ServicerContext) -> pb.AppendResponse:
+    async def __call__(self, broker: Any, context: grpc.aio.ServicerContext, claims: Any) -> pb.AppendResponse:
         messages = []
         while (msg := await context.read()) is not grpc.aio.EOF:
             messages.append(msg)
@@ -56,7 +56,7 @@ class _LateDelivery:
         if carries and not self.held:
             self.held = messages
             await asyncio.Event().wait()  # the answer is lost
-        resp = await serve_append(broker, _Replayed(context, messages))
+        resp = await serve_append(broker, _Replayed(context, messages), claims)
         if self.held and not carries:
             self.probed.set()
             if self.release is not None:
@@ -130,14 +130,14 @@ async def test_a_stale_offset_after_a_lost_answer_fails_within_the_retry_policy(
     await cluster.create_journal(journal, 3)
     lost = []
 
-    async def lose_the_first(broker: Any, context: grpc.aio.ServicerContext) -> pb.AppendResponse:
+    async def lose_the_first(broker: Any, context: grpc.aio.ServicerContext, claims: Any) -> pb.AppendResponse:
         messages = []
         while (msg := await context.read()) is not grpc.aio.EOF:
             messages.append(msg)
         if any(m.content for m in messages) and messages[0].HasField("offset") and not lost:
             lost.append(messages)
             await asyncio.Event().wait()  # the answer is lost
-        return await serve_append(broker, _Replayed(context, messages))
+        return await serve_append(broker, _Replayed(context, messages), claims)
 
     monkeypatch.setattr(service, "serve_append", lose_the_first)
     async with AsyncClient(cluster.brokers[0].endpoint, retries=3) as c:

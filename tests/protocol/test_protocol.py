@@ -47,8 +47,28 @@ class _FakeRpcError(grpc.RpcError):
 @pytest.mark.parametrize("code", list(grpc.StatusCode))
 def test_every_grpc_code_maps_to_a_transport_error(code: grpc.StatusCode) -> None:
     err = st.map_grpc_error(_FakeRpcError(code), "127.0.0.1:1")
-    assert isinstance(err, st.TransportError) and code.name in str(err)
+    said = "NOT_ALLOWED" if code == grpc.StatusCode.PERMISSION_DENIED else code.name  # (the Status a refusal is)
+    assert isinstance(err, st.TransportError) and err.code == code and said in str(err)
     assert err.retriable == (code in {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED})
+
+
+def test_a_token_refusal_is_one_definite_line_naming_the_server_and_the_reason() -> None:
+    """UNAUTHENTICATED and PERMISSION_DENIED become their own errors, never retried; a refusal of a
+    capability is also the Status NOT_ALLOWED's error, with the reason (docs/design/production.md §3.9)."""
+
+    class Refused(_FakeRpcError):
+        def details(self) -> str:
+            return "token lacks the APPEND capability (it has READ)"
+
+    denied = st.map_grpc_error(Refused(grpc.StatusCode.PERMISSION_DENIED), "127.0.0.1:8080")
+    assert isinstance(denied, st.PermissionDeniedError) and isinstance(denied, st.NotAllowedError)
+    assert str(denied) == "NOT_ALLOWED from 127.0.0.1:8080: token lacks the APPEND capability (it has READ)"
+    assert denied.reason == "token lacks the APPEND capability (it has READ)" and not denied.retriable
+    assert not denied.refresh_route and denied.status == pb.NOT_ALLOWED
+    unknown = st.map_grpc_error(Refused(grpc.StatusCode.UNAUTHENTICATED), "127.0.0.1:8080")
+    assert isinstance(unknown, st.UnauthenticatedError) and not unknown.retriable
+    assert str(unknown) == "UNAUTHENTICATED from 127.0.0.1:8080: token lacks the APPEND capability (it has READ)"
+    assert st.for_status(pb.NOT_ALLOWED) is st.NotAllowedError and st.NotAllowedError("a/b").reason == ""
 
 
 @pytest.mark.parametrize(

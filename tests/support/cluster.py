@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from tidings.auth import KeyedAuthorizer, KeySet
 from tidings.broker.host import BrokerConfig
 from tidings.broker.service import Broker
 from tidings.client import AsyncClient
@@ -51,8 +52,11 @@ class TestCluster:
         return b
 
     def client(self, i: int = 0) -> AsyncClient:
-        """A client of broker i (with the brokers' TLS, if they have it: their certificate is a client's too)."""
-        return AsyncClient(self.brokers[i].endpoint, tls=self.config.get("tls"))  # type: ignore[arg-type]
+        """A client of broker i (with the brokers' TLS, if they have it: their certificate is a client's too;
+        and their keys, if they have them: it signs its own tokens, as a broker does)."""
+        keys = self.config.get("auth_keys")
+        auth = KeyedAuthorizer(keys, sub="tests") if isinstance(keys, KeySet) else None
+        return AsyncClient(self.brokers[i].endpoint, tls=self.config.get("tls"), auth=auth)  # type: ignore[arg-type]
 
     async def create_journal(self, name: str, replication: int = 3, **fields: object) -> pb.JournalSpec:
         frag = {"length": "1MiB", "stores": [self.store_url], "refresh_interval": "1s", **fields.pop("fragment", {})}

@@ -22,15 +22,16 @@ still signs, both verify. (2) Once every process has both, restart them one by o
 the new key signs; issue clients new tokens. (3) When the old tokens have expired, restart with
 `NEW` alone.
 
-Modules: `keys` (KeySet), `jwt` (sign, verify), `verifier` (Verifier, NoVerifier), `authorizer`
-(Authorizer and its three kinds). Layer: above `tidings.protocol`, using only it, the standard
-library and (once a server aborts an RPC) grpc. docs/design/production.md §3.6.
+Modules: `keys` (KeySet), `jwt` (sign, verify), `verifier` (Verifier, NoVerifier: the checks, the
+refusals' log and metric), `authorizer` (Authorizer and its three kinds). Layer: above
+`tidings.protocol`, using only it, the standard library and (once a server aborts an RPC, or counts a
+refusal) grpc and prometheus_client. docs/design/production.md §3.6.
 """
 
 from tidings.auth.authorizer import Authorizer, BearerAuthorizer, CallMetadata, KeyedAuthorizer, NoAuthorizer
 from tidings.auth.jwt import LEEWAY, MAX_TOKEN_BYTES, AuthCode, AuthError, decode_unverified, sign, verify
 from tidings.auth.keys import ALLOW_MISSING, KeySet, generate_key
-from tidings.auth.verifier import Metadata, NoVerifier, ServicerContext, Verifier
+from tidings.auth.verifier import Metadata, NoVerifier, ServicerContext, Verifier, expires_at, seconds_left
 
 __all__ = [
     "ALLOW_MISSING",
@@ -49,7 +50,9 @@ __all__ = [
     "ServicerContext",
     "Verifier",
     "decode_unverified",
+    "expires_at",
     "generate_key",
+    "seconds_left",
     "sign",
     "verify",
 ]

@@ -4,7 +4,8 @@ One interface whatever the client holds: keys (`KeyedAuthorizer` signs per-call 
 brokers do for their peers and long-running services should), a token (`BearerAuthorizer`, for
 CLI commands, jobs and Spark), or nothing (`NoAuthorizer`, auth off). A caller names the
 capability and, when it can, the selector of what it touches (`name=<journal>` for a Read or an
-Append, a List's selector); a keyed authorizer scopes its token to exactly that.
+Append, a List's selector), and may cap the token's expiry (a broker proxying a call signs no token
+outliving its caller's); a keyed authorizer scopes its token to exactly that.
 """
 
 from __future__ import annotations
@@ -18,30 +19,43 @@ from tidings.auth.jwt import sign
 from tidings.auth.keys import KeySet
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.claims import Claims
-from tidings.protocol.labels import pairs
 from tidings.protocol.status import ValidationError
 
 TOKEN_TTL: Final = 3600  # a signed token's life (Gazette's, for streams and blocking calls)
 CACHE_SIZE: Final = 4096  # signed tokens kept, by (capability, selector): a broker signs per journal
 
 CallMetadata = tuple[tuple[str, str], ...]
+_ALL = pb.LabelSelector()  # (every item: an Apply's claims, a broker's own)
 
 
 class Authorizer(Protocol):
-    """What a client asks before each call: the metadata authorizing `cap` over `selector`'s items."""
+    """What a client asks before each call: the metadata authorizing `cap` over `selector`'s items, in a
+    token expiring by `exp` (Unix seconds) at the latest, when given."""
 
-    def metadata(self, cap: int, selector: pb.LabelSelector | None = None) -> CallMetadata: ...
+    def metadata(
+        self, cap: int, selector: pb.LabelSelector | None = None, exp: float | None = None
+    ) -> CallMetadata: ...
 
 
 class _Signed(NamedTuple):
     metadata: CallMetadata
     renew_at: float
+    exp: int
+
+
+def _selector_key(sel: pb.LabelSelector) -> bytes:
+    """`sel` as a cache key: its bytes (~1 µs, against ~5 for its labels as tuples: the append path
+    asks per call); any empty selector is the same key."""
+    if not sel.include.labels and not sel.exclude.labels:
+        return b""
+    return sel.SerializeToString(deterministic=True)
 
 
 class KeyedAuthorizer:
     """Signs `Claims(cap, selector, exp=now + ttl, sub)` with the first key, and reuses each token
     until half its life is gone (so a call never carries a token about to expire, and signing, ~10 µs,
-    stays off the hot path). `clock` is for tests."""
+    stays off the hot path). A call capping the expiry (`exp`) reuses a token expiring no later, else
+    gets one of its own expiring at `exp`. `clock` is for tests."""
 
     def __init__(
         self, keys: KeySet, sub: str = "", ttl: int = TOKEN_TTL, clock: Callable[[], float] = time.time
@@ -50,21 +64,20 @@ class KeyedAuthorizer:
         self.sub = sub
         self.ttl = ttl
         self._clock = clock
-        self._signed: OrderedDict[tuple[int, tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]], _Signed] = (
-            OrderedDict()
-        )
+        self._signed: OrderedDict[tuple[int, bytes], _Signed] = OrderedDict()
 
-    def metadata(self, cap: int, selector: pb.LabelSelector | None = None) -> CallMetadata:
-        sel = selector if selector is not None else pb.LabelSelector()
-        key = (int(cap), tuple(pairs(sel.include)), tuple(pairs(sel.exclude)))
+    def metadata(self, cap: int, selector: pb.LabelSelector | None = None, exp: float | None = None) -> CallMetadata:
+        sel = selector if selector is not None else _ALL
+        key = (int(cap), _selector_key(sel))
         now = self._clock()
         hit = self._signed.get(key)
-        if hit is not None and now < hit.renew_at:
+        if hit is not None and now < hit.renew_at and (exp is None or hit.exp <= exp):
             self._signed.move_to_end(key)
             return hit.metadata
         iat = int(now)
-        token = sign(Claims(cap=int(cap), sel=sel, iat=iat, exp=iat + self.ttl, sub=self.sub), self.keys.signing_key)
-        signed = _Signed((("authorization", f"Bearer {token}"),), iat + self.ttl / 2)
+        until = iat + self.ttl if exp is None else min(iat + self.ttl, int(exp))
+        token = sign(Claims(cap=int(cap), sel=sel, iat=iat, exp=until, sub=self.sub), self.keys.signing_key)
+        signed = _Signed((("authorization", f"Bearer {token}"),), iat + (until - iat) / 2, until)
         self._signed[key] = signed
         self._signed.move_to_end(key)
         if len(self._signed) > CACHE_SIZE:
@@ -84,12 +97,12 @@ class BearerAuthorizer:
     def __repr__(self) -> str:  # (never the token)
         return "BearerAuthorizer(...)"
 
-    def metadata(self, cap: int, selector: pb.LabelSelector | None = None) -> CallMetadata:
+    def metadata(self, cap: int, selector: pb.LabelSelector | None = None, exp: float | None = None) -> CallMetadata:
         return self._metadata
 
 
 class NoAuthorizer:
     """Auth off: calls carry no metadata."""
 
-    def metadata(self, cap: int, selector: pb.LabelSelector | None = None) -> CallMetadata:
+    def metadata(self, cap: int, selector: pb.LabelSelector | None = None, exp: float | None = None) -> CallMetadata:
         return ()

@@ -38,12 +38,14 @@ AuthCode = Literal["UNAUTHENTICATED", "PERMISSION_DENIED"]  # grpc.StatusCode na
 
 class AuthError(TidingsError):
     """A request refused: `code` is the gRPC status it ends with (UNAUTHENTICATED: no valid token;
-    PERMISSION_DENIED: a valid token that does not allow it), `reason` the one line sent back."""
+    PERMISSION_DENIED: a valid token that does not allow it), `reason` the one line sent back; `sub`
+    the holder of a token that verified (for the server's log)."""
 
-    def __init__(self, code: AuthCode, reason: str) -> None:
+    def __init__(self, code: AuthCode, reason: str, sub: str = "") -> None:
         super().__init__(reason)
         self.code: AuthCode = code
         self.reason = reason
+        self.sub = sub
 
 
 def _refuse(reason: str) -> AuthError:

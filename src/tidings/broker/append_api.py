@@ -10,6 +10,11 @@ Every Append RPC ends with a status. A handler that ended in a CancelledError th
 own task's cancellation (grpc.aio raises those from calls cancelled under us) would send none and
 leave its client waiting forever, so such an error, and any other surprise, becomes UNAVAILABLE
 or INTERNAL with a message naming the journal.
+
+Auth: the FSM resolves with the caller's claims (a journal they do not cover is JOURNAL_NOT_FOUND); a
+proxied append carries the broker's own token for that journal alone (never the caller's); a stream
+still sending once the caller's token expired is rolled back (ABORTED: a retry presents a current
+token, or is refused).
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ from typing import TYPE_CHECKING, cast
 
 import grpc
 
+from tidings.auth import expires_at
 from tidings.broker import _metrics as metrics
 from tidings.broker.append_fsm import AppendFSM, AppendState
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import validate
+from tidings.protocol.claims import Capability, Claims
+from tidings.protocol.labels import name_selector
 from tidings.protocol.protocol_pb2_grpc import JournalStub
 from tidings.protocol.status import ValidationError
 from tidings.tasks import cancelled_under_us
@@ -46,6 +54,11 @@ class ClientStalled(Exception):
     """The client streamed slower than the minimum flow rate; its append is rolled back."""
 
 
+class TokenExpired(Exception):
+    """The client's token expired while it streamed (Gazette ends the RPC at its token's expiry); its
+    append is rolled back."""
+
+
 DRAIN_SECONDS = 2.0  # how long an early answer waits for the client to finish sending
 DRAIN_BYTES = 64 << 20  # and how much of its content it reads (and drops) meanwhile
 
@@ -58,10 +71,15 @@ class _ClientStream:
     """
 
     def __init__(
-        self, broker: Host, context: grpc.aio.ServicerContext, throttled: Callable[[], float] = lambda: 0.0
+        self,
+        broker: Host,
+        context: grpc.aio.ServicerContext,
+        throttled: Callable[[], float] = lambda: 0.0,
+        expires: float = float("inf"),
     ) -> None:
         self._context = context
         self._cfg = broker.config
+        self._expires = expires  # (Unix seconds, leeway included) the client's token expires
         self._throttled = throttled  # seconds the broker held the append back (broker/flow.py): not the client's
         self._started = 0.0  # (the first read: time queued for the pipeline before it is not the client's)
         self.police_rate = True  # (off when proxying: the primary polices, and throttles, the stream)
@@ -81,6 +99,8 @@ class _ClientStream:
             self.ended = True
             return None
         validate.append_content(msg)
+        if time.time() > self._expires:
+            raise TokenExpired("the token expired during the append: retry with a current one")
         self._received += len(msg.content)
         elapsed = time.monotonic() - self._started - self._throttled()
         if self.police_rate and elapsed > cfg.stall_timeout and self._received / elapsed < cfg.min_append_rate:
@@ -107,11 +127,12 @@ class _ClientStream:
                     dropped += len(msg.content)
 
 
-async def serve_append(broker: Host, context: grpc.aio.ServicerContext) -> pb.AppendResponse:
-    """Serve one Append RPC; see the module docstring for how each outcome is answered."""
+async def serve_append(broker: Host, context: grpc.aio.ServicerContext, claims: Claims) -> pb.AppendResponse:
+    """Serve one Append RPC for the holder of `claims`; see the module docstring for how each outcome is
+    answered."""
     journal: list[str] = []  # filled with the journal's name once the first message is read
     try:
-        return await _serve_append(broker, context, journal)
+        return await _serve_append(broker, context, claims, journal)
     except asyncio.CancelledError:
         if not cancelled_under_us():
             raise  # the client went away: there is nobody to answer
@@ -126,7 +147,9 @@ async def serve_append(broker: Host, context: grpc.aio.ServicerContext) -> pb.Ap
     raise AssertionError("unreachable")
 
 
-async def _serve_append(broker: Host, context: grpc.aio.ServicerContext, journal: list[str]) -> pb.AppendResponse:
+async def _serve_append(
+    broker: Host, context: grpc.aio.ServicerContext, claims: Claims, journal: list[str]
+) -> pb.AppendResponse:
     first = await context.read()
     if first is grpc.aio.EOF:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "append: empty stream; send the journal first")
@@ -136,8 +159,8 @@ async def _serve_append(broker: Host, context: grpc.aio.ServicerContext, journal
         metrics.RPC_STATUS.labels("append", "INVALID_ARGUMENT").inc()
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     journal.append(first.journal)
-    fsm = AppendFSM(broker, first)
-    client = _ClientStream(broker, context, lambda: fsm.throttled)
+    fsm = AppendFSM(broker, first, claims=claims)
+    client = _ClientStream(broker, context, lambda: fsm.throttled, expires_at(claims))
     next_message = client.next_message
     try:
         end = await fsm.run(next_message)
@@ -149,7 +172,7 @@ async def _serve_append(broker: Host, context: grpc.aio.ServicerContext, journal
     if end is AppendState.PROXY:
         if first.do_not_proxy:
             return _respond("append", pb.AppendResponse(status=pb.NOT_JOURNAL_PRIMARY_BROKER, header=header))
-        return await _proxy(broker, fsm, first, client, context)
+        return await _proxy(broker, fsm, first, client, context, claims)
     if end is AppendState.FINISHED:
         assert fsm.commit is not None
         status = pb.SUSPENDED if fsm.suspended else pb.OK  # (a suspend request: the journal is suspended)
@@ -176,9 +199,15 @@ def _respond(rpc: str, resp: pb.AppendResponse) -> pb.AppendResponse:
 
 
 async def _proxy(
-    broker: Host, fsm: AppendFSM, first: pb.AppendRequest, client: _ClientStream, context: grpc.aio.ServicerContext
+    broker: Host,
+    fsm: AppendFSM,
+    first: pb.AppendRequest,
+    client: _ClientStream,
+    context: grpc.aio.ServicerContext,
+    claims: Claims,
 ) -> pb.AppendResponse:
-    """Forward the whole stream to the primary, with our Header so it reads through our revision."""
+    """Forward the whole stream to the primary, with our Header so it reads through our revision, and our
+    own token for this journal alone, expiring no later than the caller's (Gazette's proxyAppend)."""
     assert fsm.resolved is not None
     endpoint = fsm.resolved.primary_endpoint()
     assert endpoint is not None  # (PROXY: the route has a primary)
@@ -187,7 +216,8 @@ async def _proxy(
     req.header.CopyFrom(fsm.resolved.header)
     req.do_not_proxy = True
     client.police_rate = False
-    call = JournalStub(broker.channel(endpoint)).Append()  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
+    metadata = broker.authorizer.metadata(Capability.APPEND, name_selector(first.journal), claims.exp)
+    call = JournalStub(broker.channel(endpoint)).Append(metadata=metadata)  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
     try:
         try:
             await call.write(req)
@@ -204,7 +234,7 @@ async def _proxy(
             code = grpc.StatusCode.UNAVAILABLE
         await context.abort(code, f"proxied to the primary {endpoint}: {exc.code().name}: {exc.details()}")
         raise AssertionError("unreachable") from None
-    except (ClientStalled, ValidationError) as exc:
+    except (ClientStalled, TokenExpired, ValidationError) as exc:
         call.cancel()  # the primary rolls the append back
         await client.drain()
         code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, ValidationError) else grpc.StatusCode.ABORTED

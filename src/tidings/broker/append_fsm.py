@@ -58,6 +58,7 @@ from tidings.fragment.spool import Spool, apply_registers, maybe_roll
 from tidings.keyspace import mod_revision_is, put_op
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.claims import Claims
 from tidings.protocol.route import routes_equivalent
 from tidings.protocol.specs import desired_replication
 from tidings.protocol.status import TidingsError, ValidationError
@@ -99,11 +100,13 @@ class ClientStreamError(Exception):
 
 
 class AppendFSM:
-    """Drives one AppendRequest (the first message of an Append RPC) through the states."""
+    """Drives one AppendRequest (the first message of an Append RPC) through the states, for the holder of
+    `claims` (a journal outside their selector resolves as missing; None: the broker's own appends)."""
 
-    def __init__(self, broker: Host, req: pb.AppendRequest, pulse: bool = False) -> None:
+    def __init__(self, broker: Host, req: pb.AppendRequest, pulse: bool = False, claims: Claims | None = None) -> None:
         self.broker = broker
         self.req = req
+        self.claims = claims
         self.pulse = pulse  # the replica's own keep-alive, not a client's append
         self._born = time.monotonic()
         self.next_suspend: pb.JournalSpec.Suspend | None = None  # what UPDATE_SUSPEND writes (None: clear it)
@@ -274,7 +277,7 @@ class AppendFSM:
         owned; else ACQUIRE_PIPELINE.
         """
         rev, self.read_through_rev = self.read_through_rev, 0
-        res = await self.broker.resolver.resolve(self.journal, rev)
+        res = await self.broker.resolver.resolve(self.journal, rev, self.claims)
         if not res.is_primary or res.replica is not self._owner:
             if self.owns_pipeline:  # no longer primary (or another incarnation of the replica): give it back
                 self._shut_down_pipeline()

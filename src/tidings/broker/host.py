@@ -15,6 +15,7 @@ from typing import Protocol
 
 import grpc
 
+from tidings.auth import Authorizer, KeySet, NoVerifier, Verifier
 from tidings.broker.resolver import Resolver
 from tidings.broker.transport import ReplicaStream
 from tidings.fragment.persister import Persister
@@ -58,6 +59,8 @@ class BrokerConfig:
     etcd_tls: TLS | None = None  # --etcd-tls-*: etcd over TLS
     etcd_user: str = ""  # --etcd-user: as this etcd user (its password below, never shown)
     etcd_password: str = dataclasses.field(default="", repr=False)
+    # --auth-keys: verify every RPC's token (None: auth off), and sign the broker's own calls to its peers
+    auth_keys: KeySet | None = None
 
 
 class Host(Protocol):
@@ -70,6 +73,8 @@ class Host(Protocol):
     keyspace: KeySpace  # the broker's root, followed
     resolver: Resolver  # journal -> Route and local Replica
     persister: Persister
+    verifier: Verifier | NoVerifier  # checks each RPC's token; logs and counts refusals
+    authorizer: Authorizer  # signs the broker's own calls to its peers (proxied Appends, Reads, ListFragments)
 
     def channel(self, endpoint: str) -> grpc.aio.Channel:
         """A channel to another broker's Journal service (or its own), shared and kept open."""

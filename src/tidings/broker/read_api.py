@@ -3,7 +3,10 @@
 Any replica serves reads, from its local spool files or from persisted fragments (proxied from
 the store); a broker not holding the journal proxies to one that does. Each fragment's metadata
 (the Fragment, its store URL if persisted, the write head) precedes its content frames. Only
-committed bytes are served: the index learns of spool content only when it commits.
+committed bytes are served: the index learns of spool content only when it commits. A journal the
+caller's token does not cover is JOURNAL_NOT_FOUND (the resolver); a proxied read carries the broker's
+own token for that journal alone; a blocking read ends (cleanly: its client opens it again with its
+current token) once the caller's token expires.
 
 A read never skips committed bytes silently: over an offset no fragment covers it moves on only
 as the index allows (to a persisted fragment at the journal's start or persisted long ago, see
@@ -25,11 +28,14 @@ from typing import TYPE_CHECKING, BinaryIO
 import grpc
 import zstandard
 
+from tidings.auth import seconds_left
 from tidings.broker import _metrics as metrics
 from tidings.fragment.spool import SpoolFile
 from tidings.fragment.store import store_for
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import validate
+from tidings.protocol.claims import Capability, Claims
+from tidings.protocol.labels import name_selector
 from tidings.protocol.protocol_pb2_grpc import JournalStub
 from tidings.protocol.status import ValidationError
 
@@ -47,13 +53,14 @@ CHUNK = 256 * 1024
 READ_REFRESH_TIMEOUT = 10.0  # seconds a read at a hole below the write head waits for a store listing
 
 
-async def serve_read(broker: Host, req: pb.ReadRequest, context: grpc.aio.ServicerContext) -> int:
-    """Serve one Read RPC; the Status it ended with (for the RPC counter)."""
+async def serve_read(broker: Host, req: pb.ReadRequest, context: grpc.aio.ServicerContext, claims: Claims) -> int:
+    """Serve one Read RPC for the holder of `claims`; the Status it ended with (for the RPC counter)."""
     try:
         validate.read_request(req)
     except ValidationError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-    res = await broker.resolver.resolve(req.journal, req.header.etcd.revision if req.HasField("header") else 0)
+    rev = req.header.etcd.revision if req.HasField("header") else 0
+    res = await broker.resolver.resolve(req.journal, rev, claims)
     if res.status != pb.OK:  # (a fully suspended journal holds nothing: its next append lands at its offset)
         head = res.spec.suspend.offset if res.status == pb.SUSPENDED and res.spec is not None else 0
         await context.write(pb.ReadResponse(status=res.status, header=res.header, write_head=head))
@@ -68,7 +75,7 @@ async def serve_read(broker: Host, req: pb.ReadRequest, context: grpc.aio.Servic
             status = pb.NOT_JOURNAL_BROKER if res.route.members else pb.NO_JOURNAL_PRIMARY_BROKER
             await context.write(pb.ReadResponse(status=status, header=res.header))
             return status
-        await _proxy(broker, req, res, context)
+        await _proxy(broker, req, res, context, claims)
         return pb.OK
     index = replica.index
     store_error = await replica.wait_ready()
@@ -104,9 +111,8 @@ async def serve_read(broker: Host, req: pb.ReadRequest, context: grpc.aio.Servic
                     )
                 )
                 return pb.OFFSET_NOT_YET_AVAILABLE
-            await _wait_for_change(index, replica.closed)
-            if replica.closed.is_set():
-                return pb.OK  # the replica moved away; the client re-resolves and continues
+            if not await _wait_for_change(index, replica.closed, seconds_left(claims)) or replica.closed.is_set():
+                return pb.OK  # the token expired, or the replica moved away: the client opens the read again
             continue
         frag, file = found
         stream: BinaryIO | None = None
@@ -172,14 +178,17 @@ class FragmentCorruptError(Exception):
 _CORRUPT = (FragmentCorruptError, gzip.BadGzipFile, zlib.error, zstandard.ZstdError, EOFError)
 
 
-async def _wait_for_change(index: FragmentIndex, closed: asyncio.Event) -> None:
+async def _wait_for_change(index: FragmentIndex, closed: asyncio.Event, timeout: float | None) -> bool:
+    """Wait for the index to change or the replica to close, at most `timeout` seconds (None: no limit):
+    False once that passed with neither."""
     waiter = asyncio.ensure_future(index.wait_for_change())
     stop = asyncio.ensure_future(closed.wait())
     try:
-        await asyncio.wait([waiter, stop], return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait([waiter, stop], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for t in (waiter, stop):
             t.cancel()
+    return bool(done)
 
 
 async def _send_content(
@@ -221,8 +230,11 @@ async def _send(context: grpc.aio.ServicerContext, offset: int, data: bytes, cou
     return offset + len(data)
 
 
-async def _proxy(broker: Host, req: pb.ReadRequest, res: Resolution, context: grpc.aio.ServicerContext) -> None:
-    """Relay the read from a replica of the route (preferring one in our zone)."""
+async def _proxy(
+    broker: Host, req: pb.ReadRequest, res: Resolution, context: grpc.aio.ServicerContext, claims: Claims
+) -> None:
+    """Relay the read from a replica of the route (preferring one in our zone), with the broker's own token
+    for this journal alone, expiring no later than the caller's (never the caller's token)."""
     route = res.route
     order = sorted(range(len(route.members)), key=lambda i: route.members[i].zone != broker.process_id.zone)
     endpoint = route.endpoints[order[0]]
@@ -230,7 +242,8 @@ async def _proxy(broker: Host, req: pb.ReadRequest, res: Resolution, context: gr
     fwd.CopyFrom(req)
     fwd.header.CopyFrom(res.header)
     fwd.do_not_proxy = True
-    call = JournalStub(broker.channel(endpoint)).Read(fwd)  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
+    metadata = broker.authorizer.metadata(Capability.READ, name_selector(req.journal), claims.exp)
+    call = JournalStub(broker.channel(endpoint)).Read(fwd, metadata=metadata)  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
     try:
         async for resp in call:
             await context.write(resp)

@@ -5,6 +5,11 @@ watch batch it rebuilds the allocator State, creates Replicas for journals newly
 this broker, updates those whose spec or route changed, and closes those no longer assigned.
 Disagreements about topology are settled by etcd revision: a request carrying a later revision
 than ours first waits for the KeySpace to reach it.
+
+A request's verified claims (`tidings.auth`) are enforced here, so every path (Read, Append,
+ListFragments, proxied or not) hides alike: a journal whose labels (with its meta-labels `name` and
+`name:prefix`) the claims' selector does not match resolves exactly as a missing one does, status
+JOURNAL_NOT_FOUND and a header with no route (Gazette's resolver): nothing of it reaches the caller.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from tidings.allocator.state import State
 from tidings.broker.replica import Replica
 from tidings.keyspace import KeySpace
 from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.claims import Claims, covers
+from tidings.protocol.labels import journal_labels
 from tidings.protocol.route import routes_equivalent
 
 log = logging.getLogger(__name__)
@@ -60,7 +67,8 @@ def same_process(a: pb.ProcessId, b: pb.ProcessId) -> bool:
 
 
 class Resolver:
-    """Keeps `replicas` in step with this broker's assignments and resolves requests."""
+    """Keeps `replicas` in step with this broker's assignments and resolves requests; `hid(journal)` is
+    told of each journal a request's claims hid (the refusals' log)."""
 
     def __init__(
         self,
@@ -68,11 +76,16 @@ class Resolver:
         process_id: pb.ProcessId,
         new_replica: Callable[[str, pb.JournalSpec, int], Replica],
         pulse: Callable[[Replica], Coroutine[Any, Any, None]],
+        hid: Callable[[str], None] = lambda journal: None,
     ) -> None:
         self.keyspace = keyspace
         self.process_id = process_id
         self.new_replica = new_replica
         self.pulse = pulse
+        self.hid = hid
+        # Per journal, the last (spec, claims) checked and the answer: a writer sends one token (the
+        # verifier's cache gives the same Claims object), so its appends check by identity, not by labels.
+        self._covered: dict[str, tuple[pb.JournalSpec, Claims, bool]] = {}
         self.replicas: dict[str, Replica] = {}
         self.state = State.from_keyspace(keyspace)
         self._closing: dict[str, asyncio.Task[None]] = {}  # replicas closing, by journal
@@ -99,6 +112,8 @@ class Resolver:
                 log.info("journal %s: replica created", journal)
             elif item.spec != replica.spec or not routes_equivalent(old.route(journal), state.route(journal)):
                 replica.update(item.spec)
+        for journal in [j for j in self._covered if j not in state.items]:
+            del self._covered[journal]
         for journal in list(self.replicas):
             if journal not in mine or journal not in state.items:
                 replica = self.replicas.pop(journal)
@@ -121,19 +136,35 @@ class Resolver:
             etcd=pb.Header.Etcd(revision=self.keyspace.revision),
         )
 
-    async def resolve(self, journal: str, min_revision: int = 0) -> Resolution:
-        """Resolve `journal` once the KeySpace has reached `min_revision` (bounded wait)."""
+    async def resolve(self, journal: str, min_revision: int = 0, claims: Claims | None = None) -> Resolution:
+        """Resolve `journal` once the KeySpace has reached `min_revision` (bounded wait), as the holder of
+        `claims` may see it (None: the broker's own calls, which see everything)."""
         if min_revision > self.keyspace.revision:
             with contextlib.suppress(TimeoutError):
                 await self.keyspace.wait_for_revision(min_revision, timeout=READ_THROUGH_TIMEOUT)
         state = self.state
         item = state.items.get(journal)
+        if item is not None and claims is not None and not self.covers(claims, journal, item.spec):
+            self.hid(journal)
+            item = None  # (exactly as if it did not exist)
         if item is None:
             return Resolution(pb.JOURNAL_NOT_FOUND, self.header(pb.Route(primary=-1)))
         route = state.route(journal)
         status = pb.SUSPENDED if item.spec.suspend.level == pb.JournalSpec.Suspend.FULL else pb.OK
         assigned = tuple(state.assignments.get(journal, ()))
         return Resolution(status, self.header(route), item.spec, self.replicas.get(journal), assigned)
+
+    def covers(self, claims: Claims, journal: str, spec: pb.JournalSpec) -> bool:
+        """Whether `claims` reach the journal with `spec` (its labels and meta-labels)."""
+        sel = claims.sel
+        if not sel.include.labels and not sel.exclude.labels:
+            return True  # (no selector: everything; auth off, a broker's own calls, most tokens)
+        last = self._covered.get(journal)
+        if last is not None and last[0] is spec and last[1] is claims:
+            return last[2]
+        covered = covers(claims, journal_labels(journal, spec.labels))
+        self._covered[journal] = (spec, claims, covered)
+        return covered
 
     async def aclose(self) -> None:
         """Close every replica (their spools complete and go to the persister); ignore later updates."""

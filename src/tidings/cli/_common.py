@@ -21,6 +21,7 @@ from tidings.protocol.status import TidingsError
 if TYPE_CHECKING:  # (annotations only: the client imports grpc, which no command may at start: tests/cli)
     import threading
 
+    from tidings.auth import Authorizer, KeySet
     from tidings.client import AsyncClient
     from tidings.tls import TLS
 
@@ -164,12 +165,48 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def broker_client(broker: str, deadline: float = 0.0) -> AsyncClient:
-    """A client of `broker` (TLS as the command's --tls-* say): with a `deadline`, retrying transient
-    failures for that many seconds."""
+    """A client of `broker` (TLS and token as the command's --tls-* and --auth-token* say): with a
+    `deadline`, retrying transient failures for that many seconds."""
     from tidings.client import AsyncClient
 
-    tls = client_tls()
-    return AsyncClient(broker, retries=1_000_000 if deadline else 8, deadline=deadline, fail_fast=True, tls=tls)
+    tls, auth = client_tls(), client_auth()
+    retries = 1_000_000 if deadline else 8
+    return AsyncClient(broker, retries=retries, deadline=deadline, fail_fast=True, tls=tls, auth=auth)
+
+
+# Keys (servers: `broker`, `cluster up`; `auth token` signs with them). Secret: no default shown, never
+# echoed (errors name a key's index); the file or the variable keep them out of `ps`.
+AuthKeysOpt = Annotated[
+    str,
+    typer.Option(
+        "--auth-keys",
+        envvar="TIDINGS_AUTH_KEYS",
+        show_default=False,
+        help="Base64 keys, separated by commas or spaces; the first signs, any verifies (AA== also admits "
+        "requests without a token). Prefer the file or the variable: a command line is visible in `ps`.",
+    ),
+]
+
+AuthKeysFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--auth-keys-file",
+        envvar="TIDINGS_AUTH_KEYS_FILE",
+        show_default=False,
+        help="A file holding the keys (as --auth-keys), e.g. a systemd credential.",
+    ),
+]
+
+
+def auth_keys(keys: str, keys_file: Path | None) -> KeySet | None:
+    """The keys of --auth-keys or --auth-keys-file (None: neither, auth off); a mistake is a usage line
+    naming the flag and the key's index, never a key."""
+    from tidings.auth import KeySet
+
+    try:
+        return KeySet.from_sources(keys or None, keys_file)
+    except TidingsError as mistake:
+        usage(str(mistake))
 
 
 # --tls-cert/--tls-key/--tls-ca: every command that serves or dials has them (`secured`, applied to
@@ -184,22 +221,52 @@ _TLS_OPTIONS = {
 }  # fmt: skip
 
 
-def secured(command: Callable[..., T]) -> Callable[..., T]:
-    """`command` with the --tls-* options too (their values kept for `client_tls`/`server_tls`)."""
+# --auth-token/--auth-token-file: every command that dials brokers as a client has them (`secured`
+# with `token`); `client_auth` reads them. Secret: no default shown, never echoed.
+_TOKEN_FLAGS: dict[str, Any] = {}
+_TOKEN_OPTIONS: dict[str, Any] = {
+    "auth_token": Annotated[
+        str | None,
+        typer.Option(
+            "--auth-token",
+            envvar="TIDINGS_AUTH_TOKEN",
+            show_default=False,
+            help="A token for brokers holding keys (from `tidings auth token`). Prefer the file or the "
+            "variable: a command line is visible in `ps`.",
+        ),
+    ],
+    "auth_token_file": Annotated[
+        Path | None,
+        typer.Option(
+            "--auth-token-file",
+            envvar="TIDINGS_AUTH_TOKEN_FILE",
+            show_default=False,
+            help="A file holding the token (as --auth-token).",
+        ),
+    ],
+}
+
+
+def secured(command: Callable[..., T], token: bool = True) -> Callable[..., T]:
+    """`command` with the --tls-* options too (their values kept for `client_tls`/`server_tls`), and
+    with `token` (a client of brokers) --auth-token and --auth-token-file (for `client_auth`)."""
     import functools
     import inspect
 
     if getattr(command, "__tidings_secured__", False):
         return command
-    extra = {
+    tls = {
         name: Annotated[Path | None, typer.Option(flag, envvar=env, help=help, show_default=False)]
         for name, (flag, env, help) in _TLS_OPTIONS.items()
     }
+    extra = {**tls, **(_TOKEN_OPTIONS if token else {})}
 
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> T:
-        for name in extra:
+        for name in tls:
             _TLS_FLAGS[name] = kwargs.pop(name)
+        for name in _TOKEN_OPTIONS if token else ():
+            _TOKEN_FLAGS[name] = kwargs.pop(name)
         return command(*args, **kwargs)
 
     sig = inspect.signature(command, eval_str=True)
@@ -230,6 +297,32 @@ def client_tls() -> TLS | None:
 def server_tls(who: str) -> TLS | None:
     """The TLS a server command (`who`) serves and dials with (None: plaintext)."""
     return _tls(who, server=True)
+
+
+def client_auth() -> Authorizer | None:
+    """What authorizes a client command's calls: its --auth-token (or --auth-token-file) as a bearer
+    token, None without one; a mistake in the flags is a usage line (never showing the token)."""
+    from tidings.auth import BearerAuthorizer
+
+    token, path = _TOKEN_FLAGS.get("auth_token"), _TOKEN_FLAGS.get("auth_token_file")
+    if token and path:
+        usage("--auth-token and --auth-token-file are both given: give one")
+    if path:
+        try:
+            token = path.read_text(encoding="ascii")
+        except UnicodeDecodeError:
+            usage(f"--auth-token-file {path} is not text: give the file `tidings auth token` wrote")
+        except OSError as exc:
+            usage(f"--auth-token-file {path} cannot be read: {exc.strerror or exc}")
+        flag = f"--auth-token-file {path}"
+    else:
+        flag = "--auth-token (TIDINGS_AUTH_TOKEN)"
+    if not token and not path:
+        return None  # (an empty --auth-token, or TIDINGS_AUTH_TOKEN set empty: none)
+    try:
+        return BearerAuthorizer(token or "")
+    except TidingsError:
+        usage(f"{flag} is empty or has spaces: give what `tidings auth token` printed")
 
 
 def load_yaml(file: Path, what: str, doc: str) -> Any:

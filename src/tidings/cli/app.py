@@ -73,10 +73,14 @@ def application(only: str = "") -> typer.Typer:
 
 
 UNSECURED = frozenset({"demo", "auth"})  # (no peer to dial: the demo runs its own loopback cluster)
+# Servers (their callbacks): no --auth-token (brokers verify with --auth-keys; consumers and targets sign
+# their own calls once they hold keys, docs/design/production.md step 10).
+SERVERS = frozenset({"broker", "cluster_up", "consumer", "target_serve"})
 
 
 def _secure(root: typer.Typer) -> None:
-    """Every command that serves or dials takes --tls-cert/--tls-key/--tls-ca (`_common.secured`)."""
+    """Every command that serves or dials takes --tls-cert/--tls-key/--tls-ca, and every client of the
+    brokers --auth-token/--auth-token-file (`_common.secured`)."""
     from typer.main import get_command_name
 
     commands = list(root.registered_commands)
@@ -85,7 +89,7 @@ def _secure(root: typer.Typer) -> None:
             commands += g.typer_instance.registered_commands
     for c in commands:
         if c.callback is not None and (c.name or get_command_name(c.callback.__name__)) not in UNSECURED:
-            c.callback = secured(c.callback)
+            c.callback = secured(c.callback, token=c.callback.__name__ not in SERVERS)
 
 
 def _only(root: typer.Typer, name: str) -> typer.Typer:

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import re
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from tidings.cli._common import err, group, usage
+from tidings.cli._common import AuthKeysFileOpt, AuthKeysOpt, auth_keys, err, group, usage
 
 if TYPE_CHECKING:  # (a command imports what it runs, once it runs)
-    from tidings.auth import KeySet
     from tidings.protocol.claims import Claims
 
 app = group("Capability tokens: sign one for a client, make a key, inspect a token.")
@@ -25,34 +23,6 @@ app = group("Capability tokens: sign one for a client, make a key, inspect a tok
 
 def register(root: typer.Typer) -> None:
     root.add_typer(app, name="auth")
-
-
-AuthKeysOpt = Annotated[
-    str,
-    typer.Option(
-        "--auth-keys",
-        envvar="TIDINGS_AUTH_KEYS",
-        show_default=False,
-        help="Base64 keys, separated by commas or spaces; the first signs, any verifies. Prefer the file or "
-        "the variable: a command line is visible in `ps`.",
-    ),
-]
-
-AuthKeysFileOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--auth-keys-file",
-        envvar="TIDINGS_AUTH_KEYS_FILE",
-        show_default=False,
-        help="A file holding the keys (as --auth-keys), e.g. a systemd credential.",
-    ),
-]
-
-
-def _keys(auth_keys: str, auth_keys_file: Path | None) -> KeySet | None:
-    from tidings.auth import KeySet
-
-    return KeySet.from_sources(auth_keys or None, auth_keys_file)
 
 
 def _ttl_seconds(text: str) -> int:
@@ -86,8 +56,8 @@ def auth_token(
     ] = "",
     ttl: Annotated[str, typer.Option(help="How long it is valid, e.g. 10m, 1h, 30d.")] = "1h",
     subject: Annotated[str, typer.Option(help="Who holds it (shown in servers' logs), e.g. alice@ops.")] = "",
-    auth_keys: AuthKeysOpt = "",
-    auth_keys_file: AuthKeysFileOpt = None,
+    keys_value: AuthKeysOpt = "",
+    keys_file: AuthKeysFileOpt = None,
 ) -> None:
     """Sign a token with the first key and print it alone on stdout (for --auth-token / TIDINGS_AUTH_TOKEN)."""
     import time
@@ -100,7 +70,7 @@ def auth_token(
     sel = labels.parse_selector(selector)
     validate.selector(sel, "--selector")
     seconds = _ttl_seconds(ttl)
-    keys = _keys(auth_keys, auth_keys_file)
+    keys = auth_keys(keys_value, keys_file)
     if keys is None:
         usage("no keys to sign with: give --auth-keys-file or --auth-keys (TIDINGS_AUTH_KEYS_FILE, TIDINGS_AUTH_KEYS)")
     now = int(time.time())
@@ -126,8 +96,8 @@ def auth_inspect(
             help="The token ('-': read it from stdin); default: TIDINGS_AUTH_TOKEN.",
         ),
     ],
-    auth_keys: AuthKeysOpt = "",
-    auth_keys_file: AuthKeysFileOpt = None,
+    keys_value: AuthKeysOpt = "",
+    keys_file: AuthKeysFileOpt = None,
 ) -> None:
     """Print a token's header and claims as JSON, decoded; with keys, whether it verifies (exit code 1 if not)."""
     import json
@@ -152,7 +122,7 @@ def auth_inspect(
         report["malformed"] = str(exc)
     else:
         report.update(_readable(claims, now))
-    keys = _keys(auth_keys, auth_keys_file)
+    keys = auth_keys(keys_value, keys_file)
     reason = ""
     if keys is None:
         report["verified"] = None  # (no keys: the signature is not checked)

@@ -24,6 +24,7 @@ from tidings.cli._common import (
     broker_client,
     check_endpoint,
     check_log_level,
+    client_auth,
     client_tls,
     err,
     group,
@@ -158,6 +159,7 @@ def logplayer_run(
     declared = _load_targets(targets)
     state_path = state or Path("data/logplayer") / (wal_journal.replace("/", "_") + ".state")
     tls = client_tls()  # (the brokers' and the targets')
+    auth = client_auth()  # (the brokers' token: targets check none yet)
 
     async def go() -> None:
         from tidings.client import AsyncClient
@@ -168,9 +170,9 @@ def logplayer_run(
             server, at = serve_metrics(metrics, host, int(port), "logplayer")
             err.print(f"metrics on http://{at}/metrics", highlight=False)
         # (a wrong --broker or WAL fails here, within 30 s: a server process may start beside its brokers)
-        async with AsyncClient(broker, retries=1_000_000, deadline=30.0, tls=tls) as probe:
+        async with AsyncClient(broker, retries=1_000_000, deadline=30.0, tls=tls, auth=auth) as probe:
             await probe.write_head(wal_journal)
-        async with AsyncClient(broker, retries=None, tls=tls) as client:  # (then the player waits out broker outages)
+        async with AsyncClient(broker, retries=None, tls=tls, auth=auth) as client:  # (it waits out broker outages)
             player = LogPlayer(client, wal_journal, declared, state_path=state_path, max_batch=max_batch,
                                dummy_every=dummy_every, ack_timeout=ack_timeout,
                                checkpoint_every=checkpoint_every)  # fmt: skip

@@ -15,8 +15,11 @@ import typer
 from tidings.cli._common import (
     DEFAULT_BROKER,
     AdvertiseOpt,
+    AuthKeysFileOpt,
+    AuthKeysOpt,
     BrokerOpt,
     at_least,
+    auth_keys,
     broker_client,
     check_endpoint,
     check_log_level,
@@ -165,6 +168,8 @@ def broker(
     log_level: Annotated[
         str, typer.Option(envvar="TIDINGS_LOG_LEVEL", help="debug, info, warning or error.", callback=check_log_level)
     ] = "info",
+    keys: AuthKeysOpt = "",
+    keys_file: AuthKeysFileOpt = None,
 ) -> None:
     """Run one broker in the foreground. Prints `READY HOST:PORT` once it serves (then `METRICS HOST:PORT`
     if it serves /metrics); SIGTERM hands
@@ -179,6 +184,7 @@ def broker(
         advertised(listen, advertise, "tidings broker")
     except TidingsError as exc:
         usage(str(exc))
+    keyset = auth_keys(keys, keys_file)  # (with keys every RPC needs a token; without, none is checked)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tune_malloc()
     cfg = BrokerConfig(
@@ -200,6 +206,7 @@ def broker(
         lease_ttl=lease_ttl,
         exit_timeout=exit_timeout,
         tls=server_tls(f"tidings broker {zone}/{id}"),
+        auth_keys=keyset,
         default_store=default_store,
         persist_delay=persist_delay,
         prune_interval=prune_interval,
@@ -252,6 +259,8 @@ def cluster_up(
             help="The address etcd and the brokers announce (each broker's --advertise); default: --listen-host.",
         ),
     ] = "",
+    keys: AuthKeysOpt = "",
+    keys_file: AuthKeysFileOpt = None,
 ) -> None:
     """Private etcd + N brokers on one host (loopback unless --listen-host), in the foreground; Ctrl-C
     stops everything.
@@ -287,6 +296,9 @@ def cluster_up(
     tls = server_tls("tidings cluster up")  # (checked before anything starts; each broker serves with it)
     if tls is not None:
         lc.extra = [arg for flag, path in tls.paths.items() for arg in (flag, str(Path(path).resolve()))]
+    if auth_keys(keys, keys_file) is not None:  # (checked here: a mistake is one line, not N brokers' deaths)
+        text = keys or Path(keys_file or "").read_text(encoding="ascii")
+        lc.auth_keys = " ".join(text.split())  # (to the brokers' environment: never their command lines)
     stop = False
 
     def on_signal(*_: object) -> None:
@@ -306,6 +318,8 @@ def cluster_up(
         out.print(f"store    {lc.store_url}  (for journals without stores)")
         if tls is not None:
             out.print("tls      on: clients pass --tls-ca (and --tls-cert/--tls-key when the brokers require them)")
+        if lc.auth_keys:
+            out.print("auth     on: clients pass --auth-token (sign one with `tidings auth token` and these keys)")
         out.print("ready; Ctrl-C stops the cluster", style="bold")
         while not stop and all(b.alive() for b in lc.brokers):
             _pause(lambda: stop)

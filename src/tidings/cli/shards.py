@@ -19,6 +19,7 @@ from tidings.cli._common import (
     broker_client,
     check_endpoint,
     check_log_level,
+    client_auth,
     client_tls,
     edit_then_apply,
     editor,
@@ -73,7 +74,7 @@ def _shard_id(value: str) -> str:
 def _shard_client(consumer: str) -> ShardClient:
     from tidings.consumer.client import ShardClient
 
-    return ShardClient(consumer, tls=client_tls())
+    return ShardClient(consumer, tls=client_tls(), auth=client_auth())
 
 
 def consumer(

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import grpc
 
+from tidings.auth.authorizer import Authorizer, CallMetadata, NoAuthorizer
 from tidings.client._base import (
     CHUNK,
     DEFINITE_CODES,
@@ -36,6 +37,8 @@ from tidings.client._base import (
 )
 from tidings.fragment.fragment import Fragment
 from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.claims import Capability
+from tidings.protocol.labels import name_selector
 from tidings.protocol.protocol_pb2_grpc import JournalStub
 from tidings.protocol.status import (
     JournalNotFoundError,
@@ -75,6 +78,11 @@ class AsyncClient:
     * `zone` - the client's zone, for reads from a nearby replica.
     * `tls` - dial the brokers with TLS (`tidings.tls.load`: their CA, and a certificate if they
       require one); None: plaintext.
+    * `auth` - what authorizes each call to brokers holding keys (`tidings.auth`): a token
+      (`BearerAuthorizer`) or keys (`KeyedAuthorizer`, which signs each call's claims: `name=<journal>`
+      for an append, a read or a fragments listing, a List's selector, everything for an Apply); None:
+      no token. A refusal raises `UnauthenticatedError` or `NotAllowedError` (`PermissionDeniedError`),
+      never retried.
 
     Usage::
 
@@ -95,9 +103,12 @@ class AsyncClient:
         deadline: float = 0.0,
         fail_fast: bool = False,
         tls: TLS | None = None,
+        auth: Authorizer | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.tls = tls
+        self.auth: Authorizer = auth if auth is not None else NoAuthorizer()
+        self._selectors: dict[str, pb.LabelSelector] = {}  # `name=<journal>`, by journal: built once
         self.retry = RetryPolicy(attempts=retries, deadline=deadline)
         self.fail_fast = fail_fast  # give up at once on an address where no server ever answered
         self.routes = RouteCache(endpoint, zone)
@@ -139,6 +150,16 @@ class AsyncClient:
                 _registered_method=True,  # as the generated stub's methods are
             )
         return mc
+
+    def _metadata(self, cap: int, journal: str | None = None, selector: pb.LabelSelector | None = None) -> CallMetadata:
+        """The `authorization` metadata of a call needing `cap` over `journal` (or `selector`'s journals;
+        neither: all), Gazette's per-call claims. Cheap on the append path: the selector of a journal is
+        built once, and a keyed authorizer signs a token only when its cached one is half spent."""
+        if journal is not None:
+            selector = self._selectors.get(journal)
+            if selector is None:
+                selector = self._selectors[journal] = name_selector(journal)
+        return self.auth.metadata(cap, selector)
 
     def _pick(self, preferred: str) -> str:
         """`preferred`, unless it failed moments ago: then the configured broker or another known one."""
@@ -361,12 +382,13 @@ class AsyncClient:
                 failed.append(exc)
                 raise
 
+        metadata = self._metadata(Capability.APPEND, first.journal)
         if isinstance(content, bytes | bytearray | memoryview) and nbytes(content) <= CHUNK:
             whole = pb.AppendRequest(content=bytes(content), commit=True)  # the whole append, one message
             whole.MergeFrom(first)
-            call = self._append_whole(endpoint)(whole, timeout=timeout)
+            call = self._append_whole(endpoint)(whole, timeout=timeout, metadata=metadata)
         else:
-            call = self.stub(endpoint).Append(messages(), timeout=timeout)
+            call = self.stub(endpoint).Append(messages(), timeout=timeout, metadata=metadata)
         try:
             resp = await call
         except grpc.RpcError as exc:
@@ -435,7 +457,9 @@ class AsyncClient:
         fragment to read it from (`offset` beyond the one asked when the broker skips a gap retention
         left), or OFFSET_NOT_YET_AVAILABLE when nothing there can be read now; and the write head."""
         req = pb.ReadRequest(journal=journal, offset=offset, metadata_only=True)
-        resp: pb.ReadResponse = await self._unary(journal, lambda stub: first_response(stub.Read(req)))
+        resp: pb.ReadResponse = await self._unary(
+            journal, lambda stub: first_response(stub.Read(req, metadata=self._metadata(Capability.READ, journal)))
+        )
         if resp.status not in (pb.OK, pb.OFFSET_NOT_YET_AVAILABLE, pb.SUSPENDED):
             raise for_status(resp.status)(journal, header=resp.header)
         return resp
@@ -444,15 +468,16 @@ class AsyncClient:
 
     async def list(self, selector: pb.LabelSelector | None = None) -> pb.ListResponse:
         """Journals (specs, mod revisions and Routes) matching `selector` (all when None)."""
+        req = pb.ListRequest(selector=selector)
         resp: pb.ListResponse = await self._unary(
-            "", lambda stub: first_response(stub.List(pb.ListRequest(selector=selector)))
+            "", lambda stub: first_response(stub.List(req, metadata=self._metadata(Capability.LIST, selector=selector)))
         )
         self._learn_routes(resp)
         return resp
 
     async def describe(self, journal: str) -> pb.ListResponse.Journal | None:
         """The journal as List gives it (spec, mod revision, Route), or None if it does not exist."""
-        resp = await self.list(pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name="name", value=journal)])))
+        resp = await self.list(name_selector(journal))
         return next((j for j in resp.journals if j.spec.name == journal), None)
 
     async def spec(self, journal: str) -> pb.JournalSpec:
@@ -472,8 +497,11 @@ class AsyncClient:
         outage = Outage("watching the journal list")
         while True:
             endpoint = self._pick(self.endpoint)
+            req = pb.ListRequest(selector=selector, watch=True)
             try:
-                async for resp in self.stub(endpoint).List(pb.ListRequest(selector=selector, watch=True)):
+                async for resp in self.stub(endpoint).List(
+                    req, metadata=self._metadata(Capability.LIST, selector=selector)
+                ):
                     self._answered = True
                     attempt, failing_since = 0, 0.0
                     outage.ok()
@@ -491,7 +519,10 @@ class AsyncClient:
 
     async def apply(self, changes: builtins.list[pb.ApplyRequest.Change]) -> pb.ApplyResponse:
         """Create, update or delete journal specs atomically (each guarded by its expected mod revision)."""
-        resp: pb.ApplyResponse = await self._unary("", lambda stub: stub.Apply(pb.ApplyRequest(changes=changes)))
+        req = pb.ApplyRequest(changes=changes)
+        resp: pb.ApplyResponse = await self._unary(
+            "", lambda stub: stub.Apply(req, metadata=self._metadata(Capability.APPLY))
+        )
         if resp.status != pb.OK:
             raise for_status(resp.status)(", ".join(c.upsert.name or c.delete for c in changes))
         for warning in resp.warnings:  # (e.g. a created journal over an earlier one's fragments)
@@ -513,20 +544,24 @@ class AsyncClient:
 
     async def members(self) -> pb.MembersResponse:
         """The cluster's brokers (their member specs), with the journals each holds and leads."""
-        resp: pb.MembersResponse = await self._unary("", lambda stub: stub.ListMembers(pb.MembersRequest()))
+        resp: pb.MembersResponse = await self._unary(
+            "", lambda stub: stub.ListMembers(pb.MembersRequest(), metadata=self._metadata(Capability.LIST))
+        )
         return resp
 
     async def fragments(self, journal: str) -> pb.FragmentsResponse:
         """The journal's fragments: local spools and persisted files (with their store URLs)."""
+        req = pb.FragmentsRequest(journal=journal)
         resp: pb.FragmentsResponse = await self._unary(
-            journal, lambda stub: stub.ListFragments(pb.FragmentsRequest(journal=journal))
+            journal, lambda stub: stub.ListFragments(req, metadata=self._metadata(Capability.READ, journal))
         )
         if resp.status != pb.OK:
             raise for_status(resp.status)(journal, header=resp.header)
         return resp
 
     async def _unary(self, journal: str, call: Callable[[JournalStub], Any]) -> Any:
-        """One request/response exchange with any broker, retried while the failure is transient."""
+        """One request/response exchange with any broker, retried while the failure is transient (`call`
+        asks for its metadata at each attempt: a keyed authorizer's token stays current)."""
         attempt, failing_since = 0, 0.0
         outage = Outage(f"a request for journal {journal}" if journal else "a request to the brokers")
         while True:
@@ -585,7 +620,8 @@ class Appender:
         if self._call is not None:
             raise UsageError(f"appender of {self.journal!r} is already open")
         self._endpoint = self.client._append_endpoint(self.journal)
-        self._call = self.client.stub(self._endpoint).Append()
+        metadata = self.client._metadata(Capability.APPEND, self.journal)
+        self._call = self.client.stub(self._endpoint).Append(metadata=metadata)
         await self._send(self._first)
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
@@ -704,7 +740,7 @@ class Reader:
                 end_offset=self.end_offset,
                 metadata_only=self.direct,
             )
-            stream = client.stub(endpoint).Read(req)
+            stream = client.stub(endpoint).Read(req, metadata=client._metadata(Capability.READ, self.journal))
             fragment: Fragment | None = None
             suspended_before = suspended
             try:
@@ -773,7 +809,7 @@ class Reader:
                 log.warning("journal %s: reading fragment %s from its store failed (%s: %s); reading through "
                             "the broker", self.journal, fragment.content_name(), type(exc).__name__, exc)  # fmt: skip
         req = pb.ReadRequest(journal=self.journal, offset=self.offset, end_offset=until)
-        stream = self.client.stub(endpoint).Read(req)
+        stream = self.client.stub(endpoint).Read(req, metadata=self.client._metadata(Capability.READ, self.journal))
         try:
             async for resp in stream:
                 if resp.status != pb.OK:

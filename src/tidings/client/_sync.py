@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import uvloop
 
+from tidings.auth.authorizer import Authorizer
 from tidings.client._async import Appender, AsyncClient, Reader
 from tidings.client._base import AppendResult, Content, ReadChunk
 from tidings.protocol import protocol_pb2 as pb
@@ -84,11 +85,17 @@ class Client:
     """
 
     def __init__(
-        self, endpoint: str, retries: int | None = 20, *, zone: str | None = None, tls: TLS | None = None
+        self,
+        endpoint: str,
+        retries: int | None = 20,
+        *,
+        zone: str | None = None,
+        tls: TLS | None = None,
+        auth: Authorizer | None = None,
     ) -> None:
         self.endpoint = endpoint
         self._loop = LoopThread()
-        self.aio = AsyncClient(endpoint, retries, zone=zone, tls=tls)
+        self.aio = AsyncClient(endpoint, retries, zone=zone, tls=tls, auth=auth)
 
     def run(self, coro: Awaitable[T]) -> T:
         """Run a coroutine of `self.aio` (or anything else) on the client's loop and return its result."""

@@ -10,7 +10,9 @@ left under its root by an earlier run (killed before its brokers could revoke th
 etcd restored on restart), so brokers of the same ids start at once instead of waiting those
 leases out. A cluster on someone else's etcd (`etcd=`) touches nothing there. A child that fails
 to start raises ClusterError with one line: what the child last said, and where its log is.
-Brokers get SIGTERM if the launching thread dies, even by SIGKILL (`die_with_parent`).
+Brokers get SIGTERM if the launching thread dies, even by SIGKILL (`die_with_parent`). A cluster's
+`auth_keys` reach its brokers through their environment (TIDINGS_AUTH_KEYS), never their command line
+(which `ps` shows to every user).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from tidings.member.serving import WILDCARDS
 from tidings.protocol.status import UsageError
 
 DEFAULT_ROOT = "/tidings/cluster"
+_NOT_INHERITED = frozenset({"TIDINGS_ADVERTISE", "TIDINGS_AUTH_KEYS", "TIDINGS_AUTH_KEYS_FILE"})
 
 
 class BrokerProcess:
@@ -52,9 +55,12 @@ class BrokerProcess:
         listen_host: str = "127.0.0.1",
         advertise_host: str = "",
         wrap: tuple[str, ...] = (),
+        auth_keys: str = "",
     ) -> None:
-        """`wrap` runs the broker through another command (`ip netns exec NS`: a test's host)."""
+        """`wrap` runs the broker through another command (`ip netns exec NS`: a test's host); `auth_keys`
+        (--auth-keys' text) go to it in its environment."""
         self.zone, self.suffix, self.port = zone, suffix, port
+        self.auth_keys = auth_keys
         self.listen = endpoint_of(listen_host, port)
         self.endpoint = endpoint_of(advertise_host or listen_host, port)  # what it announces; clients dial it
         if advertise_host:
@@ -87,6 +93,11 @@ class BrokerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.data_dir / "broker.log", "ab")
         argv, preexec = die_with_parent(self.args)
+        # (each broker announces what it was told, and holds the cluster's keys: a TIDINGS_ADVERTISE or
+        # TIDINGS_AUTH_KEYS* of the caller's is no broker's)
+        env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
+        if self.auth_keys:
+            env["TIDINGS_AUTH_KEYS"] = self.auth_keys
         self.proc = subprocess.Popen(
             argv,
             stdout=subprocess.PIPE,
@@ -94,8 +105,7 @@ class BrokerProcess:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=preexec,
-            # (each broker announces what it was told: a TIDINGS_ADVERTISE of the caller's is no broker's)
-            env={k: v for k, v in os.environ.items() if k != "TIDINGS_ADVERTISE"},
+            env=env,
         )
         log.close()
         assert self.proc.stdout is not None
@@ -149,7 +159,8 @@ class LocalCluster:
 
     Everything listens on `listen_host` (127.0.0.1; `::1`, or a routable address to reach the cluster
     from other hosts); a wildcard one (0.0.0.0, ::) needs `advertise_host`, the address etcd and each
-    broker announce (each broker's `--advertise`)."""
+    broker announce (each broker's `--advertise`). With `auth_keys` (--auth-keys' text) every broker
+    verifies tokens with them."""
 
     def __init__(
         self,
@@ -162,7 +173,9 @@ class LocalCluster:
         metrics_port: int = 0,
         listen_host: str = "127.0.0.1",
         advertise_host: str = "",
+        auth_keys: str = "",
     ) -> None:
+        self.auth_keys = auth_keys
         if listen_host.strip("[]") in WILDCARDS and not advertise_host:
             raise UsageError(
                 f"a cluster listening on {listen_host} would announce addresses nobody can dial: "
@@ -200,6 +213,7 @@ class LocalCluster:
             self.root,
             self.listen_host,
             self.advertise_host,
+            auth_keys=self.auth_keys,
         )
 
     def start(self) -> LocalCluster:

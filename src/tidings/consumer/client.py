@@ -3,7 +3,8 @@
 `stat` goes to the shard's primary: asked of another process, it follows the route that one
 answers with. Transient failures (a process restarting, no primary yet) are retried with backoff
 for `deadline` seconds; definite refusals raise the StatusError naming the status. `get_hints` is
-answered by any process (from etcd).
+answered by any process (from etcd). With `auth`, each call carries Gazette's claims for it: READ of
+the shard (`id=<shard>`) for Stat and GetHints, LIST of the selector, APPLY (of each shard unassigned).
 """
 
 from __future__ import annotations
@@ -15,9 +16,18 @@ from typing import Any
 
 import grpc
 
+from tidings.auth.authorizer import Authorizer, CallMetadata, NoAuthorizer
+from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
-from tidings.protocol.status import TransportError, map_grpc_error, raise_for_status
+from tidings.protocol.claims import Capability
+from tidings.protocol.status import (
+    PermissionDeniedError,
+    TransportError,
+    UnauthenticatedError,
+    map_grpc_error,
+    raise_for_status,
+)
 from tidings.tls import TLS
 from tidings.tls import channel as tls_channel
 
@@ -30,10 +40,13 @@ STAT_MARGIN = 1.0  # seconds a Stat answers before the caller's deadline (with w
 class ShardClient:
     """The Shard service of the consumer at `endpoint` (HOST:PORT)."""
 
-    def __init__(self, endpoint: str, deadline: float = 30.0, tls: TLS | None = None) -> None:
+    def __init__(
+        self, endpoint: str, deadline: float = 30.0, tls: TLS | None = None, auth: Authorizer | None = None
+    ) -> None:
         self.endpoint = endpoint
         self.deadline = deadline
         self.tls = tls
+        self.auth: Authorizer = auth if auth is not None else NoAuthorizer()
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _stub(self, endpoint: str | None = None) -> pb_grpc.ShardStub:
@@ -54,14 +67,28 @@ class ShardClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    def _metadata(self, method: str, request: Any) -> CallMetadata:
+        """The call's authorization: Gazette's claims per Shard RPC (consumer/protocol/auth.go)."""
+        if method in ("Stat", "GetHints"):
+            return self.auth.metadata(Capability.READ, labels.name_selector(request.shard, "id"))
+        if method == "List":
+            return self.auth.metadata(Capability.LIST, request.selector)
+        if method == "Unassign":
+            ids = labels.label_set([("id", shard) for shard in request.shards])
+            return self.auth.metadata(Capability.APPLY, pb.LabelSelector(include=ids))
+        return self.auth.metadata(Capability.APPLY)
+
     async def _call(self, method: str, request: Any, endpoint: str | None = None, timeout: float | None = 30.0) -> Any:
         try:
-            return await getattr(self._stub(endpoint), method)(request, timeout=timeout)
+            metadata = self._metadata(method, request)
+            return await getattr(self._stub(endpoint), method)(request, timeout=timeout, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             retriable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
             where = endpoint or self.endpoint
             err = map_grpc_error(exc, where, role="consumer")
+            if isinstance(err, UnauthenticatedError | PermissionDeniedError):
+                raise err from None  # (a refusal of the token: its one line, definite)
             if err.unreachable or code == grpc.StatusCode.UNIMPLEMENTED or "Failed parsing HTTP/2" in str(err):
                 err.retriable = retriable and err.unreachable  # (nobody there, or not a consumer: it says which)
                 raise err from None

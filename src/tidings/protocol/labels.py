@@ -72,6 +72,12 @@ def journal_labels(name: str, labels: pb.LabelSet) -> pb.LabelSet:
     return union(labels, label_set({"name": name}))
 
 
+def name_selector(value: str, meta: str = "name") -> pb.LabelSelector:
+    """The selector of one item by its meta-label: the journal `name=<value>` (what a call touching one
+    journal claims, and what `describe` lists), a shard `id=<value>`."""
+    return pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name=meta, value=value)]))
+
+
 def registers_match(selector: pb.LabelSelector | None, registers: pb.LabelSet) -> bool:
     """Gazette's check_registers: an empty register set matches any selector."""
     if not registers.labels:

@@ -6,6 +6,9 @@
     ├── StatusError            a non-OK Status from a broker; one subclass per Status
     │     (.status, .journal, .retriable, .refresh_route; found with for_status())
     ├── TransportError         a gRPC failure (unavailable, deadline, ...); map_grpc_error()
+    │     ├── UnauthenticatedError   no valid token (gRPC UNAUTHENTICATED)
+    │     └── PermissionDeniedError  a token that does not allow the call (gRPC PERMISSION_DENIED;
+    │                                also a NotAllowedError, the Status NOT_ALLOWED's, with its reason)
     ├── ValidationError        a malformed message or spec, with a dotted context
     └── UsageError             misuse of an API (also a RuntimeError)
 
@@ -113,6 +116,14 @@ def _define(status: int) -> type[StatusError]:
     return cls
 
 
+class NotAllowedError(StatusError):
+    """Status NOT_ALLOWED: the journal's flags forbid the operation; or (a `PermissionDeniedError`) the
+    caller's token does not allow it, `reason` saying why."""
+
+    status = pb.NOT_ALLOWED
+    reason = ""
+
+
 JournalNotFoundError = _define(pb.JOURNAL_NOT_FOUND)
 NoJournalPrimaryBrokerError = _define(pb.NO_JOURNAL_PRIMARY_BROKER)
 NotJournalPrimaryBrokerError = _define(pb.NOT_JOURNAL_PRIMARY_BROKER)
@@ -122,7 +133,7 @@ OffsetNotYetAvailableError = _define(pb.OFFSET_NOT_YET_AVAILABLE)
 WrongRouteError = _define(pb.WRONG_ROUTE)
 ProposalMismatchError = _define(pb.PROPOSAL_MISMATCH)
 EtcdTransactionFailedError = _define(pb.ETCD_TRANSACTION_FAILED)
-NotAllowedError = _define(pb.NOT_ALLOWED)
+_BY_STATUS[pb.NOT_ALLOWED] = NotAllowedError  # (a class of its own: a token refusal's has a reason)
 WrongAppendOffsetError = _define(pb.WRONG_APPEND_OFFSET)
 IndexHasGreaterOffsetError = _define(pb.INDEX_HAS_GREATER_OFFSET)
 RegisterMismatchError = _define(pb.REGISTER_MISMATCH)
@@ -158,6 +169,21 @@ class TransportError(TidingsError):
         self.code = code
         self.retriable = retriable
         self.unreachable = unreachable  # no server answered at all (refused, unresolved, not gRPC)
+
+
+class UnauthenticatedError(TransportError):
+    """gRPC UNAUTHENTICATED: the server holds keys and the call carried no token it accepts (none, expired,
+    signed with another key, malformed). Definite: the same token is refused again."""
+
+
+class PermissionDeniedError(NotAllowedError, TransportError):
+    """gRPC PERMISSION_DENIED: a valid token that does not allow the call (it lacks the capability, or an
+    Apply reaches outside its selector). Definite. A NotAllowedError (what a refusal is, to a caller that
+    catches Statuses) and a TransportError (the call failed with a gRPC code, to one that catches those)."""
+
+    def __init__(self, message: str, reason: str, code: grpc.StatusCode | None = None) -> None:
+        TransportError.__init__(self, message, code)  # (one line: the code, the server, the reason; no next step)
+        self.journal, self.detail, self.header, self.reason = "", reason, None, reason
 
 
 _RETRIABLE_CODES = frozenset({"UNAVAILABLE", "CANCELLED", "ABORTED"})  # grpc.StatusCode names
@@ -220,6 +246,10 @@ def map_grpc_error(err: grpc.RpcError, target: str = "", role: str = "broker") -
     elif "Failed parsing HTTP/2" in details:
         hint = f"{target or 'it'} does not speak gRPC (a web or /metrics port?): give a tidings server's HOST:PORT"
     msg = f"{name}{where}: {details}" + (f"; {hint}" if hint else "")
+    if name == "UNAUTHENTICATED":  # (a refusal by the server's keys: its reason says what to do)
+        return UnauthenticatedError(msg, code)
+    if name == "PERMISSION_DENIED":  # (one line: NOT_ALLOWED from HOST:PORT: token lacks the APPEND capability ...)
+        return PermissionDeniedError(f"{status_name(pb.NOT_ALLOWED)}{where}: {details}", details, code)
     unreachable = name == "UNAVAILABLE" and details.startswith(_UNREACHABLE)
     return TransportError(msg, code, retriable=name in _RETRIABLE_CODES, unreachable=unreachable)
 
