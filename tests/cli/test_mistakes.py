@@ -98,6 +98,30 @@ MISTAKES = [
         id="cluster-foreign-host",
     ),
     pytest.param(
+        ("broker", "--etcd", "127.0.0.1:2379", "--etcd-user", "tidings"),
+        {},
+        "--etcd-user tidings needs its password: set TIDINGS_ETCD_PASSWORD or give --etcd-password-file",
+        id="etcd-user-no-password",
+    ),
+    pytest.param(
+        ("consumer", "--app", "examples.wordcount:WordCount", "--etcd", "127.0.0.1:2379"),
+        {"TIDINGS_ETCD_PASSWORD": "hunter2"},
+        "an etcd password is given but no --etcd-user",
+        id="etcd-password-no-user",
+    ),
+    pytest.param(
+        ("broker", "--etcd", "127.0.0.1:2379", "--etcd-user", "u", "--etcd-password-file", "/nonexistent/pw"),
+        {},
+        "cannot read --etcd-password-file /nonexistent/pw",
+        id="etcd-password-file",
+    ),
+    pytest.param(
+        ("broker", "--etcd", "127.0.0.1:2379", "--etcd-tls-cert", "{tmp}/three.yaml"),
+        {},
+        "--etcd-tls-cert without --etcd-tls-key: give both",
+        id="etcd-tls-cert-alone",
+    ),
+    pytest.param(
         ("broker", "--etcd", "127.0.0.1:2379", "--tls-cert", "{tmp}/three.yaml"),
         {},
         "--tls-cert without --tls-key: give both",

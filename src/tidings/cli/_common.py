@@ -56,15 +56,17 @@ def plural(n: int, noun: str) -> str:
 
 
 def check_endpoint(
-    flag: str, optional: bool = False, also: tuple[str, ...] = (), any_port: bool = False
+    flag: str, optional: bool = False, also: tuple[str, ...] = (), any_port: bool = False, schemes: bool = False
 ) -> Callable[[str], str]:
-    """A flag's check that its value is HOST:PORT ('' too when `optional`, or one of `also`), before
-    anything connects (`localhost` alone went to port 443, `foo:bar` to a resolver error)."""
+    """A flag's check that its value is HOST:PORT ('' too when `optional`, or one of `also`; with
+    `schemes`, http:// or https:// before it too), before anything connects (`localhost` alone went to
+    port 443, `foo:bar` to a resolver error)."""
 
     def check(value: str) -> str:
         if (optional and value == "") or value in also:
             return value
-        host, colon, port = value.rpartition(":")
+        bare = value.removeprefix("https://").removeprefix("http://").rstrip("/") if schemes else value
+        host, colon, port = bare.rpartition(":")
         least = 0 if any_port else 1  # (port 0: any free one, printed once serving)
         if not colon or not host or not (port.isascii() and port.isdigit()) or not least <= int(port) < 65536:
             forms = ["HOST:PORT", *(repr(w) for w in (*also, *([""] if optional else [])))]
@@ -247,9 +249,29 @@ _TOKEN_OPTIONS: dict[str, Any] = {
 }
 
 
+# --etcd-tls-ca/-cert/-key, --etcd-user, --etcd-password-file: every command with --etcd has them
+# (`secured`); `etcd_security` reads them. The password only from a file or TIDINGS_ETCD_PASSWORD.
+_ETCD_FLAGS: dict[str, Any] = {}
+_ETCD_OPTIONS: dict[str, Any] = {
+    name: Annotated[typ, typer.Option(flag, envvar=env, help=help, show_default=False)]
+    for name, typ, flag, env, help in (
+        ("etcd_tls_ca", Path | None, "--etcd-tls-ca", "TIDINGS_ETCD_TLS_CA", "CA bundle (PEM) verifying etcd: "
+         "etcd over TLS (any --etcd-tls-* turns it on)."),
+        ("etcd_tls_cert", Path | None, "--etcd-tls-cert", "TIDINGS_ETCD_TLS_CERT", "A client certificate for "
+         "etcd's --client-cert-auth (PEM)."),
+        ("etcd_tls_key", Path | None, "--etcd-tls-key", "TIDINGS_ETCD_TLS_KEY", "The private key of --etcd-tls-cert."),
+        ("etcd_user", str | None, "--etcd-user", "TIDINGS_ETCD_USER", "An etcd user (its password from "
+         "TIDINGS_ETCD_PASSWORD or --etcd-password-file)."),
+        ("etcd_password_file", Path | None, "--etcd-password-file", "TIDINGS_ETCD_PASSWORD_FILE", "A file holding "
+         "the etcd user's password."),
+    )
+}  # fmt: skip
+
+
 def secured(command: Callable[..., T], token: bool = True) -> Callable[..., T]:
-    """`command` with the --tls-* options too (their values kept for `client_tls`/`server_tls`), and
-    with `token` (a client of brokers) --auth-token and --auth-token-file (for `client_auth`)."""
+    """`command` with the --tls-* options too (their values kept for `client_tls`/`server_tls`), with
+    `token` (a client of brokers) --auth-token and --auth-token-file (for `client_auth`), and when it
+    takes --etcd, etcd's TLS and user (for `etcd_security`)."""
     import functools
     import inspect
 
@@ -259,7 +281,9 @@ def secured(command: Callable[..., T], token: bool = True) -> Callable[..., T]:
         name: Annotated[Path | None, typer.Option(flag, envvar=env, help=help, show_default=False)]
         for name, (flag, env, help) in _TLS_OPTIONS.items()
     }
-    extra = {**tls, **(_TOKEN_OPTIONS if token else {})}
+    sig = inspect.signature(command, eval_str=True)
+    etcd = _ETCD_OPTIONS if "etcd" in sig.parameters else {}
+    extra = {**tls, **(_TOKEN_OPTIONS if token else {}), **etcd}
 
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> T:
@@ -267,9 +291,10 @@ def secured(command: Callable[..., T], token: bool = True) -> Callable[..., T]:
             _TLS_FLAGS[name] = kwargs.pop(name)
         for name in _TOKEN_OPTIONS if token else ():
             _TOKEN_FLAGS[name] = kwargs.pop(name)
+        for name in etcd:
+            _ETCD_FLAGS[name] = kwargs.pop(name)
         return command(*args, **kwargs)
 
-    sig = inspect.signature(command, eval_str=True)
     params = [*sig.parameters.values()]
     params += [
         inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=a) for n, a in extra.items()
@@ -287,6 +312,31 @@ def _tls(who: str, server: bool) -> TLS | None:
         return load(_TLS_FLAGS.get("tls_cert"), _TLS_FLAGS.get("tls_key"), _TLS_FLAGS.get("tls_ca"), who, server)
     except TidingsError as mistake:
         usage(str(mistake))
+
+
+def etcd_security(who: str) -> dict[str, Any]:
+    """`Etcd.connect`'s tls, user and password from a server command's --etcd-* flags (one usage line
+    for a mistake: a half certificate pair, an unreadable file, a password without a user)."""
+    from tidings.tls import load
+
+    flags = _ETCD_FLAGS
+    try:
+        tls = load(flags.get("etcd_tls_cert"), flags.get("etcd_tls_key"), flags.get("etcd_tls_ca"), who, False)
+    except TidingsError as mistake:
+        usage(str(mistake).replace("--tls-", "--etcd-tls-"))
+    user = flags.get("etcd_user") or ""
+    path = flags.get("etcd_password_file")
+    password = os.environ.get("TIDINGS_ETCD_PASSWORD", "")
+    if path is not None:
+        try:
+            password = Path(path).read_text().rstrip("\n")
+        except OSError as err:
+            usage(f"{who}: cannot read --etcd-password-file {path} ({err.strerror or err})")
+    if password and not user:
+        usage(f"{who}: an etcd password is given but no --etcd-user (TIDINGS_ETCD_USER): give the user too")
+    if user and not password:
+        usage(f"{who}: --etcd-user {user} needs its password: set TIDINGS_ETCD_PASSWORD or give --etcd-password-file")
+    return {"etcd_tls": tls, "etcd_user": user, "etcd_password": password}
 
 
 def client_tls() -> TLS | None:

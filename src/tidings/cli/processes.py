@@ -24,6 +24,7 @@ from tidings.cli._common import (
     check_endpoint,
     check_log_level,
     err,
+    etcd_security,
     group,
     out,
     run_async,
@@ -56,7 +57,9 @@ def broker(
     etcd: Annotated[
         str,
         typer.Option(
-            envvar="TIDINGS_ETCD", help="etcd endpoint HOST:PORT.", callback=check_endpoint("--etcd (TIDINGS_ETCD)")
+            envvar="TIDINGS_ETCD",
+            help="etcd endpoint HOST:PORT (https://HOST:PORT: over TLS).",
+            callback=check_endpoint("--etcd (TIDINGS_ETCD)", schemes=True),
         ),
     ],
     zone: Annotated[
@@ -206,6 +209,7 @@ def broker(
         lease_ttl=lease_ttl,
         exit_timeout=exit_timeout,
         tls=server_tls(f"tidings broker {zone}/{id}"),
+        **etcd_security(f"tidings broker {zone}/{id}"),
         auth_keys=keyset,
         default_store=default_store,
         persist_delay=persist_delay,
@@ -293,9 +297,7 @@ def cluster_up(
             if not port_free(at, lc.listen_host):  # (TIME-WAIT left by a cluster just stopped is no conflict)
                 usage(f"{flag} {first}: {endpoint_of(lc.listen_host, at)} is taken or not this host's address: "
                       f"give another {flag} or --listen-host (the brokers use {brokers} ports from it)")  # fmt: skip
-    tls = server_tls("tidings cluster up")  # (checked before anything starts; each broker serves with it)
-    if tls is not None:
-        lc.extra = [arg for flag, path in tls.paths.items() for arg in (flag, str(Path(path).resolve()))]
+    lc.tls = server_tls("tidings cluster up")  # (checked before anything starts; brokers and etcd serve with it)
     if auth_keys(keys, keys_file) is not None:  # (checked here: a mistake is one line, not N brokers' deaths)
         text = keys or Path(keys_file or "").read_text(encoding="ascii")
         lc.auth_keys = " ".join(text.split())  # (to the brokers' environment: never their command lines)
@@ -316,8 +318,8 @@ def cluster_up(
             metrics_at = f"  metrics=http://{b.metrics_endpoint}/metrics" if b.metrics_endpoint else ""
             out.print(f"broker   {b.endpoint}  zone={b.zone} id={b.suffix}{metrics_at}", highlight=False)
         out.print(f"store    {lc.store_url}  (for journals without stores)")
-        if tls is not None:
-            out.print("tls      on: clients pass --tls-ca (and --tls-cert/--tls-key when the brokers require them)")
+        if lc.tls is not None:
+            out.print("tls      on, brokers and etcd: clients pass --tls-ca (--tls-cert/--tls-key if they want them)")
         if lc.auth_keys:
             out.print("auth     on: clients pass --auth-token (sign one with `tidings auth token` and these keys)")
         out.print("ready; Ctrl-C stops the cluster", style="bold")

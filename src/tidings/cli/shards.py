@@ -23,6 +23,7 @@ from tidings.cli._common import (
     client_tls,
     edit_then_apply,
     editor,
+    etcd_security,
     group,
     load_yaml,
     out,
@@ -83,7 +84,12 @@ def consumer(
         typer.Option("--app", envvar="TIDINGS_APP", help="The application: module:factory (called with no arguments)."),
     ],
     etcd: Annotated[
-        str, typer.Option(envvar="TIDINGS_ETCD", help="etcd endpoint HOST:PORT.", callback=check_endpoint("--etcd"))
+        str,
+        typer.Option(
+            envvar="TIDINGS_ETCD",
+            help="etcd endpoint HOST:PORT (https://HOST:PORT: over TLS).",
+            callback=check_endpoint("--etcd", schemes=True),
+        ),
     ],
     broker: BrokerOpt = DEFAULT_BROKER,
     zone: Annotated[str, typer.Option(envvar="TIDINGS_ZONE", help="Failure zone.")] = "local",
@@ -124,6 +130,8 @@ def consumer(
     from tidings.member.serving import advertised
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    who = f"tidings consumer {zone}/{id}"
+    tls, etcd_access = server_tls(who), etcd_security(who)  # (the flags' mistakes first: before the app loads)
     try:
         advertised(listen, advertise, "tidings consumer")  # (an address nobody could dial: one line, first)
         application = load_app(app_ref)
@@ -143,7 +151,8 @@ def consumer(
         lease_ttl=lease_ttl,
         metrics_listen=metrics or None,
         exit_timeout=exit_timeout,
-        tls=server_tls(f"tidings consumer {zone}/{id}"),
+        tls=tls,
+        **etcd_access,
     )
 
     serve_until_signalled(Consumer(cfg).start, f"consumer {zone}/{id}", exit_timeout)

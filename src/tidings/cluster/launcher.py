@@ -35,6 +35,7 @@ from tidings.cluster.etcd import ClusterError, EtcdProcess, die_with_parent, end
 from tidings.keyspace.etcd import Etcd
 from tidings.member.serving import WILDCARDS
 from tidings.protocol.status import UsageError
+from tidings.tls import TLS
 
 DEFAULT_ROOT = "/tidings/cluster"
 _NOT_INHERITED = frozenset({"TIDINGS_ADVERTISE", "TIDINGS_AUTH_KEYS", "TIDINGS_AUTH_KEYS_FILE"})
@@ -160,7 +161,8 @@ class LocalCluster:
     Everything listens on `listen_host` (127.0.0.1; `::1`, or a routable address to reach the cluster
     from other hosts); a wildcard one (0.0.0.0, ::) needs `advertise_host`, the address etcd and each
     broker announce (each broker's `--advertise`). With `auth_keys` (--auth-keys' text) every broker
-    verifies tokens with them."""
+    verifies tokens with them. With `tls` (a certificate, its key, a CA) the brokers serve mutual TLS
+    and the cluster's own etcd serves TLS only, requiring client certificates (the same ones)."""
 
     def __init__(
         self,
@@ -174,8 +176,9 @@ class LocalCluster:
         listen_host: str = "127.0.0.1",
         advertise_host: str = "",
         auth_keys: str = "",
+        tls: TLS | None = None,
     ) -> None:
-        self.auth_keys = auth_keys
+        self.auth_keys, self.tls = auth_keys, tls
         if listen_host.strip("[]") in WILDCARDS and not advertise_host:
             raise UsageError(
                 f"a cluster listening on {listen_host} would announce addresses nobody can dial: "
@@ -201,6 +204,11 @@ class LocalCluster:
         zone = f"zone-{chr(ord('a') + i % self.zones)}"
         assert self.etcd_endpoint is not None
         extra = ["--default-store", self.store_url, *self.extra]  # journals without stores persist here
+        if self.tls is not None:
+            paths = {flag: str(Path(p).resolve()) for flag, p in self.tls.paths.items()}
+            extra += [arg for flag, path in paths.items() for arg in (flag, path)]
+            if self.etcd_proc is not None:  # (its own etcd: TLS too, the same certificate as a client's)
+                extra += [arg for flag, path in paths.items() for arg in (flag.replace("--tls", "--etcd-tls"), path)]
         if self.metrics_port:
             extra = ["--metrics", endpoint_of(self.listen_host, self.metrics_port + i), *extra]
         return BrokerProcess(
@@ -220,10 +228,10 @@ class LocalCluster:
         try:
             if self.etcd_endpoint is None:
                 self.etcd_proc = EtcdProcess(
-                    self.data_dir / "etcd", host=self.listen_host, advertise_host=self.advertise_host
+                    self.data_dir / "etcd", host=self.listen_host, advertise_host=self.advertise_host, tls=self.tls
                 ).start()
                 self.etcd_endpoint = self.etcd_proc.endpoint
-                self.cleared = _run_async(_clear_members(self.etcd_endpoint, self.root))
+                self.cleared = _run_async(_clear_members(self.etcd_endpoint, self.root, self.tls))
             (self.data_dir / "fragments").mkdir(parents=True, exist_ok=True)
             for i in range(self.n):
                 self.brokers.append(self.broker(i).start())
@@ -267,13 +275,13 @@ class LocalCluster:
 _T = TypeVar("_T")
 
 
-async def _clear_members(endpoint: str, root: str) -> int:
+async def _clear_members(endpoint: str, root: str, tls: TLS | None = None) -> int:
     """Revoke the leases of every member key under ``root`` and delete the keys; their number.
 
     Only for an etcd this cluster owns and before its brokers start: any member there is stale.
     """
     prefix = members_prefix(root)
-    etcd = await Etcd.connect(endpoint)
+    etcd = await Etcd.connect(endpoint, tls=tls)
     try:
         kvs, _ = await etcd.get_prefix(prefix)
         for lease in {kv.lease for kv in kvs if kv.lease}:
