@@ -182,6 +182,10 @@ class Verifier:
         self._refusals.note(rpc, _peer(context), sub, exc.code, exc.reason)
         await _abort(context, exc)
 
+    def note_refusal(self, rpc: str, peer: str, exc: AuthError) -> None:
+        """A refusal made outside gRPC (the replication port's HELLO), logged and counted as `verify`'s."""
+        self._refusals.note(rpc, peer, exc.sub, exc.code, exc.reason)
+
     def hid(self, what: str, answered: str) -> None:
         """`what` ("journal shop/b") lies outside the verified token's selector and was answered as missing
         (`answered`: JOURNAL_NOT_FOUND): logged (naming it: the operator may see it, the caller never
@@ -204,6 +208,9 @@ class NoVerifier:
 
     async def refuse(self, context: ServicerContext, exc: AuthError, rpc: str = "") -> NoReturn:
         await _abort(context, exc)  # (nothing is refused without keys: no claims fall short of ALL)
+
+    def note_refusal(self, rpc: str, peer: str, exc: AuthError) -> None:
+        pass
 
     def hid(self, what: str, answered: str) -> None:
         pass  # (nothing is hidden: an empty selector matches everything)

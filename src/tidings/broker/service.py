@@ -124,10 +124,13 @@ class Broker(MemberProcess):
 
     async def _serve_more(self, undo: contextlib.AsyncExitStack, host: str) -> None:
         cfg = self.config
-        self.dialer = Dialer(cfg.tls)
+        self.dialer = Dialer(cfg.tls, self.authorizer)
         undo.push_async_callback(self.dialer.aclose)
         self.replication = ReplicationServer(
-            functools.partial(serve_replicate, self), f"{cfg.zone}/{cfg.suffix}", tls=cfg.tls
+            functools.partial(serve_replicate, self),
+            f"{cfg.zone}/{cfg.suffix}",
+            tls=cfg.tls,
+            verifier=self.verifier if isinstance(self.verifier, Verifier) else None,
         )
         listen = cfg.replication_listen or f"{host}:0"
         try:

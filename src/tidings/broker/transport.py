@@ -35,7 +35,11 @@ before every peer answered its sync proposal (`append_fsm.py`).
 
 **HELLO.** The primary's HELLO names the broker it means to reach ("zone/suffix"); another broker
 (a stale endpoint: the peer moved, someone else took its port) answers HELLO then refuses with its
-reason (an END on stream 0), so a stream never lands on the wrong replica. With TLS (a broker's
+reason (an END on stream 0), so a stream never lands on the wrong replica. A broker with keys
+(--auth-keys) also requires a token with the REPLICATE capability in the HELLO (brokers sign their
+own, scoped to all journals: Gazette scopes each pipeline to its journal, we authorize the
+connection; it lives as long as the keys it was verified with, which change only by a restart) and
+refuses any other with UNAUTHENTICATED or PERMISSION_DENIED before a stream is served. With TLS (a broker's
 --tls-*), connections are TLS sockets driven by `transport_tls.py`, mutual when a CA is given.
 """
 
@@ -54,8 +58,10 @@ from typing import Any, Protocol, cast
 import grpc
 from google.protobuf.message import DecodeError
 
+from tidings.auth import AuthError, Authorizer, Verifier
 from tidings.broker import transport_tls
 from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.claims import Capability
 from tidings.tls import TLS
 
 log = logging.getLogger(__name__)
@@ -63,6 +69,7 @@ log = logging.getLogger(__name__)
 HEADER = struct.Struct("!IIB")  # payload length, stream id, kind
 MAX_FRAME = 65 * 1024 * 1024  # a ReplicateRequest carries at most one client message (64 MiB) and a proposal
 HELLO_PAYLOAD = b"tidings-replicate/1"
+HELLO_MAX = 8 * 1024 + 256  # a HELLO's payload at most: the version, the broker meant, a token (at most 8 KiB)
 KEEPALIVE_INTERVAL = 2.0  # seconds between the primary's pings
 KEEPALIVE_TIMEOUT = 10.0  # seconds of silence after which a connection is dropped
 IDLE_CLOSE = 60.0  # seconds a primary keeps a connection without streams
@@ -72,6 +79,7 @@ WRITE_HIGH = 4 * 1024 * 1024  # socket buffer bytes at which drain() waits
 CONNECT_TIMEOUT = 5.0
 
 HELLO, REQUEST, RESPONSE, CLOSE_SEND, END, RESET, PING, PONG = range(8)
+_REPLICATE = int(Capability.REPLICATE)
 _END_STATUS = struct.Struct("!B")
 
 
@@ -187,7 +195,7 @@ class _Connection(asyncio.Protocol):
         pos, size = 0, len(buf)
         while size - pos >= HEADER.size and self.closed is None:
             length, sid, kind = HEADER.unpack_from(buf, pos)
-            if not self._hello and (kind != HELLO or length > 256):
+            if not self._hello and (kind != HELLO or length > HELLO_MAX):
                 self.close("it did not open with a tidings replication HELLO (another service's port?)")
                 return
             if length > MAX_FRAME:
@@ -248,10 +256,10 @@ class _Connection(asyncio.Protocol):
         if self.closed is not None:
             raise StreamError(f"{self.name}: {self.closed}")
 
-    def refuse(self, why: str) -> None:
+    def refuse(self, why: str, code: grpc.StatusCode = grpc.StatusCode.FAILED_PRECONDITION) -> None:
         """Tell the other side why (an END on stream 0), then close once that is sent."""
         if self.closed is None and self.transport is not None:
-            self.write(0, END, _end_payload(grpc.StatusCode.FAILED_PRECONDITION, why))
+            self.write(0, END, _end_payload(code, why))
         self.close(why, flush=True)
 
     def close(self, why: str, flush: bool = False) -> None:
@@ -324,10 +332,13 @@ class _Inbox:
 class _PrimaryConnection(_Connection):
     """A connection to a peer's replication port, opened by our `Dialer`."""
 
-    def __init__(self, endpoint: str, member: str, forget: Callable[[_PrimaryConnection], None]) -> None:
+    def __init__(
+        self, endpoint: str, member: str, forget: Callable[[_PrimaryConnection], None], token: str = ""
+    ) -> None:
         super().__init__(f"replication to {member or '?'} at {endpoint}")
         self.endpoint = endpoint
         self.member = member
+        self._token = token
         self.streams: dict[int, MuxReplicaStream] = {}
         self._next_sid = 1
         self._forget = forget
@@ -335,7 +346,8 @@ class _PrimaryConnection(_Connection):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self.write(0, HELLO, HELLO_PAYLOAD + b" " + self.member.encode() if self.member else HELLO_PAYLOAD)
+        said = [HELLO_PAYLOAD, (self.member or "-").encode()] if self.member or self._token else [HELLO_PAYLOAD]
+        self.write(0, HELLO, b" ".join([*said, *([self._token.encode()] if self._token else [])]))
 
     def attach(self, stream: MuxReplicaStream) -> int:
         sid = self._next_sid
@@ -490,8 +502,9 @@ class Dialer:
     """The primary's connections to its peers: one per peer, dialed on first use (with `tls`: over TLS,
     verifying each peer's certificate for the host dialled; `transport_tls.py`)."""
 
-    def __init__(self, tls: TLS | None = None) -> None:
+    def __init__(self, tls: TLS | None = None, authorizer: Authorizer | None = None) -> None:
         self._tls = transport_tls.contexts(tls)[1] if tls is not None else None
+        self._authorizer = authorizer  # (signs the HELLO's REPLICATE token: peers with keys require one)
         self._conns: dict[tuple[str, str], _PrimaryConnection] = {}
         self._dialing: dict[tuple[str, str], asyncio.Task[_PrimaryConnection]] = {}
 
@@ -523,7 +536,7 @@ class Dialer:
     async def _dial(self, endpoint: str, member: str) -> _PrimaryConnection:
         try:
             host, port = _split(endpoint)
-            made = functools.partial(_PrimaryConnection, endpoint, member, self._forget)
+            made = functools.partial(_PrimaryConnection, endpoint, member, self._forget, self._token())
             if self._tls is not None:
                 conn = cast(_PrimaryConnection, await transport_tls.dial(host, port, self._tls, made, CONNECT_TIMEOUT))
             else:
@@ -535,6 +548,13 @@ class Dialer:
             raise StreamError(f"{endpoint}: {exc or type(exc).__name__}") from None
         self._conns[(endpoint, member)] = conn
         return conn
+
+    def _token(self) -> str:
+        """A REPLICATE token for a new connection's HELLO ("" without keys)."""
+        if self._authorizer is None:
+            return ""
+        header = dict(self._authorizer.metadata(Capability.REPLICATE)).get("authorization", "")
+        return header.removeprefix("Bearer ")
 
     def _forget(self, conn: _PrimaryConnection) -> None:
         if self._conns.get((conn.endpoint, conn.member)) is conn:
@@ -562,14 +582,32 @@ class _PeerConnection(_Connection):
         self._max_sid = 0
         self.inbound = 0  # bytes delivered to streams and not yet consumed
         self._reading = True
+        self.quiet = False  # (its closing is logged elsewhere)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self.name = f"replication from {transport.get_extra_info('peername')}"
         self._server.connections.add(self)
 
-    def hello(self, target: str) -> None:
+    def hello(self, said: str) -> None:
+        """The primary's HELLO: "[BROKER|- [TOKEN]]". Refused: a token without REPLICATE (when this broker
+        has keys), or a HELLO meant for another broker."""
+        target, _, token = said.partition(" ")
+        target = "" if target == "-" else target
         identity = self._server.identity
+        verifier = self._server.verifier
+        if verifier is not None:
+            try:
+                verifier.verify_metadata((("authorization", f"Bearer {token}"),) if token else (), _REPLICATE)
+            except AuthError as exc:
+                if exc.reason.startswith("no token"):  # (a broker's peer: not a client's flag to name)
+                    exc = AuthError(exc.code, "no token: this broker has --auth-keys; give the primary's the same")
+                self.write(0, HELLO, HELLO_PAYLOAD)  # a tidings peer, which refuses
+                peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+                verifier.note_refusal("Replicate", f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "", exc)
+                self.quiet = True  # (logged by the verifier, at most once per peer and reason every 10 s)
+                self.refuse(exc.reason, grpc.StatusCode[exc.code])
+                return
         if target and identity and target != identity:
             self.write(0, HELLO, HELLO_PAYLOAD)  # a tidings peer, which refuses
             self.refuse(f"it was meant for broker {target}, but this is {identity} (a stale endpoint?)")
@@ -625,7 +663,7 @@ class _PeerConnection(_Connection):
 
     def lost(self, why: str) -> None:
         self._server.connections.discard(self)
-        if not why.startswith(("connection", "the broker is stopping")):
+        if not self.quiet and not why.startswith(("connection", "the broker is stopping")):
             log.warning("%s: %s; closed it", self.name, why)
         for stream in list(self.streams.values()):
             stream._reset(why)
@@ -700,9 +738,12 @@ class _MuxPeerStream(_Inbox):
 class ReplicationServer:
     """A broker's replication port: accepts primaries' connections and serves their streams."""
 
-    def __init__(self, handler: Handler, identity: str = "", tls: TLS | None = None) -> None:
+    def __init__(
+        self, handler: Handler, identity: str = "", tls: TLS | None = None, verifier: Verifier | None = None
+    ) -> None:
         self.handler = handler
         self.identity = identity  # "zone/suffix": a primary that means another broker is refused
+        self.verifier = verifier  # (a broker with keys: a HELLO must carry a REPLICATE token)
         self.connections: set[_PeerConnection] = set()
         self.endpoint = ""
         self._server: asyncio.Server | None = None
