@@ -7,7 +7,6 @@ with no acknowledged append lost."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,53 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cluster import FAST_BROKER_FLAGS
+from tests.support.hosts import Hosts
 from tests.support.netns import Net
 from tests.support.waiting import wait_until
 from tidings.client import AsyncClient
-from tidings.cluster import BrokerProcess, EtcdProcess
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.specs import spec_from_dict
 from tidings.protocol.status import TidingsError
-
-
-class Hosts:
-    """etcd on host `etcd`, broker i on host `b<i>`: each listening on 0.0.0.0, announcing its own IP."""
-
-    def __init__(self, net: Net, data: Path) -> None:
-        self.net, self.data = net, data
-        self.store = f"file://{data / 'fragments'}/"
-        self.etcd = EtcdProcess(data / "etcd", client_port=2379, peer_port=2380, host="0.0.0.0",
-                                advertise_host=net.host("etcd").ip, wrap=net.hosts["etcd"].wrap)  # fmt: skip
-        self.brokers: list[BrokerProcess] = []
-
-    def start(self, n: int) -> Hosts:
-        self.etcd.start()
-        (self.data / "fragments").mkdir(parents=True, exist_ok=True)
-        for i in range(n):
-            h = self.net.host(f"b{i}")
-            extra = [*FAST_BROKER_FLAGS, "--default-store", self.store]
-            b = BrokerProcess(self.etcd.endpoint, f"zone-{'abc'[i % 3]}", f"broker-{i}", 8080, self.data / h.name,
-                              extra, "/tidings/hosts", "0.0.0.0", h.ip, h.wrap)  # fmt: skip
-            self.brokers.append(b.start())
-        return self
-
-    @property
-    def endpoints(self) -> list[str]:
-        return [b.endpoint for b in self.brokers if b.alive()]
-
-    def stop(self) -> None:
-        """SIGTERM to every broker at once (each one alone would hand its journals to the others), then etcd."""
-        for b in self.brokers:
-            if b.alive():
-                b.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
-        for b in self.brokers:
-            try:
-                if b.proc is not None:
-                    b.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                b.kill()
-        self.etcd.stop()
 
 
 @pytest.fixture

@@ -1,0 +1,95 @@
+"""A tidings cluster on separate hosts (network namespaces, tests/support/netns.py): etcd on host
+`etcd`, broker i on host `b<i>`, each listening on a wildcard and announcing its host's address
+(IPv4, or IPv6 with `ipv6`). With `certs`, every process serves mutual TLS with a certificate for its
+own host (etcd too, requiring client certificates; brokers reach it with theirs); with `auth_keys`,
+brokers verify tokens. The test process, on the bridge, is a client from "another host"."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from pathlib import Path
+
+from tests.support.certs import Certs
+from tests.support.cluster import FAST_BROKER_FLAGS
+from tests.support.netns import Host, Net
+from tidings.auth import KeyedAuthorizer, KeySet
+from tidings.client import AsyncClient
+from tidings.cluster import BrokerProcess, EtcdProcess
+from tidings.cluster.etcd import endpoint_of
+from tidings.tls import TLS, load
+
+ROOT = "/tidings/hosts"
+
+
+class Hosts:
+    def __init__(
+        self, net: Net, data: Path, certs: Certs | None = None, auth_keys: str = "", ipv6: bool = False
+    ) -> None:
+        self.net, self.data, self.certs, self.auth_keys, self.ipv6 = net, data, certs, auth_keys, ipv6
+        self.store = f"file://{data / 'fragments'}/"
+        etcd_host = net.host("etcd")
+        self.etcd = EtcdProcess(data / "etcd", client_port=2379, peer_port=2380, host="::" if ipv6 else "0.0.0.0",
+                                advertise_host=self.address(etcd_host), wrap=etcd_host.wrap,
+                                tls=self.tls(etcd_host, server=True))  # fmt: skip
+        self.brokers: list[BrokerProcess] = []
+
+    def address(self, host: Host) -> str:
+        return host.ip6 if self.ipv6 else host.ip
+
+    def tls(self, host: Host | None, server: bool = False) -> TLS | None:
+        """The TLS of a process on `host` (None: the test's own client, on the bridge)."""
+        if self.certs is None:
+            return None
+        name = host.name if host is not None else "client"
+        cert, key = self.certs.issue(
+            f"{name}-{'6' if self.ipv6 else '4'}", *([self.address(host)] if host else ["client"])
+        )
+        return load(cert, key, self.certs.ca_file, name, server)
+
+    def start(self, n: int) -> Hosts:
+        self.etcd.start()
+        (self.data / "fragments").mkdir(parents=True, exist_ok=True)
+        for _ in range(n):
+            self.add_broker()
+        return self
+
+    def add_broker(self) -> BrokerProcess:
+        i = len(self.brokers)
+        h = self.net.host(f"b{i}")
+        extra = [*FAST_BROKER_FLAGS, "--default-store", self.store]
+        tls = self.tls(h, server=True)
+        if tls is not None:
+            for flag, path in tls.paths.items():
+                extra += [flag, path, flag.replace("--tls", "--etcd-tls"), path]
+        b = BrokerProcess(self.etcd.endpoint, f"zone-{'abc'[i % 3]}", f"broker-{i}", 8080, self.data / h.name, extra,
+                          ROOT, "::" if self.ipv6 else "0.0.0.0", self.address(h), h.wrap,
+                          auth_keys=self.auth_keys)  # fmt: skip
+        self.brokers.append(b.start())
+        return b
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [b.endpoint for b in self.brokers if b.alive()]
+
+    def client(self, endpoint: str | None = None, **kw: object) -> AsyncClient:
+        """A client on the test's host: TLS with a certificate of its own, signing with the cluster's keys."""
+        auth = KeyedAuthorizer(KeySet.parse(self.auth_keys), sub="tests") if self.auth_keys else None
+        return AsyncClient(endpoint or self.endpoints[0], tls=self.tls(None), auth=auth, **kw)  # type: ignore[arg-type]
+
+    @property
+    def etcd_endpoint(self) -> str:
+        return endpoint_of(self.address(self.net.hosts["etcd"]), 2379)
+
+    def stop(self) -> None:
+        """SIGTERM to every broker at once (each one alone would hand its journals to the others), then etcd."""
+        for b in self.brokers:
+            if b.alive():
+                b.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        for b in self.brokers:
+            try:
+                if b.proc is not None:
+                    b.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                b.kill()
+        self.etcd.stop()
