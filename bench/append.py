@@ -18,9 +18,9 @@ CPU per append of the server process (`server_cpu_us`, /proc utime+stime) and of
 
 With `--tls` the cluster's measurements run twice in one run, on a plaintext cluster and then on one
 serving mutual TLS (gRPC and the replication port; a CA and certificates made for the run with
-trustme), and the last lines give what TLS costs against the issue's budgets: `tls_overhead_pct` of
-the R=3 pipelined 64 KiB MB/s (at most 15%) and `tls_extra_median_us` of the R=3 sequential 1 KiB
-median (at most 100 us).
+trustme) whose brokers verify capability tokens, and the last lines give what TLS + tokens cost
+against the issue's budgets: `tls_overhead_pct` of the R=3 pipelined 64 KiB MB/s (at most 15%) and
+`tls_extra_median_us` of the R=3 sequential 1 KiB median (at most 100 us).
 """
 
 from __future__ import annotations
@@ -37,16 +37,18 @@ import time
 from _common import cpu_seconds, create_journal, emit, primary_endpoint, rss_kib, run
 from _floor import floor_server
 
+from tidings.auth import KeyedAuthorizer, KeySet, generate_key
 from tidings.client import AsyncClient
 from tidings.cluster import LocalCluster
 from tidings.tls import TLS, load
 
 KiB, MiB, MB = 1024, 1024 * 1024, 1_000_000
 CLIENT_TLS: TLS | None = None  # the run's client TLS (--tls, the second pass)
+CLIENT_AUTH: KeyedAuthorizer | None = None  # and its tokens, signed with the brokers' keys
 
 
 def client(endpoint: str) -> AsyncClient:
-    return AsyncClient(endpoint, tls=CLIENT_TLS)
+    return AsyncClient(endpoint, tls=CLIENT_TLS, auth=CLIENT_AUTH)
 
 
 async def sequential_loop(c: AsyncClient, name: str, body: bytes, count: int) -> list[float]:
@@ -274,11 +276,14 @@ def table(recs: list[dict]) -> None:
 
 
 async def cluster_runs(args, tls_files: dict[str, str] | None) -> list[dict]:
-    """The cluster's measurements, on a plaintext cluster or (`tls_files`) one serving mutual TLS."""
-    global CLIENT_TLS
+    """The cluster's measurements, on a plaintext cluster or (`tls_files`) one serving mutual TLS whose
+    brokers verify tokens (a client signing its own, as a long-running service does)."""
+    global CLIENT_TLS, CLIENT_AUTH
     recs: list[dict] = []
+    keys = generate_key() if tls_files else ""
+    CLIENT_AUTH = KeyedAuthorizer(KeySet.parse(keys), sub="bench") if keys else None
     with tempfile.TemporaryDirectory(prefix="tidings-bench-") as tmp:
-        lc = LocalCluster(brokers=3, zones=3, data_dir=tmp)
+        lc = LocalCluster(brokers=3, zones=3, data_dir=tmp, auth_keys=keys)
         lc.extra = ["--log-level", "warning"]
         if tls_files is not None:
             lc.extra += [arg for flag, path in tls_files.items() for arg in (flag, path)]
