@@ -11,10 +11,6 @@
   than root, with `tidings` as its entry point.
 - docs/deploy.md: every flag it gives a `tidings` command, and every TIDINGS_* variable it names, is
   one the command line has.
-
-A few flags and variables are added by docs/design/production.md's steps 8-10 on other branches
-while this is written (PENDING): where one is still missing, its check is an expected failure saying
-so; once it lands, the same check passes (or fails) as any other.
 """
 
 from __future__ import annotations
@@ -49,13 +45,6 @@ UNITS = {
     ),
 }  # fmt: skip
 SHARED = "tidings.env"  # (/etc/tidings/tidings.env: every unit reads it first)
-
-PENDING_FLAGS = {"--auth-keys", "--auth-keys-file", "--auth-token", "--auth-token-file", "--etcd-tls-ca",
-                 "--etcd-tls-cert", "--etcd-tls-key", "--etcd-user", "--etcd-password-file"}  # fmt: skip
-PENDING_VARS = {"TIDINGS_AUTH_KEYS", "TIDINGS_AUTH_KEYS_FILE", "TIDINGS_AUTH_TOKEN", "TIDINGS_AUTH_TOKEN_FILE",
-                "TIDINGS_ETCD_TLS_CA", "TIDINGS_ETCD_TLS_CERT", "TIDINGS_ETCD_TLS_KEY", "TIDINGS_ETCD_USER",
-                "TIDINGS_ETCD_PASSWORD"}  # fmt: skip
-PENDING = "added by docs/design/production.md steps 8-10 (authorization, etcd TLS and users) on other branches"
 
 SECRETS = {"TIDINGS_AUTH_KEYS", "TIDINGS_AUTH_TOKEN", "TIDINGS_ETCD_PASSWORD"}
 
@@ -108,12 +97,6 @@ def all_commands() -> list[tuple[str, ...]]:
 
     walk(get_command(application()), ())
     return found
-
-
-def pending(what: str, names: set[str]) -> None:
-    """An expected failure when `what` is one the other branches add; else nothing (the caller fails)."""
-    if what in names:
-        pytest.xfail(f"{what}: {PENDING}")
 
 
 # --- the units ---
@@ -245,7 +228,6 @@ def _exec_flags() -> list[Any]:
 def test_the_units_execstart_flag_is_one_its_command_has(unit: str, flag: str) -> None:
     path = UNITS[unit][1]
     if flag not in flags(path):
-        pending(flag, PENDING_FLAGS)
         pytest.fail(f"{unit}: `tidings {' '.join(path)}` has no {flag}")
     argv = exec_start(unit)
     value = argv[argv.index(flag) + 1]
@@ -294,7 +276,6 @@ def _section_vars() -> list[Any]:
 def test_each_example_variable_is_one_a_command_reading_it_takes(section: str, var: str) -> None:
     readers = section_commands(section)
     if not any(accepts(path, var) for path in readers):
-        pending(var, PENDING_VARS)
         pytest.fail(f"{section}: {var} is read by none of {[' '.join(p) for p in readers]}")
 
 
@@ -406,12 +387,10 @@ def test_each_flag_the_guide_gives_a_command_is_one_it_has(path: tuple[str, ...]
         assert flag in {o for p in get_command(application()).params for o in p.opts} | {"--help"}, flag
         return
     if flag not in flags(path):
-        pending(flag, PENDING_FLAGS)
         pytest.fail(f"docs/deploy.md: `tidings {' '.join(path)}` has no {flag}")
 
 
 @pytest.mark.parametrize("var", sorted(set(re.findall(r"\bTIDINGS_[A-Z0-9_]*[A-Z0-9](?![\w*])", GUIDE.read_text()))))
 def test_each_variable_the_guide_names_is_one_a_command_takes(var: str) -> None:
     if not any(accepts(path, var) for path in all_commands()):
-        pending(var, PENDING_VARS)
         pytest.fail(f"docs/deploy.md names {var}, which no tidings command takes")

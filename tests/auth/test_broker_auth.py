@@ -19,13 +19,15 @@ from typing import Any
 
 import grpc
 import pytest
-from prometheus_client import REGISTRY
 
 import tidings.auth.jwt as jwt_module
 import tidings.auth.verifier as verifier_module
+from tests.support.auth import KEY, methods, outcome, refusals, unrevisioned
+from tests.support.auth import bearer as _bearer
+from tests.support.auth import token as _token
 from tests.support.cluster import TestCluster
 from tests.support.waiting import wait_until
-from tidings.auth import BearerAuthorizer, KeyedAuthorizer, KeySet, NoAuthorizer, sign
+from tidings.auth import BearerAuthorizer, KeyedAuthorizer, KeySet, NoAuthorizer
 from tidings.broker.service import Broker
 from tidings.client import AsyncClient
 from tidings.protocol import labels
@@ -41,7 +43,7 @@ from tidings.protocol.status import (
     UnauthenticatedError,
 )
 
-KEY, OTHER, THIRD = bytes(range(32)), b"o" * 32, b"t" * 32
+OTHER, THIRD = b"o" * 32, b"t" * 32
 KEYS = KeySet((KEY,))
 A, B = "auth/a", "auth/b"  # labelled app=a and app=b
 
@@ -54,11 +56,6 @@ NEEDS = {
     "ListFragments": Capability.READ,
     "ListMembers": Capability.LIST,
 }
-
-
-def _token(cap: int, sel: str = "", *, key: bytes = KEY, ttl: int = 3600, sub: str = "tester") -> str:
-    now = int(time.time())
-    return sign(Claims(cap=cap, sel=labels.parse_selector(sel), iat=now, exp=now + ttl, sub=sub), key)
 
 
 class _Header:
@@ -79,10 +76,6 @@ def _alg_none() -> str:
 
     now = int(time.time())
     return f"{part({'alg': 'none', 'typ': 'JWT'})}.{part({'cap': 0xFFFFFFFF, 'iat': now, 'exp': now + 60})}."
-
-
-def _bearer(token: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {token}"),)
 
 
 async def _cluster(brokers: Any, keys: KeySet = KEYS) -> TestCluster:
@@ -121,45 +114,17 @@ def _primary(tc: TestCluster, journal: str) -> tuple[Broker, Broker]:
 # -- every RPC checks its capability ----------------------------------------------------------------------
 
 
-def _multicallable(ch: grpc.aio.Channel, method: Any) -> Any:
-    request, response = getattr(pb, method.input_type.name), getattr(pb, method.output_type.name)
-    kind = {
-        (False, False): ch.unary_unary,
-        (False, True): ch.unary_stream,
-        (True, False): ch.stream_unary,
-        (True, True): ch.stream_stream,
-    }[(method.client_streaming, method.server_streaming)]
-    path = f"/{method.containing_service.full_name}/{method.name}"
-    return kind(path, request_serializer=request.SerializeToString, response_deserializer=response.FromString)
-
-
-async def _outcome(ch: grpc.aio.Channel, method: Any, metadata: tuple[tuple[str, str], ...]) -> grpc.StatusCode:
-    """The code an empty request of `method` ends with."""
-    request = getattr(pb, method.input_type.name)()
-    call = _multicallable(ch, method)(iter([request]) if method.client_streaming else request, metadata=metadata)
-    try:
-        if method.server_streaming:
-            async for _ in call:
-                call.cancel()
-                break
-        else:
-            await call
-    except grpc.aio.AioRpcError as exc:
-        return exc.code()
-    return grpc.StatusCode.OK
-
-
 async def test_every_journal_rpc_checks_its_capability_first(tc: TestCluster) -> None:
     """A walk of the Journal service: each RPC without a token is UNAUTHENTICATED, with a token lacking its
     capability PERMISSION_DENIED, and with a token of exactly its capability gets past the check."""
-    methods = list(pb.DESCRIPTOR.services_by_name["Journal"].methods)
-    assert sorted(m.name for m in methods) == sorted(NEEDS), "a Journal RPC without its capability in NEEDS"
+    journal = methods("Journal")
+    assert sorted(m.name for m in journal) == sorted(NEEDS), "a Journal RPC without its capability in NEEDS"
     async with grpc.aio.insecure_channel(tc.brokers[0].endpoint) as ch:
-        for m in methods:
-            assert await _outcome(ch, m, ()) == grpc.StatusCode.UNAUTHENTICATED, m.name
+        for m in journal:
+            assert await outcome(ch, m, ()) == grpc.StatusCode.UNAUTHENTICATED, m.name
             lacking = _bearer(_token(Capability.ALL & ~NEEDS[m.name]))
-            assert await _outcome(ch, m, lacking) == grpc.StatusCode.PERMISSION_DENIED, m.name
-            exact = await _outcome(ch, m, _bearer(_token(NEEDS[m.name])))
+            assert await outcome(ch, m, lacking) == grpc.StatusCode.PERMISSION_DENIED, m.name
+            exact = await outcome(ch, m, _bearer(_token(NEEDS[m.name])))
             assert exact not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED), m.name
 
 
@@ -206,14 +171,6 @@ async def test_a_read_token_cannot_append(tc: TestCluster) -> None:
 # -- a journal outside the selector is missing --------------------------------------------------------------
 
 
-def _unrevisioned(resp: Any) -> Any:
-    """`resp` without its header's etcd revision (the KeySpace may move on between two calls)."""
-    out = type(resp)()
-    out.CopyFrom(resp)
-    out.header.etcd.revision = 0
-    return out
-
-
 async def test_a_journal_outside_the_selector_answers_exactly_as_a_missing_one(tc: TestCluster) -> None:
     """Through each broker (the one holding `auth/b` too): Append, Read and ListFragments of `auth/b` with a
     token for app=a give the very response a journal that does not exist gives; List leaves it out, and
@@ -239,7 +196,7 @@ async def test_a_journal_outside_the_selector_answers_exactly_as_a_missing_one(t
             for call in (append, read, fragments):
                 hidden, missing = await call(B), await call("auth/missing")
                 assert hidden.status == pb.JOURNAL_NOT_FOUND, (broker.who, call.__name__)
-                assert _unrevisioned(hidden) == _unrevisioned(missing), (broker.who, call.__name__)
+                assert unrevisioned(hidden) == unrevisioned(missing), (broker.who, call.__name__)
             assert (await append(A)).status == pb.OK  # (its own journal, on the same broker)
     assert await _head(tc, B) == before
     async with _client(tc, BearerAuthorizer(token)) as c:
@@ -307,7 +264,7 @@ async def test_apply_cannot_reach_outside_the_selector(tc: TestCluster) -> None:
                 pb.ApplyRequest(changes=[pb.ApplyRequest.Change(delete="auth/missing", expect_mod_revision=expect)]),
                 metadata=md,
             )
-            assert _unrevisioned(hidden) == _unrevisioned(missing)
+            assert unrevisioned(hidden) == unrevisioned(missing)
             assert hidden.status == (pb.ETCD_TRANSACTION_FAILED if expect else pb.OK)
         assert await _specs(tc) == before  # (nothing written)
         mine = _spec(A, "a", tc)
@@ -428,15 +385,11 @@ async def test_an_append_streaming_past_its_token_expiry_is_rolled_back(tc: Test
 # -- the operator's view -------------------------------------------------------------------------------------
 
 
-def _refusals(code: str) -> float:
-    return REGISTRY.get_sample_value("tidings_auth_refusals_total", {"service": "journal", "code": code}) or 0.0
-
-
 async def test_refusals_are_logged_once_per_peer_and_reason_and_all_counted(
     tc: TestCluster, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="tidings.auth.verifier")
-    unauthenticated, hidden = _refusals("UNAUTHENTICATED"), _refusals("JOURNAL_NOT_FOUND")
+    unauthenticated, hidden = refusals("journal", "UNAUTHENTICATED"), refusals("journal", "JOURNAL_NOT_FOUND")
     bad = _token(Capability.ALL, key=OTHER, sub="mallory")
     for _ in range(3):
         async with _client(tc, BearerAuthorizer(bad)) as c:
@@ -445,7 +398,7 @@ async def test_refusals_are_logged_once_per_peer_and_reason_and_all_counted(
     lines = [r.getMessage() for r in caplog.records if r.name == "tidings.auth.verifier"]
     assert len(lines) == 1 and lines[0].startswith("refused Append from 127.0.0.1:"), lines
     assert "token signature does not verify" in lines[0] and bad not in lines[0] and bad not in caplog.text
-    assert _refusals("UNAUTHENTICATED") == unauthenticated + 3
+    assert refusals("journal", "UNAUTHENTICATED") == unauthenticated + 3
     caplog.clear()
     token = _token(Capability.APPEND, "app=a", sub="alice@ops")
     async with _client(tc, BearerAuthorizer(token)) as c:
@@ -454,4 +407,4 @@ async def test_refusals_are_logged_once_per_peer_and_reason_and_all_counted(
     lines = [r.getMessage() for r in caplog.records if r.name == "tidings.auth.verifier"]
     assert len(lines) == 1 and "refused Append from 127.0.0.1:" in lines[0], lines
     assert f"(sub alice@ops): journal {B} outside the token's selector" in lines[0] and token not in caplog.text
-    assert _refusals("JOURNAL_NOT_FOUND") == hidden + 1
+    assert refusals("journal", "JOURNAL_NOT_FOUND") == hidden + 1

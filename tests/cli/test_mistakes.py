@@ -18,7 +18,9 @@ SPECS = {
     "three.yaml": 'name: a/b\nreplication: "three"\n',
     "twice.yaml": "journals:\n  - name: a/b\n    replication: 1\n  - name: a/b\n    replication: 2\n",
     "broken.yaml": "name: a/b\nreplication: [1\n",
+    "targets.yaml": "targets:\n  - id: t0\n    endpoint: 127.0.0.1:1\n",
 }
+KEY = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8="  # (32 bytes: a good key)
 
 MISTAKES = [
     pytest.param(("cluster", "up", "--zones", "0"), {}, "--zones is 0", id="zones-0"),
@@ -168,6 +170,48 @@ MISTAKES = [
         {"TIDINGS_AUTH_TOKEN_FILE": "/nonexistent/token"},
         "--auth-token-file /nonexistent/token cannot be read",
         id="token-file-missing",
+    ),
+    pytest.param(  # (the keys are checked before the application is loaded: `nosuch` is never imported)
+        ("consumer", "--app", "nosuch:App", "--etcd", "127.0.0.1:2379", "--auth-keys", "c2hvcnRrZXk="),
+        {},
+        "--auth-keys (TIDINGS_AUTH_KEYS): key at index 0 is 8 bytes",
+        id="consumer-auth-keys-short",
+    ),
+    pytest.param(
+        ("consumer", "--app", "nosuch:App", "--etcd", "127.0.0.1:2379", "--auth-keys-file", "{tmp}/three.yaml"),
+        {"TIDINGS_AUTH_KEYS": KEY},
+        "--auth-keys and --auth-keys-file are both given: give one",
+        id="consumer-auth-keys-twice",
+    ),
+    pytest.param(
+        ("target", "serve", "--id", "t0", "--db", "{tmp}/t0.sqlite"),
+        {"TIDINGS_AUTH_KEYS_FILE": "/nonexistent/keys"},
+        "--auth-keys-file /nonexistent/keys: cannot be read",
+        id="target-auth-keys-file-missing",
+    ),
+    pytest.param(
+        ("target", "serve", "--id", "t0", "--db", "{tmp}/t0.sqlite", "--auth-keys", "AA=="),
+        {},
+        "only AA== (which admits requests without a token): give at least one key",
+        id="target-auth-keys-only-aa",
+    ),
+    pytest.param(
+        ("logplayer", "run", "--wal", "w/x", "--targets", "{tmp}/targets.yaml", "--auth-keys", KEY),
+        {"TIDINGS_AUTH_TOKEN": "x.y.z"},
+        "--auth-keys and --auth-token (TIDINGS_AUTH_TOKEN) are both given: give one",
+        id="logplayer-keys-and-token",
+    ),
+    pytest.param(
+        ("logplayer", "run", "--wal", "w/x", "--targets", "{tmp}/targets.yaml", "--auth-keys", "not base64!"),
+        {},
+        "--auth-keys (TIDINGS_AUTH_KEYS): key at index 0 is not base64",
+        id="logplayer-keys-not-base64",
+    ),
+    pytest.param(
+        ("targets", "status", "--targets", "{tmp}/targets.yaml", "--auth-token", "a b"),
+        {},
+        "--auth-token (TIDINGS_AUTH_TOKEN) is empty or has spaces",
+        id="targets-status-token-spaces",
     ),
 ]
 

@@ -210,3 +210,28 @@ def test_a_prefix_is_valid_in_a_selector_and_nowhere_else() -> None:
     validate.selector(labels.parse_selector("name:prefix=shop/,!app:prefix=test"))
     with pytest.raises(ValidationError, match="label name 'name:prefix'"):
         validate.label_set(labels.label_set({"name:prefix": "shop/"}))
+
+
+def test_several_values_of_a_selector_label_are_alternatives_as_in_gazette() -> None:
+    """Gazette's matchSelector: an item is selected when, for each name the includes give, it holds one of
+    the values given for it (so a token for `id=a,id=b`, what a client unassigning two shards claims,
+    covers either shard), and `name` and `name:prefix` are alternatives of one name; excludes still
+    exclude on any match."""
+    for text, shard, matched in [
+        ("id=a,id=b", "a", True),
+        ("id=a,id=b", "b", True),
+        ("id=a,id=b", "c", False),
+        ("id=a,id=b,app=x", "a", True),
+        ("id=a,id=b,app=y", "a", False),
+        ("id=a,id=b,!app=x", "b", False),
+    ]:
+        assert labels.matches(
+            labels.parse_selector(text), labels.shard_labels(shard, labels.label_set({"app": "x"}))
+        ) is (matched), (text, shard)
+    either = labels.parse_selector("name=shop/a,name:prefix=billing/")
+    for name, matched in [("shop/a", True), ("billing/x", True), ("shop/b", False)]:
+        assert labels.matches(either, labels.journal_labels(name, pb.LabelSet())) is matched, name
+    tag = labels.label_set([("tag", "blue"), ("tag", "red")])  # (an item with several values of a name)
+    assert labels.matches(labels.parse_selector("tag=red,tag=green"), tag)
+    assert not labels.matches(labels.parse_selector("tag=green,tag=white"), tag)
+    assert labels.matches(labels.parse_selector("tag=blue"), tag) and labels.matches(labels.parse_selector("tag"), tag)

@@ -67,7 +67,10 @@ class Consumers:
         self.running: list[Consumer] = []
         self._n = 0
 
-    async def add(self, zone: str = "zone-a", app=None) -> Consumer:
+    async def add(self, zone: str = "zone-a", app=None, **config) -> Consumer:
+        """A consumer process over the cluster's first broker, holding the brokers' keys if they have any
+        (it signs its calls to them, and checks the Shard calls it serves), `config` overriding."""
+        config.setdefault("auth_keys", getattr(self.cluster, "config", {}).get("auth_keys"))
         cfg = ConsumerConfig(
             etcd=self.cluster.etcd_endpoint,
             broker=self.cluster.brokers[0].endpoint,
@@ -78,6 +81,7 @@ class Consumers:
             data_dir=self.data_dir,
             lease_ttl=2,
             exit_timeout=20.0,
+            **config,
         )
         self._n += 1
         consumer = await Consumer(cfg).start()

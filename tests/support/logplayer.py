@@ -12,6 +12,7 @@ from pathlib import Path
 
 import apsw
 
+from tidings.auth import Authorizer
 from tidings.client import AsyncClient
 from tidings.logplayer.player import last_acks
 from tidings.logplayer.wal import Targets, WalEntry
@@ -44,13 +45,14 @@ def applied_log(db: Path) -> list[int]:
 
 
 async def wait_delivered(
-    client: AsyncClient, wal: str, targets: Targets, timeout: float = 60.0
+    client: AsyncClient, wal: str, targets: Targets, timeout: float = 60.0, auth: Authorizer | None = None
 ) -> dict[str, list[int]]:
-    """Wait until every target acknowledged its last entry of the WAL; the expected indices."""
+    """Wait until every target acknowledged its last entry of the WAL; the expected indices. (`auth`: what
+    the targets' GetLastAck takes, when they hold keys.)"""
     expected = await expected_parts(client, wal, targets)
 
     async def done() -> bool:
-        answers = await last_acks(targets)
+        answers = await last_acks(targets, auth=auth)
         return all(
             isinstance(a, pb.LastAckResponse) and (not expected[t] or a.last_applied >= expected[t][-1])
             for t, a in answers.items()
@@ -81,10 +83,11 @@ class Procs:
         assert line.startswith("READY"), (name, line, self.log(name).read_text()[-3000:])
         return line
 
-    async def start_target(self, target: str, endpoint: str) -> None:
+    async def start_target(self, target: str, endpoint: str, *flags: str) -> None:
+        """`tidings target serve` of `target` on `endpoint` with an apply log (and `flags`)."""
         db = self.data_dir / f"{target}.sqlite"
         await self.start(
-            target, ["target", "serve", "--id", target, "--listen", endpoint, "--db", str(db), "--log-applied"]
+            target, ["target", "serve", "--id", target, "--listen", endpoint, "--db", str(db), "--log-applied", *flags]
         )
 
     async def signal(self, name: str, sig: int = signal.SIGKILL) -> None:

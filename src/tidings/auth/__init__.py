@@ -6,9 +6,11 @@ APPEND, REPLICATE; applications from bit 16) over the items a label selector mat
 their labels plus the meta-label `name`, so `name=shop/orders` or `name:prefix=shop/`), until it
 expires (`exp` is required; clocks may differ by 5 s). The processes of a cluster share HMAC keys
 (`KeySet`): the first signs, any verifies. Servers verify each RPC (`Verifier.verify(context,
-cap)`) and treat what the selector does not match as absent; clients attach a token per call
-through an `Authorizer`: keys (`KeyedAuthorizer`, which signs per-call claims scoped to what the
-call touches), a token (`BearerAuthorizer`) or nothing (`NoAuthorizer`). A refusal is
+cap)`; `verifier_of(keys, service)`) and treat what the selector does not match as absent
+(journals; shards, by their labels and meta-label `id`; LogPlayer targets, by `target=ID`); clients
+attach a token per call through an `Authorizer`: keys (`KeyedAuthorizer`, which signs per-call claims
+scoped to what the call touches; `authorizer_of(keys)`), a token (`BearerAuthorizer`) or nothing
+(`NoAuthorizer`). A refusal is
 UNAUTHENTICATED (no token, a bad, expired or foreign one) or PERMISSION_DENIED (a valid token
 lacking the capability), with a one-line reason; tokens and keys are never logged nor echoed.
 
@@ -28,10 +30,25 @@ refusals' log and metric), `authorizer` (Authorizer and its three kinds). Layer:
 refusal) grpc and prometheus_client. docs/design/production.md §3.6.
 """
 
-from tidings.auth.authorizer import Authorizer, BearerAuthorizer, CallMetadata, KeyedAuthorizer, NoAuthorizer
+from tidings.auth.authorizer import (
+    Authorizer,
+    BearerAuthorizer,
+    CallMetadata,
+    KeyedAuthorizer,
+    NoAuthorizer,
+    authorizer_of,
+)
 from tidings.auth.jwt import LEEWAY, MAX_TOKEN_BYTES, AuthCode, AuthError, decode_unverified, sign, verify
 from tidings.auth.keys import ALLOW_MISSING, KeySet, generate_key
-from tidings.auth.verifier import Metadata, NoVerifier, ServicerContext, Verifier, expires_at, seconds_left
+from tidings.auth.verifier import (
+    Metadata,
+    NoVerifier,
+    ServicerContext,
+    Verifier,
+    expires_at,
+    seconds_left,
+    verifier_of,
+)
 
 __all__ = [
     "ALLOW_MISSING",
@@ -49,10 +66,12 @@ __all__ = [
     "NoVerifier",
     "ServicerContext",
     "Verifier",
+    "authorizer_of",
     "decode_unverified",
     "expires_at",
     "generate_key",
     "seconds_left",
     "sign",
+    "verifier_of",
     "verify",
 ]

@@ -10,6 +10,7 @@ REFUSALS = Counter(
     "tidings_auth_refusals_total",
     "Requests refused by their token, by service (journal, shard, target) and what the caller got: "
     "UNAUTHENTICATED (no valid token), PERMISSION_DENIED (a token lacking the capability, an Apply outside its "
-    "selector), or JOURNAL_NOT_FOUND (a journal outside its selector, answered as missing).",
+    "selector), or JOURNAL_NOT_FOUND, SHARD_NOT_FOUND, TARGET_NOT_FOUND (a journal, shard or target outside its "
+    "selector, answered as missing).",
     ["service", "code"],
 )

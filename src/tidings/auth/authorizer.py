@@ -106,3 +106,9 @@ class NoAuthorizer:
 
     def metadata(self, cap: int, selector: pb.LabelSelector | None = None, exp: float | None = None) -> CallMetadata:
         return ()
+
+
+def authorizer_of(keys: KeySet | None, sub: str = "") -> Authorizer:
+    """What a process holding `keys` signs its own calls with (None: auth off, no token): a server's
+    calls to its peers, a consumer's to its brokers, a LogPlayer's to brokers and targets."""
+    return KeyedAuthorizer(keys, sub=sub) if keys is not None else NoAuthorizer()

@@ -214,3 +214,9 @@ class NoVerifier:
 
     def hid(self, what: str, answered: str) -> None:
         pass  # (nothing is hidden: an empty selector matches everything)
+
+
+def verifier_of(keys: KeySet | None, service: str) -> Verifier | NoVerifier:
+    """A server's verifier: with `keys` every RPC of `service` (journal, shard, target) needs a token
+    they verify; without, auth is off."""
+    return Verifier(keys, service=service) if keys is not None else NoVerifier()

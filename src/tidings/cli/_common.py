@@ -176,8 +176,9 @@ def broker_client(broker: str, deadline: float = 0.0) -> AsyncClient:
     return AsyncClient(broker, retries=retries, deadline=deadline, fail_fast=True, tls=tls, auth=auth)
 
 
-# Keys (servers: `broker`, `cluster up`; `auth token` signs with them). Secret: no default shown, never
-# echoed (errors name a key's index); the file or the variable keep them out of `ps`.
+# Keys (servers: `broker`, `cluster up`, `consumer`, `target serve`; `logplayer run` and `auth token` sign
+# with them). Secret: no default shown, never echoed (errors name a key's index); the file or the variable
+# keep them out of `ps`.
 AuthKeysOpt = Annotated[
     str,
     typer.Option(
@@ -349,12 +350,19 @@ def server_tls(who: str) -> TLS | None:
     return _tls(who, server=True)
 
 
-def client_auth() -> Authorizer | None:
-    """What authorizes a client command's calls: its --auth-token (or --auth-token-file) as a bearer
-    token, None without one; a mistake in the flags is a usage line (never showing the token)."""
-    from tidings.auth import BearerAuthorizer
+def client_auth(keys: KeySet | None = None, sub: str = "") -> Authorizer | None:
+    """What authorizes a client command's calls: `keys` (a command taking --auth-keys, e.g. `logplayer
+    run`: it signs a token per call, as `sub`), else its --auth-token (or --auth-token-file) as a bearer
+    token, None without either; a mistake in the flags (keys and a token both: which would it use?) is a
+    usage line (never showing the token)."""
+    from tidings.auth import BearerAuthorizer, KeyedAuthorizer
 
     token, path = _TOKEN_FLAGS.get("auth_token"), _TOKEN_FLAGS.get("auth_token_file")
+    if keys is not None:
+        if token or path:
+            given = "--auth-token-file" if path else "--auth-token (TIDINGS_AUTH_TOKEN)"
+            usage(f"--auth-keys and {given} are both given: give one (keys sign a fresh token per call)")
+        return KeyedAuthorizer(keys, sub=sub)
     if token and path:
         usage("--auth-token and --auth-token-file are both given: give one")
     if path:

@@ -73,8 +73,8 @@ def application(only: str = "") -> typer.Typer:
 
 
 UNSECURED = frozenset({"demo", "auth"})  # (no peer to dial: the demo runs its own loopback cluster)
-# Servers (their callbacks): no --auth-token (brokers verify with --auth-keys; consumers and targets sign
-# their own calls once they hold keys, docs/design/production.md step 10).
+# Servers (their callbacks): no --auth-token (they verify with --auth-keys; a consumer signs its own calls
+# with them: a token would expire while it runs; a target calls nobody).
 SERVERS = frozenset({"broker", "cluster_up", "consumer", "target_serve"})
 
 

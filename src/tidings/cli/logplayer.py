@@ -17,10 +17,13 @@ import typer
 
 from tidings.cli._common import (
     DEFAULT_BROKER,
+    AuthKeysFileOpt,
+    AuthKeysOpt,
     BrokerOpt,
     JournalArg,
     MetricsOpt,
     at_least,
+    auth_keys,
     broker_client,
     check_endpoint,
     check_log_level,
@@ -90,9 +93,12 @@ def target_serve(
     ] = False,
     metrics: MetricsOpt = "",
     log_level: Annotated[str, typer.Option(envvar="TIDINGS_LOG_LEVEL", callback=check_log_level)] = "info",
+    keys: AuthKeysOpt = "",
+    keys_file: AuthKeysFileOpt = None,
 ) -> None:
     """Serve a target: apply what a LogPlayer delivers, each batch with its last index in one SQLite
-    transaction. Prints `READY HOST:PORT` once it serves; SIGTERM stops it."""
+    transaction. Prints `READY HOST:PORT` once it serves; SIGTERM stops it. With --auth-keys every call
+    needs a token allowing it on `target=ID` (APPEND to deliver, READ to ask its last index)."""
     from tidings.logplayer.target import TargetServer, load_apply
     from tidings.protocol import validate
 
@@ -102,8 +108,9 @@ def target_serve(
         fn = load_apply(apply) if apply else None
     except (UsageError, ValidationError) as exc:
         usage(str(exc))
-    tls = server_tls(f"tidings target {id}")
-    server = TargetServer(id, db, listen, apply=fn, log_applied=log_applied, metrics_listen=metrics or None, tls=tls)
+    tls, keyset = server_tls(f"tidings target {id}"), auth_keys(keys, keys_file)
+    server = TargetServer(id, db, listen, apply=fn, log_applied=log_applied, metrics_listen=metrics or None, tls=tls,
+                          auth_keys=keyset)  # fmt: skip
     serve_until_signalled(server.start, f"target {id}", 10.0)
 
 
@@ -140,10 +147,14 @@ def logplayer_run(
         ),
     ] = "",
     log_level: Annotated[str, typer.Option(envvar="TIDINGS_LOG_LEVEL", callback=check_log_level)] = "info",
+    keys: AuthKeysOpt = "",
+    keys_file: AuthKeysFileOpt = None,
 ) -> None:
     """Deliver the WAL journal to every target of targets.yaml, in order, exactly once, until SIGTERM.
     Prints `READY` once the main stream started, then progress lines (current index, targets up,
-    the most lagging target). Exit code 1 if a newer LogPlayer fences this one."""
+    the most lagging target). Exit code 1 if a newer LogPlayer fences this one. Its calls to brokers and
+    targets carry --auth-token (LIST, READ on the WAL; APPEND, READ on every target: no selector), or with
+    --auth-keys a token it signs per call (never expiring while it runs)."""
     import asyncio
     import signal
 
@@ -159,7 +170,7 @@ def logplayer_run(
     declared = _load_targets(targets)
     state_path = state or Path("data/logplayer") / (wal_journal.replace("/", "_") + ".state")
     tls = client_tls()  # (the brokers' and the targets')
-    auth = client_auth()  # (the brokers' token: targets check none yet)
+    auth = client_auth(auth_keys(keys, keys_file), sub=f"logplayer {wal_journal}")  # (the brokers' and targets')
 
     async def go() -> None:
         from tidings.client import AsyncClient
@@ -338,7 +349,7 @@ def targets_status(
         return None if first else 0
 
     async def go() -> tuple[dict[str, pb.LastAckResponse | str], int | None, dict[str, int | None]]:
-        answers = await last_acks(declared, tls=client_tls())
+        answers = await last_acks(declared, tls=client_tls(), auth=client_auth())
         head: int | None = None
         after: dict[str, int | None] = {}
         if wal_journal:

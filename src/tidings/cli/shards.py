@@ -13,9 +13,12 @@ import typer
 from tidings.cli._common import (
     DEFAULT_BROKER,
     AdvertiseOpt,
+    AuthKeysFileOpt,
+    AuthKeysOpt,
     BrokerOpt,
     MetricsOpt,
     at_least,
+    auth_keys,
     broker_client,
     check_endpoint,
     check_log_level,
@@ -122,16 +125,20 @@ def consumer(
         float, typer.Option(envvar="TIDINGS_EXIT_TIMEOUT", help="On SIGTERM, seconds to wait for shards to move away.")
     ] = 60.0,
     log_level: Annotated[str, typer.Option(envvar="TIDINGS_LOG_LEVEL", callback=check_log_level)] = "info",
+    keys: AuthKeysOpt = "",
+    keys_file: AuthKeysFileOpt = None,
 ) -> None:
     """Run a consumer process in the foreground: it serves the shards the allocator gives it. Prints
     `READY HOST:PORT` once it serves (then `METRICS HOST:PORT`); SIGTERM hands its shards to other
-    processes (at most --exit-timeout seconds), then exits; exit code 1 if its etcd lease is lost."""
+    processes (at most --exit-timeout seconds), then exits; exit code 1 if its etcd lease is lost.
+    With --auth-keys it checks a token on every Shard call and signs its own calls to the brokers."""
     from tidings.consumer.service import Consumer, ConsumerConfig, load_app
     from tidings.member.serving import advertised
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     who = f"tidings consumer {zone}/{id}"
     tls, etcd_access = server_tls(who), etcd_security(who)  # (the flags' mistakes first: before the app loads)
+    keyset = auth_keys(keys, keys_file)
     try:
         advertised(listen, advertise, "tidings consumer")  # (an address nobody could dial: one line, first)
         application = load_app(app_ref)
@@ -153,6 +160,7 @@ def consumer(
         exit_timeout=exit_timeout,
         tls=tls,
         **etcd_access,
+        auth_keys=keyset,
     )
 
     serve_until_signalled(Consumer(cfg).start, f"consumer {zone}/{id}", exit_timeout)

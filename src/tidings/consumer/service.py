@@ -13,6 +13,14 @@ is STANDBY, so a hand-off never leaves a shard without a ready successor. A repl
 assignment goes is stopped gracefully (its open transaction commits, or fails on the fence if the
 successor already restored). SIGTERM marks the member exiting and waits (at most `exit_timeout`)
 for its shards to move, then stops.
+
+With `auth_keys` (`--auth-keys`) every Shard RPC first checks its caller's token for the capability it
+needs (Gazette's consumer/protocol/auth.go: READ for Stat and GetHints, LIST for List, APPLY for Apply
+and Unassign), and a shard outside the token's selector (its labels and meta-label `id`) is answered
+exactly as a missing one (SHARD_NOT_FOUND), left out of List, and out of Apply's reach. The process
+signs its own calls to brokers (its shards' reads and appends, recovery logs) with the first key: it
+holds keys, never a token, which would expire while it runs. (It makes no Shard calls to its peers: a
+Stat asked of a replica that is not primary answers with the route, and the client follows it.)
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import dataclasses
 import functools
 import importlib
 import logging
+import math
 import shutil
 import sys
 import time
@@ -35,6 +44,7 @@ import grpc
 from tidings.allocator import keys
 from tidings.allocator.kind import SHARDS
 from tidings.allocator.state import State
+from tidings.auth import AuthError, KeySet, authorizer_of, seconds_left, verifier_of
 from tidings.client import AsyncClient
 from tidings.consumer import _metrics as metrics
 from tidings.consumer.application import Application, Shard
@@ -43,12 +53,20 @@ from tidings.consumer.recovery import recovery_log
 from tidings.consumer.recoverylog import _metrics as recovery_metrics
 from tidings.consumer.recoverylog import hints
 from tidings.consumer.replica import ShardReplica
-from tidings.keyspace.etcd import Compare, RequestOp, delete_op, mod_revision_is, put_op
+from tidings.keyspace.etcd import KV, Compare, RequestOp, delete_op, mod_revision_is, put_op
 from tidings.member import MemberProcess, counted
 from tidings.protocol import labels, validate
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
-from tidings.protocol.status import TidingsError, TransportError, UsageError, ValidationError
+from tidings.protocol.claims import Capability, Claims, covers
+from tidings.protocol.status import (
+    NotAllowedError,
+    TidingsError,
+    TransportError,
+    UnauthenticatedError,
+    UsageError,
+    ValidationError,
+)
 from tidings.tls import TLS
 
 __all__ = ["Consumer", "ConsumerConfig", "ShardReplica", "load_app"]
@@ -80,6 +98,8 @@ class ConsumerConfig:
     etcd_tls: TLS | None = None  # --etcd-tls-*: etcd over TLS
     etcd_user: str = ""  # --etcd-user: as this etcd user (its password below, never shown)
     etcd_password: str = dataclasses.field(default="", repr=False)
+    # --auth-keys: verify every Shard RPC's token (None: auth off), and sign the process's calls to brokers
+    auth_keys: KeySet | None = None
 
 
 def load_app(ref: str) -> Application:
@@ -122,6 +142,8 @@ class Consumer(MemberProcess):
         self.app: Application = load_app(config.app) if isinstance(config.app, str) else config.app
         self.replicas: dict[str, ShardReplica] = {}
         self._closing: dict[str, asyncio.Task[None]] = {}  # replicas being closed, by shard
+        self.verifier = verifier_of(config.auth_keys, "shard")
+        self.authorizer = authorizer_of(config.auth_keys, sub=self.who)  # (its calls to brokers)
 
     # -- the member process's steps (tidings.member.process) -----------------------------------
 
@@ -140,7 +162,7 @@ class Consumer(MemberProcess):
     async def _prepare(self, undo: contextlib.AsyncExitStack) -> None:
         await self._check_broker()
         # (shards wait out broker outages of any length)
-        self.client = AsyncClient(self.config.broker, retries=None, tls=self.config.tls)
+        self.client = AsyncClient(self.config.broker, retries=None, tls=self.config.tls, auth=self.authorizer)
         undo.push_async_callback(self.client.aclose)
         self.state = State.from_keyspace(self.keyspace, SHARDS)
 
@@ -181,8 +203,16 @@ class Consumer(MemberProcess):
         of any length, which for an address that never answered would be a wait for ever."""
         broker = self.config.broker
         try:
-            async with AsyncClient(broker, retries=BROKER_CHECK_RETRIES, tls=self.config.tls) as probe:
+            auth = self.authorizer
+            async with AsyncClient(broker, retries=BROKER_CHECK_RETRIES, tls=self.config.tls, auth=auth) as probe:
                 await probe.list(labels.parse_selector("name=tidings/consumer-start-check"))
+        except (UnauthenticatedError, NotAllowedError) as err:  # (it answers, but not to this process)
+            keys = "the keys the brokers hold" if self.config.auth_keys else "the brokers' keys"
+            said = str(err).replace(": pass --auth-token (TIDINGS_AUTH_TOKEN)", "")  # (it takes none)
+            raise UsageError(
+                f"{self.who}: the brokers at --broker {broker} refuse its calls ({said}); give it {keys} "
+                "(--auth-keys-file or --auth-keys): a consumer signs its own tokens"
+            ) from None
         except TidingsError as err:
             raise UsageError(
                 f"{self.who}: no broker answers at --broker {broker} ({err}); pass the HOST:PORT of a running broker"
@@ -253,10 +283,22 @@ class Consumer(MemberProcess):
 
     # -- the Shard service ---------------------------------------------------------------------
 
-    async def stat(self, req: pb.StatRequest, deadline: float | None) -> pb.StatResponse:
+    def _visible(self, shard_id: str, claims: Claims | None) -> pb.ShardSpec | None:
+        """The spec of `shard_id` if it exists and the token's selector (`claims`; None: the process's own)
+        covers it; else None, the one answer for a shard missing or hidden (hidden: logged, counted)."""
+        item = self.state.items.get(shard_id)
+        if item is None:
+            return None
+        spec = cast(pb.ShardSpec, item.spec)  # (a shard's: the State of SHARDS)
+        if _outside(claims, shard_id, spec):
+            self.verifier.hid(f"shard {shard_id}", "SHARD_NOT_FOUND")
+            return None
+        return spec
+
+    async def stat(self, req: pb.StatRequest, deadline: float | None, claims: Claims | None = None) -> pb.StatResponse:
         validate.shard_id(req.shard, "stat.shard")
         state = self.state
-        if req.shard not in state.items:
+        if self._visible(req.shard, claims) is None:
             return pb.StatResponse(status=pb.SHARD_NOT_FOUND, header=self.header(), detail=f"no shard {req.shard!r}")
         route = state.route(req.shard)
         replica = self.replicas.get(req.shard)
@@ -327,12 +369,15 @@ class Consumer(MemberProcess):
             waiting.cancel()
         return waiting.done() and not waiting.cancelled()
 
-    def list_response(self, selector: pb.LabelSelector) -> pb.ShardListResponse:
+    def list_response(self, selector: pb.LabelSelector, claims: Claims | None = None) -> pb.ShardListResponse:
+        """The shards matching `selector` and the token's (`claims`), by id, with their routes and statuses."""
         state = self.state
         resp = pb.ShardListResponse(status=pb.OK, header=self.header())
         for shard_id in sorted(state.items):
             item = state.items[shard_id]
-            if not labels.matches(selector, labels.union(item.spec.labels, labels.label_set({"id": shard_id}))):
+            if not labels.matches(selector, labels.shard_labels(shard_id, item.spec.labels)):
+                continue
+            if _outside(claims, shard_id, item.spec):
                 continue
             route = state.route(shard_id)
             by_member = {a.member: a.value for a in state.assignments.get(shard_id, [])}
@@ -343,28 +388,43 @@ class Consumer(MemberProcess):
                 entry.status.append(by_member.get((m.zone, m.suffix), pb.ReplicaStatus()))
         return resp
 
-    async def apply(self, req: pb.ShardApplyRequest) -> pb.ShardApplyResponse:
+    async def apply(self, req: pb.ShardApplyRequest, claims: Claims | None = None) -> pb.ShardApplyResponse:
+        """Apply `req`'s changes in one etcd transaction, each within the token's selector (`claims`; None:
+        the process's own): an upsert whose new or existing spec lies outside is refused (AuthError,
+        PERMISSION_DENIED) before anything is written; a delete of a hidden shard answers as one of a
+        missing shard (nothing to delete; a revision expected of it fails the transaction)."""
         root = self.config.root
         compares: list[Compare] = []
         ops: list[RequestOp] = []
+        doomed = False  # a hidden shard's delete expected a revision: as for a missing one, the transaction fails
         for i, change in enumerate(req.changes):
             if change.HasField("upsert"):
                 validate.shard_spec(change.upsert, f"changes[{i}].upsert")
                 key = keys.item_key(root, change.upsert.id)
-                kept = await self._same_store(key, change.upsert, f"changes[{i}].upsert")
+                kv, existing = await self._existing(key)
+                for spec in (change.upsert, existing):  # (checked first: what follows may name the existing spec)
+                    if spec is not None and _outside(claims, change.upsert.id, spec):
+                        reason = f"not allowed to apply shard {change.upsert.id} (outside your token's selector)"
+                        raise AuthError("PERMISSION_DENIED", reason)
+                self._same_store(existing, change.upsert, f"changes[{i}].upsert")
                 if change.expect_mod_revision < 0:  # (else the expectation below keeps the shard as read, or fails)
-                    compares.append(kept)
+                    compares.append(mod_revision_is(key, kv.mod_revision if kv is not None else 0))
                 ops.append(put_op(key, change.upsert.SerializeToString()))
             elif change.delete:
                 validate.shard_id(change.delete, f"changes[{i}].delete")
                 key = keys.item_key(root, change.delete)
+                _kv, existing = await self._existing(key)
+                if existing is not None and _outside(claims, change.delete, existing):
+                    self.verifier.hid(f"shard {change.delete}", "SHARD_NOT_FOUND")
+                    doomed = doomed or change.expect_mod_revision > 0  # (a missing shard's key has revision 0)
+                    continue
                 ops.extend(self.state.delete_ops(root, change.delete))
-                ops.extend(await self._hints_of(key, change.delete))
+                ops.extend(await self._hints_of(existing, change.delete))
             else:
                 raise ValidationError(f"changes[{i}]", "expected an upsert or a delete")
             if change.expect_mod_revision >= 0:
                 compares.append(mod_revision_is(key, change.expect_mod_revision))
-        ok, revision = await self.etcd.txn(compares, ops)
+        ok, revision = (False, 0) if doomed else await self.etcd.txn(compares, ops)
         with contextlib.suppress(TimeoutError):  # (applied either way; our view catches up later)
             await self.keyspace.wait_for_revision(revision, timeout=10)
         if not ok:
@@ -375,27 +435,28 @@ class Consumer(MemberProcess):
             )
         return pb.ShardApplyResponse(status=pb.OK, header=self.header())
 
-    async def _hints_of(self, key: str, shard_id: str) -> list[RequestOp]:
+    async def _existing(self, key: str) -> tuple[KV | None, pb.ShardSpec | None]:
+        """The shard at `key` as etcd holds it now (not the KeySpace's view, which may lag): its key and spec."""
+        kv, _ = await self.etcd.get(key)
+        return kv, pb.ShardSpec.FromString(kv.value) if kv is not None else None
+
+    async def _hints_of(self, spec: pb.ShardSpec | None, shard_id: str) -> list[RequestOp]:
         """A deleted shard's hints go with it: a shard made again under its id starts from its own log
         (hints of the old one would name another log, or bring its state back). Every slot there is,
         also backups above a lowered hint_backups."""
-        kv, _ = await self.etcd.get(key)
-        spec = pb.ShardSpec.FromString(kv.value) if kv is not None else None
         if spec is None or not spec.recovery_log_prefix:
             return []
         slots = hints.HintKeys(spec.hint_prefix or self.hint_prefix, shard_id, 0)
         found, _ = await self.etcd.get_prefix(f"{slots.prefix}/{shard_id}.")
         return [delete_op(k.key) for k in found if slots.is_slot(k.key)]
 
-    async def _same_store(self, key: str, spec: pb.ShardSpec, ctx: str) -> Compare:
-        """Refuse an upsert that moves an existing shard's store to another recovery log (or to or from
-        none): the store would start from what the new place holds (nothing) and the shard would read
-        its sources again from their start, publishing its outputs twice; or its hints elsewhere. Gazette
-        migrates hints across logs; here, delete the shard and create it anew. Returns the compare keeping
-        the shard as read."""
-        kv, _ = await self.etcd.get(key)
-        if kv is not None:
-            was = pb.ShardSpec.FromString(kv.value)
+    @staticmethod
+    def _same_store(was: pb.ShardSpec | None, spec: pb.ShardSpec, ctx: str) -> None:
+        """Refuse an upsert that moves an existing shard's store (`was`: its spec) to another recovery log
+        (or to or from none): the store would start from what the new place holds (nothing) and the shard
+        would read its sources again from their start, publishing its outputs twice; or its hints
+        elsewhere. Gazette migrates hints across logs; here, delete the shard and create it anew."""
+        if was is not None:
             if was.recovery_log_prefix and was.hint_prefix != spec.hint_prefix:
                 raise ValidationError(
                     f"{ctx}.hint_prefix",
@@ -412,16 +473,17 @@ class Consumer(MemberProcess):
                     "would start the store empty and read the sources again from their start: keep it, or "
                     "delete the shard and create it anew on a new recovery log (its store then starts empty)",
                 )
-        return mod_revision_is(key, kv.mod_revision if kv is not None else 0)
 
-    async def unassign(self, req: pb.UnassignRequest) -> pb.UnassignResponse:
+    async def unassign(self, req: pb.UnassignRequest, claims: Claims | None = None) -> pb.UnassignResponse:
+        """Remove the shards' assignments (only FAILED ones with `only_failed`) in one etcd transaction; a
+        shard missing, or outside the token's selector (`claims`), is SHARD_NOT_FOUND and nothing changes."""
         state = self.state
         compares: list[Compare] = []
         ops: list[RequestOp] = []
         done: list[str] = []
         for i, shard_id in enumerate(req.shards):
             validate.shard_id(shard_id, f"shards[{i}]")
-            if shard_id not in state.items:
+            if self._visible(shard_id, claims) is None:
                 return pb.UnassignResponse(status=pb.SHARD_NOT_FOUND, shards=[shard_id])
             assigned = state.assignments.get(shard_id, [])
             primary = next((a for a in assigned if a.slot == 0), None)
@@ -441,15 +503,14 @@ class Consumer(MemberProcess):
             await self.keyspace.wait_for_revision(revision, timeout=10)
         return pb.UnassignResponse(status=pb.OK, shards=done)
 
-    async def get_hints(self, req: pb.GetHintsRequest) -> pb.GetHintsResponse:
+    async def get_hints(self, req: pb.GetHintsRequest, claims: Claims | None = None) -> pb.GetHintsResponse:
         """The shard's recovery hints as etcd holds them (every slot, unusable ones with the reason): from
         any process, as the keys depend only on the spec and this application's --root."""
         validate.shard_id(req.shard, "get_hints.shard")
-        item = self.state.items.get(req.shard)
-        if item is None:
+        spec = self._visible(req.shard, claims)
+        if spec is None:
             detail = f"no shard {req.shard!r}"
             return pb.GetHintsResponse(status=pb.SHARD_NOT_FOUND, header=self.header(), detail=detail)
-        spec = item.spec
         if not spec.recovery_log_prefix:
             return pb.GetHintsResponse(
                 status=pb.NO_RECOVERY_LOG,
@@ -473,21 +534,35 @@ class Consumer(MemberProcess):
         )
 
 
+def _outside(claims: Claims | None, shard_id: str, spec: pb.ShardSpec) -> bool:
+    """Whether the shard `shard_id` with `spec` lies outside the token's selector (`claims`)."""
+    return claims is not None and not covers(claims, labels.shard_labels(shard_id, spec.labels))
+
+
 _Answer = TypeVar("_Answer", pb.ShardApplyResponse, pb.UnassignResponse, pb.GetHintsResponse)
+
+# Each RPC's capability (Gazette's consumer/protocol/auth.go; docs/design/production.md §3.7), as ints.
+_LIST, _APPLY, _READ = (int(c) for c in (Capability.LIST, Capability.APPLY, Capability.READ))
 
 
 class _Servicer(pb_grpc.ShardServicer):
-    """gRPC entry points; bad input becomes INVALID_ARGUMENT naming the field."""
+    """gRPC entry points; bad input becomes INVALID_ARGUMENT naming the field. Every RPC first checks its
+    caller's token for the capability it needs (Gazette's VerifiedShardServer: each RPC's is here, and
+    tests/auth walks the service's methods for one without), then serves with the token's claims."""
 
     def __init__(self, consumer: Consumer) -> None:
         self.consumer = consumer
+        self.verifier = consumer.verifier
 
     async def Stat(self, request: pb.StatRequest, context: grpc.aio.ServicerContext) -> pb.StatResponse:
+        claims = await self.verifier.verify(context, _READ, "Stat")
         with counted(metrics.RPC_STATUS, "stat", context) as outcome:
             remaining = context.time_remaining()  # (answer before it passes, with what was read through)
             deadline = None if remaining is None else time.monotonic() + max(0.0, remaining - STAT_MARGIN)
+            if (left := seconds_left(claims)) is not None:  # (a wait for read-through ends with the token, too)
+                deadline = min(deadline or math.inf, time.monotonic() + max(0.0, left))
             try:
-                resp = await self.consumer.stat(request, deadline)
+                resp = await self.consumer.stat(request, deadline, claims)
             except ValidationError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except NotReadThroughError as exc:
@@ -496,30 +571,37 @@ class _Servicer(pb_grpc.ShardServicer):
             return resp
 
     async def List(self, request: pb.ShardListRequest, context: grpc.aio.ServicerContext) -> pb.ShardListResponse:
+        claims = await self.verifier.verify(context, _LIST, "List")
         with counted(metrics.RPC_STATUS, "list", context) as outcome:
             try:
                 validate.selector(request.selector)
             except ValidationError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             outcome.append(pb.OK)
-            return self.consumer.list_response(request.selector)
+            return self.consumer.list_response(request.selector, claims)
 
     async def Apply(self, request: pb.ShardApplyRequest, context: grpc.aio.ServicerContext) -> pb.ShardApplyResponse:
-        return await self._answer("apply", context, self.consumer.apply(request))
+        claims = await self.verifier.verify(context, _APPLY, "Apply")
+        return await self._answer("apply", context, self.consumer.apply(request, claims))
 
     async def Unassign(self, request: pb.UnassignRequest, context: grpc.aio.ServicerContext) -> pb.UnassignResponse:
-        return await self._answer("unassign", context, self.consumer.unassign(request))
+        claims = await self.verifier.verify(context, _APPLY, "Unassign")
+        return await self._answer("unassign", context, self.consumer.unassign(request, claims))
 
     async def GetHints(self, request: pb.GetHintsRequest, context: grpc.aio.ServicerContext) -> pb.GetHintsResponse:
-        return await self._answer("get_hints", context, self.consumer.get_hints(request))
+        claims = await self.verifier.verify(context, _READ, "GetHints")
+        return await self._answer("get_hints", context, self.consumer.get_hints(request, claims))
 
     async def _answer(self, rpc: str, context: grpc.aio.ServicerContext, call: Awaitable[_Answer]) -> _Answer:
-        """An RPC that reads or changes etcd: bad input is INVALID_ARGUMENT, an unreachable etcd UNAVAILABLE."""
+        """An RPC that reads or changes etcd: bad input is INVALID_ARGUMENT, a change outside the token's
+        selector PERMISSION_DENIED, an unreachable etcd UNAVAILABLE."""
         with counted(metrics.RPC_STATUS, rpc, context) as outcome:
             try:
                 resp = await call
             except ValidationError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except AuthError as exc:
+                await self.verifier.refuse(context, exc)
             except TransportError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"{rpc}: {exc}")
             outcome.append(resp.status)

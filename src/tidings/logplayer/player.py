@@ -18,6 +18,11 @@ state file (a new machine), the main stream reads the WAL from its start: slower
 
 A target whose normal queue grows beyond `max_queue` entries (slow, not failed) is suspended and
 recovered from the WAL later: a slow target never holds the others back, nor the player's memory.
+
+Its client's authorizer (`AsyncClient(auth=)`) signs every call, the WAL reads and the targets'
+Deliver (APPEND) and GetLastAck (READ) alike, over `target=<id>`: keys (`logplayer run --auth-keys`)
+sign a token per call, a token (`--auth-token`) must allow LIST and READ on the WAL (its spec gives its framing) and
+APPEND and READ on every target, so it has no selector.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import grpc
 import msgspec
 from prometheus_client import Counter, Gauge
 
+from tidings.auth.authorizer import Authorizer, NoAuthorizer
 from tidings.client import AsyncClient
 from tidings.logplayer.dispatcher import NOTHING, Dispatcher
 from tidings.logplayer.fetcher import Checkpoints, MainFetcher, recover
@@ -43,6 +49,8 @@ from tidings.logplayer.wal import Targets
 from tidings.message.sequencer import Checkpoint
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
+from tidings.protocol.claims import Capability
+from tidings.protocol.labels import name_selector
 from tidings.protocol.status import UsageError
 from tidings.tls import TLS, channel
 
@@ -96,15 +104,19 @@ def _save_state(path: Path, state: PlayerState) -> None:
 
 
 async def last_acks(
-    targets: Targets, timeout: float = 2.0, tls: TLS | None = None
+    targets: Targets, timeout: float = 2.0, tls: TLS | None = None, auth: Authorizer | None = None
 ) -> dict[str, pb.LastAckResponse | str]:
-    """Every target's GetLastAck answer, or why there is none (for a start and `targets status`)."""
+    """Every target's GetLastAck answer, or why there is none (for a start and `targets status`); with
+    `auth`, each call carries a token for READ on its target (`target=<id>`)."""
+    auth = auth if auth is not None else NoAuthorizer()
 
     async def ask(target_id: str, endpoint: str) -> pb.LastAckResponse | str:
         try:
             async with channel(endpoint, tls, CHANNEL_OPTIONS) as ch:
                 stub = pb_grpc.TargetStub(ch)  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
-                resp: pb.LastAckResponse = await stub.GetLastAck(pb.LastAckRequest(target=target_id), timeout=timeout)
+                metadata = auth.metadata(Capability.READ, name_selector(target_id, "target"))
+                req = pb.LastAckRequest(target=target_id)
+                resp: pb.LastAckResponse = await stub.GetLastAck(req, timeout=timeout, metadata=metadata)
                 return resp
         except grpc.aio.AioRpcError as exc:
             return f"{exc.code().name}: {exc.details()}"
@@ -166,7 +178,7 @@ class LogPlayer:
             self.start_end = state.checkpoint.journals[self.wal].read_through
         self.start_position = self._saved_position = state.position
         self.checkpoints = Checkpoints(state.position, state.checkpoint)
-        answers = await last_acks(self.targets, tls=self.client.tls)
+        answers = await last_acks(self.targets, tls=self.client.tls, auth=self.client.auth)
         epochs = [a.epoch for a in answers.values() if isinstance(a, pb.LastAckResponse)]
         self.epoch = min(max([*epochs, time.time_ns() // 1_000_000 - 1]) + 1, 2**63 - 1)
         nonce = random.getrandbits(63)
@@ -184,6 +196,7 @@ class LogPlayer:
                 max_batch=self.max_batch,
                 ack_timeout=self.ack_timeout,
                 tls=self.client.tls,  # (one TLS per process: the brokers' and the targets' alike)
+                auth=self.client.auth,  # (and one authorizer: its keys, or its token)
             )
         tasks = [asyncio.create_task(link.run(), name=f"link:{tid}") for tid, link in self.links.items()]
         try:

@@ -17,6 +17,8 @@ trusted), a stream that ends, or no acknowledgement within `ack_timeout` while b
 stopped target: SIGSTOP keeps its TCP connection up) fails the link: its tasks are cancelled
 before the queue is suspended, so no task of a dead connection touches the queue again, and the
 link reconnects with backoff. TARGET_FENCED stops the LogPlayer (a newer one holds the target).
+Each connection's stream carries a token from `auth` (APPEND on `target=<id>`): a keyed authorizer signs
+a current one at each reconnection, so a stream the target ends at its token's expiry comes back.
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ from collections.abc import Callable
 
 import grpc
 
+from tidings.auth.authorizer import Authorizer, NoAuthorizer
 from tidings.logplayer.dispatcher import Dispatcher
 from tidings.logplayer.target_queue import QueueState, TargetQueue
 from tidings.logplayer.wal import Target
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
+from tidings.protocol.claims import Capability
+from tidings.protocol.labels import name_selector
 from tidings.protocol.status import TargetFencedError, TidingsError, for_status
 from tidings.tls import TLS
 from tidings.tls import channel as tls_channel
@@ -72,9 +77,12 @@ class TargetLink:
         ack_timeout: float = 5.0,
         backoff: tuple[float, float] = (0.05, 2.0),
         tls: TLS | None = None,
+        auth: Authorizer | None = None,
     ) -> None:
         self.target = target
         self.tls = tls
+        self.auth: Authorizer = auth if auth is not None else NoAuthorizer()
+        self._selector = name_selector(target.id, "target")  # (what its token covers)
         self.id = target.id
         self.dispatcher = dispatcher
         self.queue: TargetQueue = dispatcher.queues[target.id]
@@ -134,7 +142,8 @@ class TargetLink:
 
     async def _connection(self) -> None:
         async with tls_channel(self.target.endpoint, self.tls, CHANNEL_OPTIONS) as channel:
-            call = pb_grpc.TargetStub(channel).Deliver()  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
+            metadata = self.auth.metadata(Capability.APPEND, self._selector)  # (a current token per connection)
+            call = pb_grpc.TargetStub(channel).Deliver(metadata=metadata)  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
             try:
                 await asyncio.wait_for(self._open(call), self.ack_timeout)
                 tasks = [

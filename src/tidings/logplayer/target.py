@@ -25,6 +25,12 @@ connection (inside the transaction) and each `pb.TargetEntry`; `apply_key_values
 Statuses come back in responses; a non-OK one ends the stream. A user's apply function that
 raises rolls its batch back and ends the stream with gRPC INTERNAL (logged with the entry's
 index): the LogPlayer retries, as a Kafka consumer stays on a message it cannot process.
+
+With `auth_keys` (`--auth-keys`) both RPCs first check the caller's token: APPEND for Deliver, READ for
+GetLastAck, over the target's meta-label `target=<id>`. A token whose selector does not cover this
+target gets the answer a wrong target id gets (TARGET_NOT_FOUND, naming nothing it may not see); a
+Deliver stream outliving its token has its next batch refused (UNAUTHENTICATED, nothing applied), and
+the LogPlayer reconnects with a fresh token (its keys sign one) and recovers the target.
 """
 
 from __future__ import annotations
@@ -42,11 +48,14 @@ import apsw
 import grpc
 from prometheus_client import Counter, Gauge
 
+from tidings.auth import AuthError, KeySet, NoVerifier, Verifier, expires_at, verifier_of
 from tidings.logplayer.dispatcher import NOTHING
 from tidings.logplayer.stream import MESSAGE_OPTIONS
 from tidings.member.serving import listen_grpc, serve_metrics, stop_metrics
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
+from tidings.protocol.claims import Capability, Claims, covers
+from tidings.protocol.labels import target_labels
 from tidings.protocol.status import UsageError
 from tidings.tasks import to_the_end
 from tidings.tls import TLS
@@ -164,12 +173,19 @@ class TargetStore:
         self._lock.close()
 
 
-class TargetService(pb_grpc.TargetServicer):
-    """The Target gRPC service of one target; see the module docstring."""
+# Each RPC's capability (docs/design/production.md §3.7), as ints.
+_APPEND, _READ = int(Capability.APPEND), int(Capability.READ)
 
-    def __init__(self, target: str, store: TargetStore) -> None:
+
+class TargetService(pb_grpc.TargetServicer):
+    """The Target gRPC service of one target; see the module docstring. `verifier` checks each RPC's token
+    (NoVerifier: auth off)."""
+
+    def __init__(self, target: str, store: TargetStore, verifier: Verifier | NoVerifier | None = None) -> None:
         self.target = target
         self.store = store
+        self.verifier: Verifier | NoVerifier = verifier if verifier is not None else NoVerifier()
+        self._labels = target_labels(target)
         self._applying = asyncio.Lock()  # one apply at a time; an Open waits for the one in progress
         self._holder: tuple[object, tuple[int, int]] | None = None  # the stream that may apply, its (epoch, nonce)
         # (each batch counts: the metric children bound once, not looked up per batch)
@@ -182,19 +198,34 @@ class TargetService(pb_grpc.TargetServicer):
         BATCHES.labels(self.target, pb.Status.Name(status)).inc()
         return pb.DeliverResponse(status=status, last_applied=self.store.last_applied, detail=detail)
 
+    def _not_found(self, asked: str, claims: Claims, this: tuple[str, ...] = ()) -> str | None:
+        """Why a call naming target `asked` (or one of `this`: other names of this target) is
+        TARGET_NOT_FOUND here, or None when it is served: a wrong id, or this target outside the token's
+        selector (hidden: logged, counted). The reason names this target only to a token that may see it,
+        so a hidden target answers as a missing one."""
+        mine = covers(claims, self._labels)
+        named = asked == self.target or asked in this
+        if named and mine:
+            return None
+        if named:
+            self.verifier.hid(f"target {self.target}", "TARGET_NOT_FOUND")
+        if not mine:
+            return f"this process serves no target {asked!r}"
+        return f"this process serves target {self.target!r}, not {asked!r}"
+
     async def Deliver(
         self, requests: AsyncIterator[pb.DeliverRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.DeliverResponse]:
+        claims = await self.verifier.verify(context, _APPEND, "Deliver")
+        expires = expires_at(claims)
         first = await anext(aiter(requests), None)
         if first is None:
             return
         if not first.HasField("open"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Deliver stream begins with an Open request")
         opened = first.open
-        if opened.target != self.target:
-            yield self._refuse(
-                pb.TARGET_NOT_FOUND, f"this process serves target {self.target!r}, not {opened.target!r}"
-            )
+        if (missing := self._not_found(opened.target, claims)) is not None:
+            yield self._refuse(pb.TARGET_NOT_FOUND, missing)
             return
         token = object()
         mine = (opened.epoch, opened.nonce & 0x7FFF_FFFF_FFFF_FFFF)
@@ -218,6 +249,9 @@ class TargetService(pb_grpc.TargetServicer):
         yield pb.DeliverResponse(status=pb.OK, last_applied=last)
         async for req in requests:
             received = time.time_ns()
+            if received / 1e9 > expires:  # (before anything of the batch is applied)
+                exc = AuthError("UNAUTHENTICATED", "the token expired during the stream: reconnect with a current one")
+                await self.verifier.refuse(context, exc, "Deliver")
             refusal: tuple[pb.Status, str] | None = None
             async with self._applying:
                 holder, key = self._holder or (None, mine)
@@ -247,10 +281,9 @@ class TargetService(pb_grpc.TargetServicer):
             yield pb.DeliverResponse(status=pb.OK, last_applied=last)
 
     async def GetLastAck(self, request: pb.LastAckRequest, context: grpc.aio.ServicerContext) -> pb.LastAckResponse:
-        if request.target and request.target != self.target:
-            return pb.LastAckResponse(
-                status=pb.TARGET_NOT_FOUND, detail=f"this process serves target {self.target!r}, not {request.target!r}"
-            )
+        claims = await self.verifier.verify(context, _READ, "GetLastAck")
+        if (missing := self._not_found(request.target, claims, this=("",))) is not None:  # ('': whichever it serves)
+            return pb.LastAckResponse(status=pb.TARGET_NOT_FOUND, detail=missing)
         return pb.LastAckResponse(status=pb.OK, last_applied=self.store.last_applied, epoch=self.store.fence[0])
 
 
@@ -271,7 +304,8 @@ def load_apply(ref: str) -> ApplyFn:
 
 
 class TargetServer:
-    """A target process: its store and its Target service on `listen` (and /metrics)."""
+    """A target process: its store and its Target service on `listen` (and /metrics); with `auth_keys`
+    every call needs a token they verify (`tidings target serve --auth-keys`)."""
 
     def __init__(
         self,
@@ -283,8 +317,10 @@ class TargetServer:
         log_applied: bool = False,
         metrics_listen: str | None = None,
         tls: TLS | None = None,
+        auth_keys: KeySet | None = None,
     ) -> None:
         self.tls = tls
+        self.verifier = verifier_of(auth_keys, "target")
         self.target = target
         self.db = db
         self.listen = listen
@@ -303,7 +339,7 @@ class TargetServer:
             undo.callback(self.store.close)
             self._server = grpc.aio.server(options=MESSAGE_OPTIONS)  # (a batch of one 64 MiB entry fits)
             pb_grpc.add_TargetServicer_to_server(  # type: ignore[no-untyped-call]  # generated gRPC code, untyped
-                TargetService(self.target, self.store), self._server
+                TargetService(self.target, self.store, self.verifier), self._server
             )
             self.endpoint = listen_grpc(self._server, self.listen, f"target {self.target}", self.tls)
             host, port = self.endpoint.rsplit(":", 1)

@@ -1,10 +1,13 @@
 """Label sets and selectors (journal labels, registers).
 
 A LabelSet is sorted by (name, value) and may hold several values per name. A selector
-matches a set when every `include` label is present (an include with an empty value matches
-any value of that name) and no `exclude` label is. A selector label named `NAME:prefix`
-matches a label NAME whose value starts with its value (Gazette's prefix labels): with the
-meta-label `name` (`journal_labels`), `name:prefix=shop/` selects every journal under shop/.
+matches a set when, for every name its `include` labels give, the set holds one of the values
+given for it (an include with an empty value matches any value of that name: Gazette's rule, so
+`id=a,id=b` selects either shard and a token means the same in both systems), and no `exclude`
+label is present. A selector label named `NAME:prefix` matches a label NAME whose value starts
+with its value (Gazette's prefix labels): with the meta-label `name` (`journal_labels`),
+`name:prefix=shop/` selects every journal under shop/. Shards and LogPlayer targets have their
+own meta-labels, `id` (`shard_labels`) and `target` (`target_labels`), which tokens select them by.
 Register semantics follow Gazette: an empty register set matches any `check_registers` selector.
 """
 
@@ -59,11 +62,20 @@ def _contains(ls: pb.LabelSet, label: pb.Label) -> bool:
 
 
 def matches(selector: pb.LabelSelector | None, ls: pb.LabelSet) -> bool:
+    """Whether `ls` is selected: for each name of the includes one of its values present (Gazette's
+    `matchSelector`: several values of a name are alternatives), and no exclude present."""
     if selector is None:
         return True
-    return all(_contains(ls, lb) for lb in selector.include.labels) and not any(
-        _contains(ls, lb) for lb in selector.exclude.labels
-    )
+    if any(_contains(ls, lb) for lb in selector.exclude.labels):
+        return False
+    include = selector.include.labels
+    if len(include) < 2:  # (the usual selector, and every token's per-call one: no grouping)
+        return all(_contains(ls, lb) for lb in include)
+    names: dict[str, bool] = {}
+    for lb in include:
+        name = lb.name.removesuffix(PREFIX)  # (`name=a` and `name:prefix=b/` are alternatives, as in Gazette)
+        names[name] = names.get(name, False) or _contains(ls, lb)
+    return all(names.values())
 
 
 def journal_labels(name: str, labels: pb.LabelSet) -> pb.LabelSet:
@@ -72,9 +84,21 @@ def journal_labels(name: str, labels: pb.LabelSet) -> pb.LabelSet:
     return union(labels, label_set({"name": name}))
 
 
+def shard_labels(shard_id: str, labels: pb.LabelSet) -> pb.LabelSet:
+    """A shard's labels with its meta-label `id` (Gazette's `ShardSpec.LabelSetExt`): what a List's
+    selector and a token's are matched against."""
+    return union(labels, label_set({"id": shard_id}))
+
+
+def target_labels(target: str) -> pb.LabelSet:
+    """A LogPlayer target's labels for a token's selector: its meta-label `target` alone (a target has
+    no labels of its own)."""
+    return label_set({"target": target})
+
+
 def name_selector(value: str, meta: str = "name") -> pb.LabelSelector:
     """The selector of one item by its meta-label: the journal `name=<value>` (what a call touching one
-    journal claims, and what `describe` lists), a shard `id=<value>`."""
+    journal claims, and what `describe` lists), a shard `id=<value>`, a target `target=<value>`."""
     return pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name=meta, value=value)]))
 
 

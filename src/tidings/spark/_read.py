@@ -26,7 +26,14 @@ from tidings.message.publisher import content_type_of
 from tidings.message.sequencer import DEFAULT_PRODUCER_HORIZON
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.labels import parse_selector
-from tidings.protocol.status import JournalNotFoundError, TidingsError, TransportError, UsageError
+from tidings.protocol.status import (
+    JournalNotFoundError,
+    PermissionDeniedError,
+    TidingsError,
+    TransportError,
+    UnauthenticatedError,
+    UsageError,
+)
 from tidings.spark.options import SourceOptions
 from tidings.spark.schema import UuidText, line_uuids, raw_schema, row_builder, text_uuid_ints
 
@@ -210,9 +217,13 @@ def _cut_or_garbage(journal: str, garbage: Garbage) -> None:
 
 
 def unreachable(who: str, broker: str, exc: TransportError) -> UsageError:
-    """The one line for a broker a query's driver cannot reach (`who`: source or sink)."""
+    """The one line for a broker a query's driver cannot reach, or that refuses its token (`who`: source
+    or sink)."""
     code = exc.code.name if exc.code is not None else "no answer"
     said = str(exc)
+    if isinstance(exc, UnauthenticatedError | PermissionDeniedError):  # (it answers: not to this token)
+        said = said.replace("pass --auth-token (TIDINGS_AUTH_TOKEN)", "give option 'authToken'")
+        return UsageError(f"tidings {who}: broker {broker} refused the query's call: {said}")
     tls = ""
     if "TLS: " in said:
         tls = "; " + said[said.index("TLS: ") :].replace("--tls-ca", "option tlsCa").replace(

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tidings.message.sequencer import DEFAULT_PRODUCER_HORIZON
@@ -32,22 +33,29 @@ Offsets = str | dict[str, int]  # "earliest", "latest", or {journal: offset}
 
 @dataclass(frozen=True)
 class Security:
-    """How a query's driver and tasks reach TLS brokers: options `tlsCa`, `tlsCert`, `tlsKey`, paths
-    of PEM files on every host (ship them with `spark-submit --files`: a relative path is then looked
-    up with SparkFiles). Read where a client is made, so each executor reads its own copy."""
+    """How a query's driver and tasks reach TLS brokers holding keys: options `tlsCa`, `tlsCert`,
+    `tlsKey`, paths of PEM files on every host (ship them with `spark-submit --files`: a relative path is
+    then looked up with SparkFiles; read where a client is made, so each executor reads its own copy),
+    and `authToken`, a token from `tidings auth token` (READ, and LIST for a selector, to read; APPEND and
+    READ to write) sent with every call. Spark redacts option values whose key says "token" from its UI
+    and logs (`spark.redaction.regex`); its repr here shows none either."""
 
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    auth_token: str | None = field(default=None, repr=False)
 
     @classmethod
     def parse(cls, get: Callable[[str], str | None], who: str) -> Security:
-        sec = cls(get("tlsCa"), get("tlsCert"), get("tlsKey"))
+        token = get("authToken")
+        sec = cls(get("tlsCa"), get("tlsCert"), get("tlsKey"), token.strip() if token else None)
         if bool(sec.tls_cert) != bool(sec.tls_key):
             raise OptionError(
                 "tlsCert" if sec.tls_cert else "tlsKey", "needs its pair: give both tlsCert and tlsKey", who
             )
         sec.tls()  # (checked on the driver: a missing file is one line there, not a failure in every task)
+        if sec.auth_token is not None:
+            _check_token(sec.auth_token, who)
         return sec
 
     def tls(self) -> TLS | None:
@@ -65,9 +73,31 @@ class Security:
             raise UsageError(f"tidings: {text}") from None
 
     def client(self, broker: str, retries: int | None = 20) -> Client:
+        from tidings.auth import BearerAuthorizer
         from tidings.client import Client
 
-        return Client(broker, retries, tls=self.tls())
+        auth = BearerAuthorizer(self.auth_token) if self.auth_token else None
+        return Client(broker, retries, tls=self.tls(), auth=auth)
+
+
+def _check_token(token: str, who: str) -> None:
+    """A token's mistakes found on the driver, each one line (never showing the token): spaces, not a
+    token at all, already expired. Whether the brokers' keys verify it, they say."""
+    from tidings.auth import AuthError, decode_unverified
+    from tidings.auth.jwt import check_expiry
+    from tidings.protocol.claims import claims_from_json
+
+    if not token or any(c.isspace() for c in token):
+        raise OptionError("authToken", "has spaces: give the token `tidings auth token` printed, alone", who)
+    try:
+        _header, payload = decode_unverified(token)
+        check_expiry(claims_from_json(payload), time.time())
+    except AuthError as exc:
+        reason = exc.reason.removeprefix("token ")
+        raise OptionError("authToken", f"is refused before use ({reason}): give a current one from "
+                          "`tidings auth token`", who) from None  # fmt: skip
+    except ValidationError as exc:
+        raise OptionError("authToken", f"holds claims tidings cannot read ({exc})", who) from None
 
 
 def _shipped(path: str | None) -> str | None:
