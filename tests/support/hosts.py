@@ -6,8 +6,11 @@ brokers verify tokens. The test process, on the bridge, is a client from "anothe
 
 from __future__ import annotations
 
+import asyncio
+import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 from tests.support.certs import Certs
@@ -20,6 +23,7 @@ from tidings.cluster.etcd import endpoint_of
 from tidings.tls import TLS, load
 
 ROOT = "/tidings/hosts"
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Hosts:
@@ -58,10 +62,7 @@ class Hosts:
         i = len(self.brokers)
         h = self.net.host(f"b{i}")
         extra = [*FAST_BROKER_FLAGS, "--default-store", self.store]
-        tls = self.tls(h, server=True)
-        if tls is not None:
-            for flag, path in tls.paths.items():
-                extra += [flag, path, flag.replace("--tls", "--etcd-tls"), path]
+        extra += self.flags(h)
         b = BrokerProcess(self.etcd.endpoint, f"zone-{'abc'[i % 3]}", f"broker-{i}", 8080, self.data / h.name, extra,
                           ROOT, "::" if self.ipv6 else "0.0.0.0", self.address(h), h.wrap,
                           auth_keys=self.auth_keys)  # fmt: skip
@@ -76,6 +77,36 @@ class Hosts:
         """A client on the test's host: TLS with a certificate of its own, signing with the cluster's keys."""
         auth = KeyedAuthorizer(KeySet.parse(self.auth_keys), sub="tests") if self.auth_keys else None
         return AsyncClient(endpoint or self.endpoints[0], tls=self.tls(None), auth=auth, **kw)  # type: ignore[arg-type]
+
+    def flags(self, host: Host) -> list[str]:
+        """A process's flags on `host`: its TLS, and etcd's (the same certificate)."""
+        tls = self.tls(host, server=True)
+        if tls is None:
+            return []
+        return [
+            arg for flag, path in tls.paths.items() for arg in (flag, path, flag.replace("--tls", "--etcd-tls"), path)
+        ]
+
+    async def tidings(self, host: Host, name: str, args: list[str], etcd: bool = False) -> str:
+        """`tidings ARGS` on `host` with its TLS (and etcd's, with `etcd`) and the cluster's keys in its
+        environment (never its command line); its READY line's second word. Stopped by the Net, by PID."""
+        flags = self.flags(host)
+        if not etcd:
+            flags = [
+                a
+                for i, a in enumerate(flags)
+                if not (a.startswith("--etcd-tls") or (i and flags[i - 1].startswith("--etcd-tls")))
+            ]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+        if self.auth_keys:
+            env["TIDINGS_AUTH_KEYS"] = self.auth_keys
+        with (self.data / f"{name}.log").open("ab") as log:
+            proc = host.popen([sys.executable, "-m", "tidings.cli", *args, *flags], stdout=subprocess.PIPE,
+                              stderr=log, env=env)  # fmt: skip
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)).decode()
+        assert line.startswith("READY"), (name, line, (self.data / f"{name}.log").read_text()[-3000:])
+        return line.split()[1] if len(line.split()) > 1 else ""
 
     @property
     def etcd_endpoint(self) -> str:

@@ -48,11 +48,11 @@ async def wait_delivered(
     client: AsyncClient, wal: str, targets: Targets, timeout: float = 60.0, auth: Authorizer | None = None
 ) -> dict[str, list[int]]:
     """Wait until every target acknowledged its last entry of the WAL; the expected indices. (`auth`: what
-    the targets' GetLastAck takes, when they hold keys.)"""
+    the targets' GetLastAck takes, when they hold keys; TLS as `client`'s.)"""
     expected = await expected_parts(client, wal, targets)
 
     async def done() -> bool:
-        answers = await last_acks(targets, auth=auth)
+        answers = await last_acks(targets, tls=client.tls, auth=auth)
         return all(
             isinstance(a, pb.LastAckResponse) and (not expected[t] or a.last_applied >= expected[t][-1])
             for t, a in answers.items()
