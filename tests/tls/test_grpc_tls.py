@@ -9,6 +9,8 @@ address it announces refuses to start, in one line. Real brokers and etcd."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tests.cli._support import run
@@ -100,3 +102,39 @@ async def test_a_broker_refuses_to_serve_a_certificate_its_peers_would_refuse(br
     with pytest.raises(UsageError, match=r"cannot serve TLS at 127\.0\.0\.1:") as refused:
         await bs.add_broker("zone-a")
     assert says in str(refused.value) and "\n" not in str(refused.value)
+
+
+async def test_garbage_on_every_port_of_a_secured_broker_is_refused_and_it_serves_on(brokers, certs: Certs) -> None:
+    """A broker on mutual TLS holding keys, its gRPC, replication and metrics ports each sent junk: random
+    bytes, an HTTP/1 request, and the same inside a TLS session made with a certificate of our CA (past
+    the handshake, before any token): each connection ends, nothing is written, and it serves on."""
+    import os
+    import ssl
+
+    from tidings.auth import KeySet, generate_key
+
+    bs = await brokers(tls=certs.tls("broker"), auth_keys=KeySet.parse(generate_key()), metrics_listen="auto")
+    b = await bs.add_broker("zone-a")
+    await bs.create_journal("tls/junk", 1)
+    async with bs.client() as c:
+        head = await c.write_head("tls/junk")
+    cert, key = certs.issue("junk-client")
+    ctx = ssl.create_default_context(cafile=str(certs.ca_file))
+    ctx.load_cert_chain(cert, key)
+    ports = {"grpc": b.endpoint, "replication": b.replication.endpoint, "metrics": b.metrics_endpoint}
+    junks = [os.urandom(4096), b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"]
+    for name, endpoint in ports.items():
+        host, port = endpoint.rsplit(":", 1)
+        for junk in junks:
+            for secure in (False, True) if name != "metrics" else (False,):
+                try:
+                    reader, writer = await asyncio.open_connection(host, int(port), ssl=ctx if secure else None)
+                    writer.write(junk)
+                    await writer.drain()
+                    await asyncio.wait_for(reader.read(65536), 10)  # (answered or closed: never held open)
+                    writer.close()
+                except (ConnectionError, ssl.SSLError):
+                    pass  # (closed on us: a refusal)
+    async with bs.client() as c:
+        assert await c.write_head("tls/junk") == head  # (nothing written)
+        await c.append("tls/junk", b"still serving")
