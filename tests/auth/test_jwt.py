@@ -189,3 +189,16 @@ def test_sign_then_verify_keeps_every_claim() -> None:
     token = sign(claims, K2)
     assert verify(token, KEYS, NOW) == claims
     assert len(token) < 400
+
+
+def test_a_token_nested_thousands_deep_is_refused_as_malformed() -> None:
+    """(json.loads raises RecursionError past Python's limit: it must be a refusal like any other.)"""
+    header = base64.urlsafe_b64encode(b"[" * 3000).rstrip(b"=").decode()  # (4000 bytes: under the size limit)
+    with pytest.raises(AuthError, match="malformed token"):
+        verify(f"{header}.e30.sig", KEYS, NOW)
+
+
+def test_an_algorithm_with_a_line_break_is_quoted_in_the_reason() -> None:
+    with pytest.raises(AuthError) as refused:
+        verify(_forge(GOOD, {"alg": "\nERROR forged"}), KEYS, NOW)
+    assert "\n" not in refused.value.reason

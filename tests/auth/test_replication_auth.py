@@ -85,3 +85,44 @@ async def test_brokers_with_the_same_keys_replicate(brokers) -> None:
     async with tc.client() as c:
         await c.append("auth/replicated", b"to both replicas")
         assert await c.read_all("auth/replicated") == b"to both replicas"
+
+
+async def test_a_replicate_token_scoped_to_some_journals_sees_no_other_replica(brokers) -> None:
+    """A REPLICATE token's selector scopes the connection: a stream for a journal outside it is answered
+    as for a missing journal (no route, nothing of it), never served."""
+    import hashlib
+
+    from tidings.protocol import protocol_pb2 as pb
+
+    tc = await brokers(auth_keys=KEYS)
+    for zone in ("zone-a", "zone-b"):
+        await tc.add_broker(zone)
+    await tc.create_journal("auth/b2", 2, labels={"app": "b"})
+    route = tc.route("auth/b2")
+    peer = next(b for b in tc.brokers if b.config.suffix == route.members[1 - route.primary].suffix)
+    scoped = _token(KEYS, Capability.ALL)  # (no selector: to show the same stream served, below)
+    now = int(time.time())
+    narrow = sign(Claims(cap=Capability.ALL, sel=_selector("app=a"), iat=now, exp=now + 600), KEYS.signing_key)
+    empty = hashlib.sha1().digest()
+    proposal = pb.Fragment(journal="auth/b2", begin=0, end=0, sum=empty, compression_codec=pb.NONE)
+    stale = pb.Header(route=pb.Route(primary=-1), etcd=pb.Header.Etcd(revision=1))  # (answered at once: WRONG_ROUTE)
+    first = pb.ReplicateRequest(header=stale, proposal=proposal, acknowledge=True).SerializeToString()
+    answers = {}
+    for name, tok in (("narrow", narrow), ("wide", scoped)):
+        dialer = Dialer(authorizer=BearerAuthorizer(tok))
+        try:
+            stream = dialer.open(peer.replication.endpoint, f"{peer.config.zone}/{peer.config.suffix}")
+            stream.send(first)
+            answers[name] = await asyncio.wait_for(stream.recv(), 10)
+            stream.abort()
+        finally:
+            await dialer.aclose()
+    assert answers["narrow"].status == pb.JOURNAL_NOT_FOUND and not answers["narrow"].header.route.members
+    wide = answers["wide"]  # (the same stream, with a token covering the journal: told its route)
+    assert wide.status == pb.WRONG_ROUTE and len(wide.header.route.members) == 2
+
+
+def _selector(text: str):
+    from tidings.protocol.labels import parse_selector
+
+    return parse_selector(text)

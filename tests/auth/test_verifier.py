@@ -212,10 +212,11 @@ def test_the_package_exports_are_sorted_and_load_no_grpc() -> None:
     assert r.stdout.strip() == "False", r
 
 
-def test_refusals_log_once_per_peer_host_and_reason_every_ten_seconds_and_count_all(
+def test_refusals_log_once_per_peer_host_and_code_every_ten_seconds_and_count_all(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A client retrying in a loop (a new port per connection) cannot flood the log; every refusal counts."""
+    """A client retrying in a loop (a new port per connection, a new reason per token it makes up) cannot
+    flood the log; every refusal counts."""
     from prometheus_client import REGISTRY
 
     def count() -> float:
@@ -230,13 +231,14 @@ def test_refusals_log_once_per_peer_host_and_reason_every_ten_seconds_and_count_
     refusals.note("Append", "10.0.0.6:1", "bob", "X", "bad")
     now[0] += 10
     refusals.note("Read", "10.0.0.5:9", "", "X", "bad")
+    for i in range(1000):  # (reasons the caller chose: a token's algorithm, its length)
+        refusals.note("Append", f"10.0.0.5:{i}", "", "X", f"token algorithm junk{i} is not accepted")
     assert [r.getMessage() for r in caplog.records] == [
         "refused Append from 10.0.0.5:1: bad",
-        "refused Append from 10.0.0.5:3: worse",
         "refused Append from 10.0.0.6:1 (sub bob): bad",
         "refused Read from 10.0.0.5:9: bad",
     ]
-    assert count() == before + 6
+    assert count() == before + 1006
 
 
 def test_a_call_may_go_on_until_its_token_expires_and_for_ever_without_auth() -> None:

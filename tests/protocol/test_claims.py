@@ -235,3 +235,10 @@ def test_several_values_of_a_selector_label_are_alternatives_as_in_gazette() -> 
     assert labels.matches(labels.parse_selector("tag=red,tag=green"), tag)
     assert not labels.matches(labels.parse_selector("tag=green,tag=white"), tag)
     assert labels.matches(labels.parse_selector("tag=blue"), tag) and labels.matches(labels.parse_selector("tag"), tag)
+
+
+def test_a_token_label_name_with_a_colon_is_refused() -> None:
+    """A prefix match is `prefix: true` (Gazette's): a name `app:prefix` would be one here and not there."""
+    obj = {"cap": 8, "iat": 1, "exp": 2, "sel": {"include": {"labels": [{"name": "app:prefix", "value": "a"}]}}}
+    with pytest.raises(ValidationError, match="has a ':'"):
+        claims_from_json(obj)

@@ -78,7 +78,7 @@ def sign(claims: Claims, key: bytes) -> str:
 def _json_part(part: str, what: str) -> dict[str, Any]:
     try:
         obj = json.loads(_unb64(part).decode("utf-8"), parse_constant=_no_constants)
-    except (binascii.Error, ValueError):  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+    except (binascii.Error, ValueError, RecursionError):  # (a JSON nested thousands deep: RecursionError)
         raise _refuse(f"malformed token: its {what} is not base64url JSON") from None
     if not isinstance(obj, dict):
         raise _refuse(f"malformed token: its {what} is not a JSON object")
@@ -130,7 +130,8 @@ def verify(token: str, keys: KeySet | Iterable[bytes], now: float) -> Claims:
     header = _json_part(header_part, "header")
     alg = header.get("alg")
     if not isinstance(alg, str) or alg not in _ALGORITHMS:
-        said = alg if isinstance(alg, str) and len(alg) <= 16 else repr(alg)[:16]
+        plain = isinstance(alg, str) and len(alg) <= 16 and alg.isascii() and alg.isprintable()
+        said = alg if plain else repr(alg)[:16]  # (the caller's text: never a line of the log's own)
         raise _refuse(f"token algorithm {said} is not accepted (HS256 or HS384)")
     signing_input = f"{header_part}.{payload_part}".encode("ascii")
     try:

@@ -109,7 +109,9 @@ class _RefusalLog:
     def note(self, rpc: str, peer: str, sub: str, code: str, reason: str) -> None:
         self._refusals.labels(self.service, code).inc()
         now = self._clock()
-        key = (peer.rpartition(":")[0] or peer, reason)  # (a client's port changes with each connection)
+        # (per peer host and code, not reason: a reason may quote the caller's token, which would make
+        # every line new; a client's port changes with each connection)
+        key = (peer.rpartition(":")[0] or peer, code)
         if now - self._logged.get(key, -LOG_EVERY) < LOG_EVERY:
             return
         if len(self._logged) >= LOG_KEYS:

@@ -157,6 +157,8 @@ async def apply(broker: Host, req: pb.ApplyRequest, claims: Claims | None = None
                 spec.CopyFrom(change.upsert)
                 spec.suspend.CopyFrom(current.spec.suspend)
             ops.append(put_op(key, spec.SerializeToString()))
+            if claims is not None and claims.sel.ByteSize():  # (checked against this view: etcd must agree)
+                compares.append(mod_revision_is(key, existing.mod_revision if existing is not None else 0))
         elif change.delete:
             validate.journal_name(change.delete, f"changes[{i}].delete")
             existing = state.items.get(change.delete)

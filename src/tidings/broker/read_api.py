@@ -53,6 +53,11 @@ CHUNK = 256 * 1024
 READ_REFRESH_TIMEOUT = 10.0  # seconds a read at a hole below the write head waits for a store listing
 
 
+def _expired(claims: Claims) -> bool:
+    left = seconds_left(claims)
+    return left is not None and left <= 0
+
+
 async def serve_read(broker: Host, req: pb.ReadRequest, context: grpc.aio.ServicerContext, claims: Claims) -> int:
     """Serve one Read RPC for the holder of `claims`; the Status it ended with (for the RPC counter)."""
     try:
@@ -87,7 +92,8 @@ async def serve_read(broker: Host, req: pb.ReadRequest, context: grpc.aio.Servic
     listed = False
     vanished = None  # a listed fragment found missing from its store
     counter = metrics.JOURNAL_READ_BYTES.labels(req.journal) if broker.config.metrics_journals else None
-    while req.end_offset == 0 or offset < req.end_offset:
+    # (a token expiring ends a read of a backlog too, as it ends a blocking one: the client reopens)
+    while (req.end_offset == 0 or offset < req.end_offset) and not _expired(claims):
         found = index.query(offset)
         if found is None:
             if not listed and offset < index.end_offset:

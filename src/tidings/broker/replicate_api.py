@@ -50,7 +50,7 @@ async def serve_replicate(broker: Host, stream: PeerStream) -> None:
         return
     journal = first.proposal.journal
     while True:
-        res = await broker.resolver.resolve(journal, first.header.etcd.revision)
+        res = await broker.resolver.resolve(journal, first.header.etcd.revision, stream.claims)
         if res.status != pb.OK or res.replica is None or not routes_equivalent(res.route, first.header.route):
             status = res.status if res.status != pb.OK else pb.WRONG_ROUTE
             metrics.RPC_STATUS.labels("replicate", pb.Status.Name(status)).inc()

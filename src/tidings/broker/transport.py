@@ -61,7 +61,7 @@ from google.protobuf.message import DecodeError
 from tidings.auth import AuthError, Authorizer, Verifier
 from tidings.broker import transport_tls
 from tidings.protocol import protocol_pb2 as pb
-from tidings.protocol.claims import Capability
+from tidings.protocol.claims import Capability, Claims
 from tidings.tls import TLS
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,10 @@ class ReplicaStream(Protocol):
 
 class PeerStream(Protocol):
     """A peer's end of a primary's replication stream."""
+
+    @property
+    def claims(self) -> Claims | None:
+        """What the connection's HELLO token allows (None: this broker has no keys)."""
 
     async def recv(self) -> pb.ReplicateRequest | None:
         """The next request, or None at the primary's end of stream; StreamError if it was torn down."""
@@ -583,6 +587,7 @@ class _PeerConnection(_Connection):
         self.inbound = 0  # bytes delivered to streams and not yet consumed
         self._reading = True
         self.quiet = False  # (its closing is logged elsewhere)
+        self.claims: Claims | None = None  # (its HELLO's, when this broker has keys)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -598,7 +603,11 @@ class _PeerConnection(_Connection):
         verifier = self._server.verifier
         if verifier is not None:
             try:
-                verifier.verify_metadata((("authorization", f"Bearer {token}"),) if token else (), _REPLICATE)
+                # (its claims scope every stream of the connection: a REPLICATE token over app=a is no
+                # key to app=b's replicas)
+                self.claims = verifier.verify_metadata(
+                    (("authorization", f"Bearer {token}"),) if token else (), _REPLICATE
+                )
             except AuthError as exc:
                 if exc.reason.startswith("no token"):  # (a broker's peer: not a client's flag to name)
                     exc = AuthError(exc.code, "no token: this broker has --auth-keys; give the primary's the same")
@@ -681,6 +690,10 @@ class _MuxPeerStream(_Inbox):
         self._eof = False
         self._error: str | None = None
         self._ended = False
+
+    @property
+    def claims(self) -> Claims | None:
+        return self.conn.claims
 
     def _deliver(self, req: pb.ReplicateRequest, size: int) -> None:
         self._requests.append((req, size))

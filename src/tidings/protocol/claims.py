@@ -190,6 +190,8 @@ def _label_set_from_json(obj: Any, ctx: str) -> pb.LabelSet:
         name, value, prefix = label.get("name", ""), label.get("value", ""), label.get("prefix", False)
         if not isinstance(name, str) or not isinstance(value, str) or not isinstance(prefix, bool):
             raise ValidationError(f"{ctx}.labels[{i}]", "name and value must be strings, prefix true or false")
+        if ":" in name:  # (a prefix is `prefix: true`, as Gazette's: a name with ':' would be one here only)
+            raise ValidationError(f"{ctx}.labels[{i}]", f"name {name!r} has a ':' (a prefix match is prefix: true)")
         pairs.append((name + _PREFIX if prefix else name, value))
     return lbl.label_set(pairs)
 
