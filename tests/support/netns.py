@@ -129,7 +129,9 @@ class Net:
         self.procs: list[subprocess.Popen[bytes]] = []
         self._record()
         try:
-            _ip("link", "add", self.bridge, "type", "bridge")
+            # (no multicast snooping: IPv6 neighbour discovery is multicast, and a bridge that has not yet
+            # heard a port's MLD report would not forward it there: the first dials over IPv6 time out)
+            _ip("link", "add", self.bridge, "type", "bridge", "mcast_snooping", "0")
             _ip("addr", "add", f"{self.prefix}.1/24", "dev", self.bridge)
             _ip("-6", "addr", "add", f"fd7d:{self.run[:4]}::1/64", "dev", self.bridge, "nodad")
             _ip("link", "set", self.bridge, "up")
