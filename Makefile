@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install etcd postgresql spin demo test lint proto bench models clean
+.PHONY: install etcd postgresql spin systemd demo test lint proto bench models clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -35,7 +35,14 @@ spin:
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq spin gcc >/dev/null; }
 
-install: $(STAMP) etcd postgresql spin
+# systemd-analyze (Debian's systemd) verifies deploy/systemd's units (tests/test_deploy.py), only when missing.
+systemd:
+	@command -v systemd-analyze >/dev/null 2>&1 || { \
+	  echo "installing systemd (for systemd-analyze) from Debian"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq systemd >/dev/null; }
+
+install: $(STAMP) etcd postgresql spin systemd
 
 demo: install
 	$(VENV)/bin/tidings demo

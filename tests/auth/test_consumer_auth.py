@@ -200,21 +200,11 @@ async def _read_through(tc: TestCluster, consumer: Consumer, tok: str) -> None:
 
 
 async def test_a_consumer_holding_the_keys_runs_an_application_end_to_end(
-    tc: TestCluster, consumers: Consumers, monkeypatch: pytest.MonkeyPatch
+    tc: TestCluster, consumers: Consumers
 ) -> None:
     """Over brokers holding keys, a consumer holding the same keys reads its sources, appends its outputs
     and records its store to its recovery log (each call with a token it signed); a second one joins and
     the first hands off: the second plays the recovery log and goes on; every count is exact, once."""
-    seen: list[tuple[str, int, str]] = []  # (sub, cap, selector) of each token a broker verified
-    for broker in tc.brokers:
-        real = broker.verifier.verify_token  # type: ignore[union-attr]
-
-        def verify_token(tok: str, now: float, real: Any = real) -> Any:
-            claims = real(tok, now)
-            seen.append((claims.sub, claims.cap, labels.format_selector(claims.sel)))
-            return claims
-
-        monkeypatch.setattr(broker.verifier, "verify_token", verify_token)
     await _two_shards(consumers, recovery_log_prefix="wc/log")
     first = consumers.running[0]
     words = [WORDS[i % len(WORDS)] for i in range(120)]
@@ -229,6 +219,11 @@ async def test_a_consumer_holding_the_keys_runs_an_application_end_to_end(
     await _read_through(tc, second, stat_a)
     expected = {w: list(range(1, n + 1)) for w, n in Counter(words).items()}
     assert await _downstream(tc, "wc/out/a") == expected
+    seen = [  # (sub, cap, selector) of each token a broker verified (its verified-token cache)
+        (claims.sub, claims.cap, labels.format_selector(claims.sel))
+        for broker in tc.brokers
+        for claims in broker.verifier._cache.values()  # type: ignore[union-attr]
+    ]
     for who in (first.who, second.who):  # (their own tokens, each scoped to the journal it touched)
         mine = {(cap, sel) for sub, cap, sel in seen if sub == who}
         assert {(Capability.READ, "name=wc/in/a"), (Capability.APPEND, "name=wc/out/a")} <= mine, (who, mine)

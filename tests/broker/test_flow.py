@@ -16,6 +16,7 @@ import asyncio
 import pytest
 from prometheus_client import REGISTRY
 
+from tests.support.waiting import wait_until
 from tidings.broker.flow import BANK, AppendFlow, effective_rate
 from tidings.client import AsyncClient
 
@@ -76,7 +77,7 @@ async def test_a_cancelled_wait_gives_back_what_it_did_not_wait_for() -> None:
     flow = AppendFlow(clock)
     flow.charge(1000, 1000)  # (the burst, spent)
     waiting = asyncio.ensure_future(flow.take(5000, 1000))
-    await asyncio.sleep(0)  # (let it start waiting: the cancellation under test lands mid-wait)
+    await wait_until(lambda: flow.charge(0, 1000) > 0, 5)  # (it charged, and waits: cancelled mid-wait)
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting

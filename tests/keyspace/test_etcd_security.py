@@ -128,7 +128,7 @@ async def test_a_token_etcd_no_longer_takes_is_replaced(auth_etcd: EtcdProcess) 
     raw = grpc.aio.insecure_channel(auth_etcd.endpoint)
     try:
         await etcd.put("/sec/t", b"1")
-        stale = etcd._channel._unary_unary_interceptors[0].token._token  # type: ignore[attr-defined]
+        stale = etcd._user._token  # type: ignore[union-attr]
         root = await rpc.AuthStub(raw).Authenticate(rpc.AuthenticateRequest(name="root", password="rootpw"))
         await rpc.AuthStub(raw).UserChangePassword(
             rpc.AuthUserChangePasswordRequest(name="tidings", password="s3cret"), metadata=(("token", root.token),)
@@ -144,25 +144,9 @@ async def test_a_token_etcd_no_longer_takes_is_replaced(auth_etcd: EtcdProcess) 
 
 
 async def test_calls_refused_together_authenticate_once_and_a_watch_outlives_it(
-    auth_etcd: EtcdProcess, monkeypatch: pytest.MonkeyPatch
+    auth_etcd: EtcdProcess,
 ) -> None:
     """(A token etcd forgot, say after its restart: every waiting call is refused at once.)"""
-    from tidings.keyspace import etcd as module
-
-    calls = []
-
-    class CountingAuth(rpc.AuthStub):  # type: ignore[misc]
-        def __init__(self, channel) -> None:
-            super().__init__(channel)
-            real = self.Authenticate
-
-            async def counted(*args, **kwargs):
-                calls.append(1)
-                return await real(*args, **kwargs)
-
-            self.Authenticate = counted
-
-    monkeypatch.setattr(module.rpc, "AuthStub", CountingAuth)
     etcd = await Etcd.connect(auth_etcd.endpoint, user="tidings", password="s3cret")
     raw = grpc.aio.insecure_channel(auth_etcd.endpoint)
     try:
@@ -172,9 +156,9 @@ async def test_calls_refused_together_authenticate_once_and_a_watch_outlives_it(
         await rpc.AuthStub(raw).UserChangePassword(
             rpc.AuthUserChangePasswordRequest(name="tidings", password="s3cret"), metadata=(("token", root.token),)
         )
-        before = len(calls)
+        before = etcd.authentications
         await asyncio.gather(*(etcd.put(f"/sec/c{i}", b"x") for i in range(20)))
-        assert len(calls) - before == 1
+        assert etcd.authentications - before == 1
         batch = await asyncio.wait_for(anext(watch), 10)  # (opened with the token etcd then forgot)
         assert {e.kv.key for e in batch.events} <= {f"/sec/c{i}" for i in range(20)} and batch.events
         await watch.aclose()

@@ -103,8 +103,7 @@ def test_without_root_the_hosts_tests_skip_saying_why() -> None:
     """Where namespaces cannot be made (not root), a hosts test is skipped with the reason, not failed."""
     import shutil
 
-    if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("needs root and setpriv to run the probe as another user")
+    assert os.geteuid() == 0 and shutil.which("setpriv"), "run as root (the tests' hosts need it), with setpriv"
     r = subprocess.run(
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
          "from tests.support.netns import require; require()"],

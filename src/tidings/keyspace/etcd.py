@@ -234,6 +234,7 @@ class _EtcdToken:
         self._at = -1e9
         self._lock = asyncio.Lock()
         self.started = False  # (then a refusal is a retriable TransportError, not a usage error)
+        self.authentications = 0  # Authenticate calls that gave a token (etcd runs bcrypt for each)
         self._auth_off_logged = False
 
     async def authenticate(self, older_than: float, stale: str | None = None) -> None:
@@ -265,6 +266,7 @@ class _EtcdToken:
                     f"{why} (check --etcd-user and TIDINGS_ETCD_PASSWORD or --etcd-password-file)"
                 ) from None
             self._token, self._at = resp.token, time.monotonic()
+            self.authentications += 1
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         metadata = [(k, v) for k, v in (details.metadata or ()) if k != "token"]
@@ -330,9 +332,10 @@ class Etcd:
             await etcd.aclose()
     """
 
-    def __init__(self, endpoint: str, channel: grpc.aio.Channel) -> None:
+    def __init__(self, endpoint: str, channel: grpc.aio.Channel, user: _EtcdToken | None = None) -> None:
         self.endpoint = endpoint
         self._channel = channel
+        self._user = user  # (an etcd user's token, with --etcd-user)
         self._metadata: tuple[tuple[str, str], ...] = ()  # (a user's token: the channel's interceptor adds it)
         self._kv = rpc.KVStub(channel)
         self._watch = rpc.WatchStub(channel)
@@ -385,7 +388,12 @@ class Etcd:
         except BaseException:
             await channel.close()
             raise
-        return cls(endpoint, channel)
+        return cls(endpoint, channel, token)
+
+    @property
+    def authentications(self) -> int:
+        """How many tokens this connection's etcd user was given (0 without a user)."""
+        return self._user.authentications if self._user is not None else 0
 
     async def aclose(self) -> None:
         """Close the channel; open watches and keep-alives fail with TransportError."""
