@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.certs import Certs
-from tests.support.hosts import Hosts
+from tests.support.hosts import Hosts, hosts_on
 from tests.support.logplayer import applied_log, wait_delivered
-from tests.support.netns import Net
 from tests.support.waiting import wait_until
 from tidings.auth import BearerAuthorizer, KeyedAuthorizer, KeySet, generate_key, sign
 from tidings.client import AppendService, AsyncClient
@@ -37,12 +36,8 @@ KEYS = generate_key()
 
 @pytest.fixture(params=["ipv4", "ipv6"])
 def secure_hosts(request: pytest.FixtureRequest, tmp_path: Path, certs: Certs) -> Iterator[Hosts]:
-    with Net() as net:
-        hs = Hosts(net, tmp_path, certs=certs, auth_keys=KEYS, ipv6=request.param == "ipv6")
-        try:
-            yield hs
-        finally:
-            hs.stop()
+    with hosts_on(tmp_path, certs=certs, auth_keys=KEYS, ipv6=request.param == "ipv6") as hs:
+        yield hs
 
 
 async def test_a_tls_and_token_cluster_on_separate_hosts_serves_and_survives_a_kill(secure_hosts: Hosts) -> None:
@@ -106,12 +101,8 @@ async def test_a_tls_and_token_cluster_on_separate_hosts_serves_and_survives_a_k
 
 @pytest.fixture
 def hosts_v4(tmp_path: Path, certs: Certs) -> Iterator[Hosts]:
-    with Net() as net:
-        hs = Hosts(net, tmp_path, certs=certs, auth_keys=KEYS)
-        try:
-            yield hs
-        finally:
-            hs.stop()
+    with hosts_on(tmp_path, certs=certs, auth_keys=KEYS) as hs:
+        yield hs
 
 
 async def test_a_consumer_and_a_logplayer_deliver_across_hosts_with_tls_and_tokens(hosts_v4: Hosts) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.hosts import Hosts
+from tests.support.hosts import Hosts, hosts_on
 from tests.support.netns import Net
 from tests.support.waiting import wait_until
 from tidings.client import AsyncClient
@@ -25,12 +25,8 @@ from tidings.protocol.status import TidingsError
 
 @pytest.fixture
 def hosts(tmp_path: Path) -> Iterator[Hosts]:
-    with Net() as net:
-        hs = Hosts(net, tmp_path)
-        try:
-            yield hs
-        finally:
-            hs.stop()
+    with hosts_on(tmp_path) as hs:
+        yield hs
 
 
 async def test_brokers_on_separate_hosts_serve_every_journal_and_survive_a_primary_kill(hosts: Hosts) -> None:

@@ -7,10 +7,12 @@ brokers verify tokens. The test process, on the bridge, is a client from "anothe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from tests.support.certs import Certs
@@ -124,3 +126,16 @@ class Hosts:
             except subprocess.TimeoutExpired:
                 b.kill()
         self.etcd.stop()
+
+
+@contextlib.contextmanager
+def hosts_on(data: Path, **kw: object) -> Iterator[Hosts]:
+    """A Hosts on a new Net (its options `kw`), every process of it stopped and the Net removed after."""
+    from tests.support.netns import Net
+
+    with Net() as net:
+        hs = Hosts(net, data, **kw)  # type: ignore[arg-type]
+        try:
+            yield hs
+        finally:
+            hs.stop()
