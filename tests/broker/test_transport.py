@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -78,6 +80,26 @@ async def test_requests_are_answered_in_order_and_end_of_stream_is_clean() -> No
         stream.close_send()
         assert await stream.recv() is None
         assert stream.ended
+
+
+async def test_contents_of_every_size_around_a_record_arrive_whole_and_in_order() -> None:
+    """Frames whose header rides with the start of the content (TLS: in one record) and frames of
+    every size around a TLS record (16 KiB), the one-copy frame (64 KiB) and a write slice (256 KiB)."""
+
+    async def digest(stream: PeerStream) -> None:
+        while (r := await stream.recv()) is not None:
+            sha = hashlib.sha1(r.content).hexdigest()
+            await stream.send(pb.ReplicateResponse(fragment=pb.Fragment(end=len(r.content), journal=sha)))
+
+    sizes = [0, 1, 1000, 1023, 1024, 16_000, 16_383, 16_384, 16_385, 65_535, 65_536, 65_537, 262_143, 262_145]
+    bodies = [os.urandom(n) for n in [*sizes, 1_048_579]]
+    async with serving(digest) as server, dialing() as dialer:
+        stream = dialer.open(server.endpoint)
+        for body in bodies:
+            stream.send(req(body))
+        await stream.drain()
+        got = [(await stream.recv()).fragment for _ in bodies]
+        assert [(f.end, f.journal) for f in got] == [(len(b), hashlib.sha1(b).hexdigest()) for b in bodies]
 
 
 async def test_streams_to_one_peer_share_one_connection() -> None:
