@@ -167,14 +167,14 @@ def server_port(server: grpc.aio.Server, listen: str, tls: TLS | None) -> int:
     return port
 
 
-def check_own(endpoint: str, tls: TLS, who: str, timeout: float = 5.0) -> None:
+def check_own(endpoint: str, tls: TLS, who: str, timeout: float = 5.0, alpn: str = "h2") -> None:
     """Handshake with ourselves at the `endpoint` we announce, as a peer would (verifying with our CA
     for the host name announced: a process without --tls-ca skips it): an expired certificate or one not
     valid for that address is a UsageError of one line before anyone is told to dial it. Not reaching
     ourselves (an address only others route) is only logged."""
     host, _, port = endpoint.rpartition(":")
     ctx = tls.client_context()
-    ctx.set_alpn_protocols(["h2"])
+    ctx.set_alpn_protocols([alpn])
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as raw:
             with ctx.wrap_socket(raw, server_hostname=host.strip("[]")):

@@ -82,6 +82,42 @@ MISTAKES = [
         id="advertise-v6-unbracketed",
     ),
     pytest.param(
+        ("broker", "--etcd", "127.0.0.1:2379", "--replication-advertise", "0.0.0.0:9000"),
+        {},
+        "tidings broker: --replication-advertise 0.0.0.0:9000 is not an address others can dial",
+        id="replication-advertise-wildcard",
+    ),
+    pytest.param(
+        ("broker", "--etcd", "127.0.0.1:2379", "--metrics-advertise", "host:port"),
+        {},
+        "tidings broker: --metrics-advertise 'host:port' is not HOST, HOST:PORT or [IPv6]:PORT",
+        id="metrics-advertise-malformed",
+    ),
+    pytest.param(
+        ("broker", "--etcd", "127.0.0.1:2379", "--metrics", "", "--metrics-advertise", "m.example:9100"),
+        {},
+        "tidings broker: --metrics-advertise names where /metrics is scraped, but --metrics '' serves none",
+        id="metrics-advertise-without-metrics",
+    ),
+    pytest.param(
+        ("broker", "--etcd", "127.0.0.1:2379", "--replication-advertise", "[fd00::5"),
+        {},
+        "--replication-advertise '[fd00::5' is not HOST, HOST:PORT or [IPv6]:PORT",
+        id="replication-advertise-unclosed-bracket",
+    ),
+    pytest.param(
+        ("broker", "--etcd", "127.0.0.1:2379", "--replication-advertise", "b1.example:99999"),
+        {},
+        "--replication-advertise 'b1.example:99999' is not HOST, HOST:PORT or [IPv6]:PORT",
+        id="replication-advertise-port-too-big",
+    ),
+    pytest.param(
+        ("consumer", "--app", "x:y", "--etcd", "127.0.0.1:2379", "--metrics-advertise", "10.0.0.5:0"),
+        {},
+        "tidings consumer: --metrics-advertise 10.0.0.5:0 is not an address others can dial",
+        id="consumer-metrics-advertise-port-0",
+    ),
+    pytest.param(
         ("consumer", "--app", "x:y", "--etcd", "127.0.0.1:2379", "--listen", "[::]:9090"),
         {},
         "tidings consumer listens on [::]:9090 but would announce an address nobody can dial",

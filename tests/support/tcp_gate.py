@@ -8,12 +8,20 @@ import contextlib
 
 
 class TcpGate:
-    def __init__(self, target: str) -> None:
-        host, port = target.rsplit(":", 1)
-        self._target = (host, int(port))
+    def __init__(self, target: str = "") -> None:
+        self._target = ("", 0)
+        if target:
+            self.aim(target)
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self.port = 0
+        self.connections = 0  # forwarded so far
+
+    def aim(self, target: str) -> None:
+        """Forward the connections accepted from now on to `target` (one known only after the gate's
+        port was: a server announcing the gate's address)."""
+        host, port = target.rsplit(":", 1)
+        self._target = (host, int(port))
 
     @property
     def endpoint(self) -> str:
@@ -40,6 +48,7 @@ class TcpGate:
             writer.transport.abort()
             return
         self._writers.update((writer, up_writer))
+        self.connections += 1
         await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
         self._writers.difference_update((writer, up_writer))
 

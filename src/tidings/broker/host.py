@@ -46,10 +46,12 @@ class BrokerConfig:
     pulse_interval: float = 60.0
     lease_ttl: int = 5
     metrics_listen: str | None = None  # HOST:PORT serving /metrics; "auto": the gRPC port + 1000 (or any free one)
+    metrics_advertise: str = ""  # HOST[:PORT] announced for /metrics ("": on --advertise's host, its own port)
     exit_timeout: float = 60.0
     default_store: str = ""  # the fragment store of journals whose spec names none ("": local only)
     persist_delay: float = 60.0  # seconds a replica waits before persisting what the primary did not
     replication_listen: str = ""  # HOST:PORT for peers' replication streams ("": --listen's host, any port)
+    replication_advertise: str = ""  # HOST[:PORT] peers dial for it ("": on --advertise's host, its own port)
     # Seconds between retention passes: each journal's primary removes the persisted fragments its
     # fragment.retention lets go (Kafka's log.retention.check.interval: 5 minutes). 0: never (prune by hand).
     prune_interval: float = 300.0

@@ -39,6 +39,7 @@ from tidings.allocator.kind import JOURNALS
 from tidings.allocator.state import State
 from tidings.auth import Authorizer, KeyedAuthorizer, NoAuthorizer, NoVerifier, Verifier
 from tidings.broker import _metrics as metrics
+from tidings.broker import transport_tls
 from tidings.broker.append_api import serve_append
 from tidings.broker.fragments_api import serve_list_fragments
 from tidings.broker.host import BrokerConfig
@@ -55,6 +56,7 @@ from tidings.fragment.persister import Persister
 from tidings.fragment.spool import Recovered, SpoolFile, recover
 from tidings.keyspace.etcd import mod_revision_is, put_op
 from tidings.member import MemberProcess, counted
+from tidings.member.serving import host_of
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
 from tidings.protocol.claims import Capability
@@ -98,6 +100,7 @@ class Broker(MemberProcess):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._unassigned: dict[str, asyncio.Task[None]] = {}  # checks of journals recovered but not assigned here
         self.recovery = RecoveryChecks(self)
+        self.replication_endpoint = ""  # announced for peers (_serve_more)
         keys = config.auth_keys
         self.verifier: Verifier | NoVerifier = Verifier(keys, service="journal") if keys else NoVerifier()
         self.authorizer: Authorizer = KeyedAuthorizer(keys, sub=self.who) if keys else NoAuthorizer()
@@ -140,13 +143,25 @@ class Broker(MemberProcess):
                 f"{self.who} cannot listen for replication on {listen} ({err}); pass another --replication-listen"
             ) from None
         undo.push_async_callback(self.replication.aclose)
+        self.replication_endpoint = self.announced(
+            self.replication.endpoint, not cfg.replication_listen, cfg.replication_advertise, "--replication-advertise"
+        )
+        if (
+            cfg.tls is not None
+            and cfg.tls.ca is not None
+            and host_of(self.replication_endpoint) != host_of(self.endpoint)
+        ):
+            # (a name of its own: peers verify the certificate for it, so check it as the gRPC one was)
+            await asyncio.to_thread(
+                tls.check_own, self.replication_endpoint, cfg.tls, self.who, alpn=transport_tls.ALPN
+            )
 
     def _member_spec(self) -> pb.BrokerSpec:
         return pb.BrokerSpec(
             id=self.process_id,
             endpoint=self.endpoint,
             journal_limit=self.config.journal_limit,
-            replication_endpoint=self.announced(self.replication.endpoint, not self.config.replication_listen),
+            replication_endpoint=self.replication_endpoint,
             metrics_endpoint=self.metrics_endpoint,
         )
 

@@ -304,24 +304,31 @@ class _TLSLayer(asyncio.Protocol):
         call, 22 bytes and a decryption call on the other side."""
         if self._lost or self._raw is None or self._raw.is_closing():
             return
-        encrypt, outgoing, head = self._ssl.write, self._outgoing, b""
+        raw, encrypt, outgoing, head = self._raw, self._ssl.write, self._outgoing, bytearray()
         for part in parts:
             if len(part) < SMALL:
                 head += part
+                if len(head) >= RECORD_DATA:  # (small parts enough for a record: so `head` stays < one)
+                    encrypt(head)
+                    head.clear()
                 continue
             view = memoryview(part)
             if head:
                 cut = RECORD_DATA - len(head)
-                encrypt(head + view[:cut])
-                view, head = view[cut:], b""
+                head += view[:cut]
+                encrypt(head)
+                head.clear()
+                view = view[cut:]
             for at in range(0, len(view), WRITE_SLICE):
                 encrypt(view[at : at + WRITE_SLICE])
                 if outgoing.pending >= WRITE_SLICE:
-                    self._raw.write(outgoing.read())
+                    raw.write(outgoing.read())
+                    if raw.is_closing():  # (the socket failed under a big frame: encrypt no more of it)
+                        return
         if head:
             encrypt(head)
         if outgoing.pending:
-            self._raw.write(outgoing.read())
+            raw.write(outgoing.read())
 
     def _flush(self) -> None:
         if self._outgoing.pending and self._raw is not None and not self._raw.is_closing():

@@ -143,6 +143,30 @@ AdvertiseOpt = Annotated[
     ),
 ]
 
+MetricsAdvertiseOpt = Annotated[
+    str,
+    typer.Option(
+        envvar="TIDINGS_METRICS_ADVERTISE",
+        help="HOST or HOST:PORT others scrape /metrics at, when not --advertise's host and the port it serves "
+        "(a mapped port).",
+    ),
+]
+
+
+def check_advertised(who: str, metrics: str, **flags: str) -> None:
+    """Refuse, in one line and before anything starts, an advertised address (keyword: the flag, `_` for
+    `-`) nobody could dial: a wildcard, port 0, or not HOST[:PORT]; or one for /metrics served nowhere."""
+    from tidings.member.serving import advertised
+
+    if flags.get("metrics_advertise") and not metrics:
+        usage(f"{who}: --metrics-advertise names where /metrics is scraped, but --metrics '' serves none: drop one")
+    try:
+        for name, value in flags.items():
+            if value:
+                advertised("0.0.0.0:1", value, who, "--" + name.replace("_", "-"))
+    except TidingsError as exc:
+        usage(str(exc))
+
 
 DeadlineOpt = Annotated[
     float,

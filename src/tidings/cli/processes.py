@@ -18,9 +18,11 @@ from tidings.cli._common import (
     AuthKeysFileOpt,
     AuthKeysOpt,
     BrokerOpt,
+    MetricsAdvertiseOpt,
     at_least,
     auth_keys,
     broker_client,
+    check_advertised,
     check_endpoint,
     check_log_level,
     err,
@@ -84,6 +86,14 @@ def broker(
             callback=check_endpoint("--replication-listen", optional=True),
         ),
     ] = "",
+    replication_advertise: Annotated[
+        str,
+        typer.Option(
+            envvar="TIDINGS_REPLICATION_ADVERTISE",
+            help="HOST or HOST:PORT other brokers dial for replication, when not --advertise's host and the "
+            "port it listens on (a mapped port).",
+        ),
+    ] = "",
     data_dir: Annotated[
         Path, typer.Option(envvar="TIDINGS_DATA_DIR", help="Where spools of journals without stores live.")
     ] = Path("data/broker"),
@@ -100,6 +110,7 @@ def broker(
             callback=check_endpoint("--metrics", True, also=("auto",)),
         ),
     ] = "auto",
+    metrics_advertise: MetricsAdvertiseOpt = "",
     metrics_journals: Annotated[
         bool,
         typer.Option(
@@ -187,6 +198,9 @@ def broker(
         advertised(listen, advertise, "tidings broker")
     except TidingsError as exc:
         usage(str(exc))
+    check_advertised(
+        "tidings broker", metrics, replication_advertise=replication_advertise, metrics_advertise=metrics_advertise
+    )
     keyset = auth_keys(keys, keys_file)  # (with keys every RPC needs a token; without, none is checked)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tune_malloc()
@@ -197,10 +211,12 @@ def broker(
         listen=listen,
         advertise=advertise,
         replication_listen=replication_listen,
+        replication_advertise=replication_advertise,
         data_dir=data_dir,
         root=root,
         journal_limit=journal_limit,
         metrics_listen=metrics or None,
+        metrics_advertise=metrics_advertise,
         metrics_journals=metrics_journals,
         stall_timeout=stall_timeout,
         min_append_rate=min_append_rate,

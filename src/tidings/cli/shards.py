@@ -16,10 +16,12 @@ from tidings.cli._common import (
     AuthKeysFileOpt,
     AuthKeysOpt,
     BrokerOpt,
+    MetricsAdvertiseOpt,
     MetricsOpt,
     at_least,
     auth_keys,
     broker_client,
+    check_advertised,
     check_endpoint,
     check_log_level,
     client_auth,
@@ -120,6 +122,7 @@ def consumer(
         int, typer.Option(envvar="TIDINGS_SHARD_LIMIT", help="Most shard replicas this process takes.")
     ] = 1024,
     metrics: MetricsOpt = "auto",
+    metrics_advertise: MetricsAdvertiseOpt = "",
     lease_ttl: Annotated[int, typer.Option(envvar="TIDINGS_LEASE_TTL", callback=at_least("--lease-ttl", 1))] = 5,
     exit_timeout: Annotated[
         float, typer.Option(envvar="TIDINGS_EXIT_TIMEOUT", help="On SIGTERM, seconds to wait for shards to move away.")
@@ -139,6 +142,7 @@ def consumer(
     who = f"tidings consumer {zone}/{id}"
     tls, etcd_access = server_tls(who), etcd_security(who)  # (the flags' mistakes first: before the app loads)
     keyset = auth_keys(keys, keys_file)
+    check_advertised("tidings consumer", metrics, metrics_advertise=metrics_advertise)
     try:
         advertised(listen, advertise, "tidings consumer")  # (an address nobody could dial: one line, first)
         application = load_app(app_ref)
@@ -157,6 +161,7 @@ def consumer(
         shard_limit=shard_limit,
         lease_ttl=lease_ttl,
         metrics_listen=metrics or None,
+        metrics_advertise=metrics_advertise,
         exit_timeout=exit_timeout,
         tls=tls,
         **etcd_access,

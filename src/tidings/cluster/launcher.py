@@ -38,7 +38,15 @@ from tidings.protocol.status import UsageError
 from tidings.tls import TLS
 
 DEFAULT_ROOT = "/tidings/cluster"
-_NOT_INHERITED = frozenset({"TIDINGS_ADVERTISE", "TIDINGS_AUTH_KEYS", "TIDINGS_AUTH_KEYS_FILE"})
+_NOT_INHERITED = frozenset(
+    {
+        "TIDINGS_ADVERTISE",
+        "TIDINGS_REPLICATION_ADVERTISE",
+        "TIDINGS_METRICS_ADVERTISE",
+        "TIDINGS_AUTH_KEYS",
+        "TIDINGS_AUTH_KEYS_FILE",
+    }
+)
 
 
 class BrokerProcess:

@@ -56,6 +56,7 @@ class MemberConfig(Protocol):
     root: str
     lease_ttl: int
     metrics_listen: str | None
+    metrics_advertise: str
     exit_timeout: float
     tls: TLS | None
     etcd_tls: TLS | None
@@ -121,10 +122,13 @@ class MemberProcess:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def announced(self, bound: str, derived: bool) -> str:
-        """The endpoint to announce for another listener of this process bound at `bound`: on the
-        advertised host (with its own port) when `bound` is a wildcard, or when it was `derived` from
-        --listen and --advertise is given; else `bound` (an address its flag named)."""
+    def announced(self, bound: str, derived: bool, advertise: str = "", flag: str = "") -> str:
+        """The endpoint to announce for another listener of this process bound at `bound`: its own
+        `advertise` flag's (HOST[:PORT], e.g. a port mapped by a container or a load balancer) if given;
+        else on the advertised host (with its own port) when `bound` is a wildcard, or when it was
+        `derived` from --listen and --advertise is given; else `bound` (an address its flag named)."""
+        if advertise:
+            return advertised(bound, advertise, self.who, flag)
         if host_of(bound) in WILDCARDS or (derived and self.config.advertise):
             return f"{host_of(self.endpoint)}:{bound.rpartition(':')[2]}"
         return bound
@@ -153,7 +157,9 @@ class MemberProcess:
                 served = serve_metrics(cfg.metrics_listen, host, int(port), self.who)
                 self._metrics_server, self.metrics_endpoint = (
                     served[0],
-                    self.announced(served[1], cfg.metrics_listen == "auto"),
+                    self.announced(
+                        served[1], cfg.metrics_listen == "auto", cfg.metrics_advertise, "--metrics-advertise"
+                    ),
                 )
                 undo.callback(stop_metrics, self._metrics_server)
             self.spec = self._member_spec()

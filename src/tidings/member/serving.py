@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -65,16 +66,32 @@ def advertised(bound: str, advertise: str, who: str, flag: str = "--advertise") 
     return bound
 
 
+def _port_or_none(port: str) -> bool:
+    """Whether `port` is empty or a TCP port number (ASCII digits, at most 65535)."""
+    return port == "" or (port.isascii() and port.isdigit() and int(port) <= 65535)
+
+
+def _ipv6(literal: str) -> bool:
+    try:
+        ipaddress.IPv6Address(literal)
+    except ValueError:
+        return False
+    return True
+
+
 def _host_port(text: str, who: str, flag: str) -> tuple[str, str]:
     """(HOST, PORT or "") of HOST, HOST:PORT, [IPv6] or [IPv6]:PORT."""
     if text.startswith("["):
-        host, _, rest = text.partition("]")
-        host += "]"
-        if rest == "" or (rest.startswith(":") and rest[1:].isdigit()):
-            return host, rest[1:]
+        literal, closed, rest = text[1:].partition("]")
+        if (
+            closed
+            and _ipv6(literal)
+            and (rest == "" or (rest.startswith(":") and rest[1:] and _port_or_none(rest[1:])))
+        ):
+            return f"[{literal}]", rest[1:]
     elif text.count(":") <= 1:
         host, _, port = text.partition(":")
-        if host and (port == "" or port.isdigit()) and not text.endswith(":"):
+        if host and _port_or_none(port) and not text.endswith(":"):
             return host, port
     raise UsageError(f"{who}: {flag} {text!r} is not HOST, HOST:PORT or [IPv6]:PORT (an IPv6 literal in brackets)")
 
