@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install etcd postgresql spin systemd demo test lint proto bench models clean
+.PHONY: install etcd postgresql spin systemd iproute2 demo test lint proto bench models clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -42,7 +42,14 @@ systemd:
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq systemd >/dev/null; }
 
-install: $(STAMP) etcd postgresql spin systemd
+# ip (Debian's iproute2) makes the network-namespace hosts of the tests (tests/support/netns.py).
+iproute2:
+	@command -v ip >/dev/null 2>&1 || { \
+	  echo "installing iproute2 (for ip netns) from Debian"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq iproute2 >/dev/null; }
+
+install: $(STAMP) etcd postgresql spin systemd iproute2
 
 demo: install
 	$(VENV)/bin/tidings demo

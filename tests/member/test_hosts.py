@@ -95,8 +95,8 @@ def test_the_hosts_are_gone_after_the_test(tmp_path: Path) -> None:
     assert names[0] not in subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
 
 
-def test_without_root_the_hosts_tests_skip_saying_why() -> None:
-    """Where namespaces cannot be made (not root), a hosts test is skipped with the reason, not failed."""
+def test_without_root_the_hosts_tests_fail_saying_why() -> None:
+    """Where namespaces cannot be made (not root), a hosts test fails with the reason and what to do."""
     import shutil
 
     assert os.geteuid() == 0 and shutil.which("setpriv"), "run as root (the tests' hosts need it), with setpriv"
@@ -105,4 +105,6 @@ def test_without_root_the_hosts_tests_skip_saying_why() -> None:
          "from tests.support.netns import require; require()"],
         capture_output=True, text=True, cwd=Path(__file__).parents[2], timeout=60,
     )  # fmt: skip
-    assert "Skipped: network-namespace hosts need root with CAP_NET_ADMIN (not root)" in r.stderr, r.stderr
+    assert "Failed: network-namespace hosts need root with CAP_NET_ADMIN (not root): run `make test` as root" in (
+        r.stderr
+    ), r.stderr

@@ -10,7 +10,8 @@ started (SIGTERM, then SIGKILL), kills what is left inside its own namespaces (`
 then deletes the namespaces and the bridge. A registry file per Net (`/run/tidings-netns/<run>`:
 owner PID and its start time, the names made) lets the next Net sweep what a killed pytest left.
 
-Needs root with CAP_NET_ADMIN and `ip`: `require()` skips the test with the reason otherwise.
+Needs root with CAP_NET_ADMIN and `ip` (make installs iproute2): `require()` fails the test saying
+so otherwise (the suite runs as root; a hosts test that did not run proves nothing).
 """
 
 from __future__ import annotations
@@ -35,16 +36,16 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 def require() -> None:
-    """Skip the calling test unless this process can make network namespaces."""
+    """Fail the calling test, saying what to do, unless this process can make network namespaces."""
     if os.geteuid() != 0:
-        pytest.skip("network-namespace hosts need root with CAP_NET_ADMIN (not root)")
+        pytest.fail("network-namespace hosts need root with CAP_NET_ADMIN (not root): run `make test` as root")
     probe = f"td-probe-{os.getpid()}"
     try:
         r = _ip("netns", "add", probe, check=False)
     except FileNotFoundError:
-        pytest.skip("network-namespace hosts need the `ip` command (iproute2)")
+        pytest.fail("network-namespace hosts need the `ip` command: `make install` installs iproute2")
     if r.returncode != 0:
-        pytest.skip(f"network-namespace hosts need root with CAP_NET_ADMIN (ip netns add: {r.stderr.strip()})")
+        pytest.fail(f"network-namespace hosts need root with CAP_NET_ADMIN (ip netns add: {r.stderr.strip()})")
     _ip("netns", "del", probe, check=False)
 
 
