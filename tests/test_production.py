@@ -75,25 +75,7 @@ async def test_a_tls_and_token_cluster_on_separate_hosts_serves_and_survives_a_k
         with pytest.raises(TransportError, match="speaks TLS: pass --tls-ca"):
             await plain.list()
 
-    async with hs.client() as c:
-        route = next(j.route for j in (await c.list()).journals if j.spec.name == "prod/j")
-    victim = next(b for b in hs.brokers if b.suffix == route.members[route.primary].suffix)
-    victim.kill()  # SIGKILL: its lease expires; the journal is re-homed on the other three hosts
-
-    async def appended_after_the_kill() -> bool:
-        for ep in hs.endpoints:
-            try:
-                async with hs.client(ep, retries=2) as c:
-                    r = await c.append("prod/j", b"<after the kill>")
-                acked.append((r.begin, r.end, b"<after the kill>"))
-                return True
-            except TidingsError:
-                continue
-        return False
-
-    await wait_until(appended_after_the_kill, 60, interval=0.2)
-    async with hs.client() as c:
-        data = await c.read_all("prod/j")
+    data, _ = await hs.kill_the_primary_and_append("prod/j", acked)  # (SIGKILL: re-homed on the other three)
     assert b"forged" not in data
     for b, e, body in acked:
         assert data[b:e] == body, f"acknowledged append at [{b},{e}) changed"

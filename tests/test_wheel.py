@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.waiting import wait_until_sync
+from tests.support.waiting import gone, wait_until_sync
 from tidings.cluster import free_port
 from tidings.cluster.etcd import die_with_parent, stop_process
 
@@ -83,14 +83,6 @@ def _clean_env() -> dict[str, str]:
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return "zombie" in f.read().lower()
-    except FileNotFoundError:
-        return True
 
 
 @pytest.mark.timeout(900)
@@ -164,9 +156,9 @@ def test_the_wheel_installs_in_a_fresh_virtualenv_and_its_command_runs_a_cluster
         assert run("journals", "read", "wheel/hello", "--no-block", "--broker", broker).stdout == b"installed\n"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0, log.read_text()[-3000:]
-        wait_until_sync(lambda: all(_gone(pid) for pid in children), 30, interval=0.1)
+        wait_until_sync(lambda: all(gone(pid) for pid in children), 30, interval=0.1)
     finally:
         stop_process(proc, timeout=60)  # (SIGTERM, then SIGKILL: only if the test failed before its own stop)
         for pid in children:  # (the cluster's etcd and broker, by the PIDs we saw; normally gone already)
-            if not _gone(pid):
+            if not gone(pid):
                 os.kill(pid, signal.SIGKILL)

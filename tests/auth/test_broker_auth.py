@@ -22,7 +22,7 @@ import pytest
 
 import tidings.auth.jwt as jwt_module
 import tidings.auth.verifier as verifier_module
-from tests.support.auth import KEY, methods, outcome, refusals, unrevisioned
+from tests.support.auth import KEY, refusals, unrevisioned, walk_capabilities
 from tests.support.auth import bearer as _bearer
 from tests.support.auth import token as _token
 from tests.support.cluster import TestCluster
@@ -117,15 +117,8 @@ def _primary(tc: TestCluster, journal: str) -> tuple[Broker, Broker]:
 async def test_every_journal_rpc_checks_its_capability_first(tc: TestCluster) -> None:
     """A walk of the Journal service: each RPC without a token is UNAUTHENTICATED, with a token lacking its
     capability PERMISSION_DENIED, and with a token of exactly its capability gets past the check."""
-    journal = methods("Journal")
-    assert sorted(m.name for m in journal) == sorted(NEEDS), "a Journal RPC without its capability in NEEDS"
     async with grpc.aio.insecure_channel(tc.brokers[0].endpoint) as ch:
-        for m in journal:
-            assert await outcome(ch, m, ()) == grpc.StatusCode.UNAUTHENTICATED, m.name
-            lacking = _bearer(_token(Capability.ALL & ~NEEDS[m.name]))
-            assert await outcome(ch, m, lacking) == grpc.StatusCode.PERMISSION_DENIED, m.name
-            exact = await outcome(ch, m, _bearer(_token(NEEDS[m.name])))
-            assert exact not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED), m.name
+        await walk_capabilities(ch, "Journal", NEEDS)
 
 
 # -- refusals: their codes, nothing written -------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
-from tests.support.auth import KEY, bearer, methods, outcome, refusals, token, unrevisioned
+from tests.support.auth import KEY, bearer, refusals, token, unrevisioned, walk_capabilities
 from tests.support.cluster import TestCluster
 from tests.support.consumers import PRIMARY, WORDS, Consumers, RecordedCounts
 from tests.support.waiting import wait_until
@@ -93,15 +93,8 @@ async def test_every_shard_rpc_checks_its_capability_first(consumers: Consumers)
     """A walk of the Shard service: each RPC without a token is UNAUTHENTICATED, with a token lacking its
     capability PERMISSION_DENIED, and with a token of exactly its capability gets past the check."""
     consumer = await consumers.add("zone-a")
-    shard = methods("Shard")
-    assert sorted(m.name for m in shard) == sorted(NEEDS), "a Shard RPC without its capability in NEEDS"
     async with grpc.aio.insecure_channel(consumer.endpoint) as ch:
-        for m in shard:
-            assert await outcome(ch, m, ()) == grpc.StatusCode.UNAUTHENTICATED, m.name
-            lacking = bearer(token(Capability.ALL & ~NEEDS[m.name]))
-            assert await outcome(ch, m, lacking) == grpc.StatusCode.PERMISSION_DENIED, m.name
-            exact = await outcome(ch, m, bearer(token(NEEDS[m.name])))
-            assert exact not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED), m.name
+        await walk_capabilities(ch, "Shard", NEEDS)
 
 
 async def test_a_shard_outside_the_selector_answers_exactly_as_a_missing_one(consumers: Consumers) -> None:

@@ -24,7 +24,7 @@ import pytest
 
 import tidings.auth.jwt as jwt_module
 import tidings.auth.verifier as verifier_module
-from tests.support.auth import KEY, bearer, methods, outcome, refusals, token
+from tests.support.auth import KEY, bearer, refusals, token, walk_capabilities
 from tests.support.cluster import TestCluster
 from tests.support.logplayer import ENV, Procs, applied_log, wait_delivered
 from tests.support.waiting import wait_until
@@ -78,14 +78,7 @@ async def test_every_target_rpc_checks_its_capability_first(target: Any) -> None
     """A walk of the Target service: each RPC without a token is UNAUTHENTICATED, with a token lacking its
     capability PERMISSION_DENIED, and with a token of exactly its capability gets past the check."""
     _server, channel = target
-    target_methods = methods("Target")
-    assert sorted(m.name for m in target_methods) == sorted(NEEDS), "a Target RPC without its capability in NEEDS"
-    for m in target_methods:
-        assert await outcome(channel, m, ()) == grpc.StatusCode.UNAUTHENTICATED, m.name
-        lacking = bearer(token(Capability.ALL & ~NEEDS[m.name]))
-        assert await outcome(channel, m, lacking) == grpc.StatusCode.PERMISSION_DENIED, m.name
-        exact = await outcome(channel, m, bearer(token(NEEDS[m.name], "target=t0")))
-        assert exact not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED), m.name
+    await walk_capabilities(channel, "Target", NEEDS, "target=t0")
 
 
 async def test_a_target_outside_the_selector_answers_as_a_wrong_target_and_takes_nothing(target: Any) -> None:

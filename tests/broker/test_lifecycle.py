@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.cluster import FAST_BROKER_FLAGS, create_local_journal
-from tests.support.waiting import wait_until, wait_until_sync
+from tests.support.waiting import gone, wait_until, wait_until_sync
 from tidings.allocator.keys import item_key
 from tidings.client import AsyncClient
 from tidings.cluster import BrokerProcess, EtcdProcess, LocalCluster, free_port
@@ -45,15 +45,6 @@ def private_etcd(tmp_path: Path) -> Iterator[EtcdProcess]:
 
 def _log(b: BrokerProcess) -> str:
     return (b.data_dir / "broker.log").read_text(errors="replace")
-
-
-def _gone(pid: int) -> bool:
-    """The process has exited (a zombie awaiting its reaper counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return "zombie" in f.read().lower()
-    except FileNotFoundError:
-        return True
 
 
 @contextlib.contextmanager
@@ -363,7 +354,7 @@ def test_cluster_up_killed_leaves_nothing_running_and_starts_again_cleanly(tmp_p
 
         first.kill()
         first.wait()
-        wait_until_sync(lambda: all(_gone(pid) for pid in children), 20)
+        wait_until_sync(lambda: all(gone(pid) for pid in children), 20)
 
         second = _cluster_up(data_dir, port)
         lines = _wait_ready(second, 60)
@@ -383,7 +374,7 @@ def test_cluster_up_killed_leaves_nothing_running_and_starts_again_cleanly(tmp_p
                 proc.kill()
                 proc.wait()
         for pid in children:
-            if not _gone(pid):
+            if not gone(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -436,7 +427,7 @@ def test_cluster_up_restarts_at_once_on_its_own_ports_and_etcd_endpoint(tmp_path
         for pid in [procs[-1].pid, *_children(procs[-1].pid)]:
             os.kill(pid, signal.SIGKILL)  # the whole tree at once
         procs[-1].wait()
-        wait_until_sync(lambda: all(_gone(pid) for pid in children), 20)
+        wait_until_sync(lambda: all(gone(pid) for pid in children), 20)
 
         assert up() == etcd
         r = subprocess.run([*cli, "journals", "read", "up/b", "--broker", broker], capture_output=True, timeout=60)
@@ -460,5 +451,5 @@ def test_cluster_up_restarts_at_once_on_its_own_ports_and_etcd_endpoint(tmp_path
                     proc.kill()
                     proc.wait()
         for pid in children:
-            if not _gone(pid):
+            if not gone(pid):
                 os.kill(pid, signal.SIGKILL)

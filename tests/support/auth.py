@@ -12,7 +12,7 @@ import grpc
 from tidings.auth import sign
 from tidings.protocol import labels
 from tidings.protocol import protocol_pb2 as pb
-from tidings.protocol.claims import Claims
+from tidings.protocol.claims import Capability, Claims
 
 KEY = bytes(range(32))  # the key test servers hold (KeySet((KEY,)))
 
@@ -68,6 +68,20 @@ async def outcome(ch: grpc.aio.Channel, method: Any, metadata: tuple[tuple[str, 
     except grpc.aio.AioRpcError as exc:
         return exc.code()
     return grpc.StatusCode.OK
+
+
+async def walk_capabilities(ch: grpc.aio.Channel, service: str, needs: dict[str, int], sel: str = "") -> None:
+    """Every RPC of `service` (each in `needs`, with the capability it needs) called without a token is
+    UNAUTHENTICATED, with a token lacking its capability PERMISSION_DENIED, and with a token of exactly
+    its capability (over `sel`) gets past the check."""
+    walked = methods(service)
+    assert sorted(m.name for m in walked) == sorted(needs), f"a {service} RPC without its capability in `needs`"
+    for m in walked:
+        assert await outcome(ch, m, ()) == grpc.StatusCode.UNAUTHENTICATED, m.name
+        lacking = bearer(token(Capability.ALL & ~needs[m.name]))
+        assert await outcome(ch, m, lacking) == grpc.StatusCode.PERMISSION_DENIED, m.name
+        exact = await outcome(ch, m, bearer(token(needs[m.name], sel)))
+        assert exact not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED), m.name
 
 
 def refusals(service: str, code: str) -> float:

@@ -18,10 +18,12 @@ from pathlib import Path
 from tests.support.certs import Certs
 from tests.support.cluster import FAST_BROKER_FLAGS
 from tests.support.netns import Host, Net
+from tests.support.waiting import wait_until
 from tidings.auth import KeyedAuthorizer, KeySet
 from tidings.client import AsyncClient
 from tidings.cluster import BrokerProcess, EtcdProcess
 from tidings.cluster.etcd import endpoint_of
+from tidings.protocol.status import TidingsError
 from tidings.tls import TLS, load
 
 ROOT = "/tidings/hosts"
@@ -79,6 +81,29 @@ class Hosts:
         """A client on the test's host: TLS with a certificate of its own, signing with the cluster's keys."""
         auth = KeyedAuthorizer(KeySet.parse(self.auth_keys), sub="tests") if self.auth_keys else None
         return AsyncClient(endpoint or self.endpoints[0], tls=self.tls(None), auth=auth, **kw)  # type: ignore[arg-type]
+
+    async def kill_the_primary_and_append(self, journal: str, acked: list[tuple[int, int, bytes]]) -> tuple[bytes, str]:
+        """SIGKILL the broker leading `journal`, append to it through any broker once it is re-homed on the
+        others (the append's span added to `acked`): the journal's content, and the killed broker's suffix."""
+        async with self.client() as c:
+            route = next(j.route for j in (await c.list()).journals if j.spec.name == journal)
+        victim = next(b for b in self.brokers if b.suffix == route.members[route.primary].suffix)
+        victim.kill()  # its lease expires; the journal is re-homed on the other hosts
+
+        async def appended_after_the_kill() -> bool:
+            for ep in self.endpoints:
+                try:
+                    async with self.client(ep, retries=2) as c:
+                        r = await c.append(journal, b"<after the kill>")
+                    acked.append((r.begin, r.end, b"<after the kill>"))
+                    return True
+                except TidingsError:
+                    continue
+            return False
+
+        await wait_until(appended_after_the_kill, 60, interval=0.2)
+        async with self.client() as c:
+            return await c.read_all(journal), victim.suffix
 
     def flags(self, host: Host) -> list[str]:
         """A process's flags on `host`: its TLS, and etcd's (the same certificate)."""

@@ -32,3 +32,12 @@ def wait_until_sync(cond: Callable[[], Any], timeout: float = 10.0, interval: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"condition {getattr(cond, '__name__', cond)!r} not met within {timeout}s")
         time.sleep(interval)
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie awaiting its reaper counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "zombie" in f.read().lower()
+    except FileNotFoundError:
+        return True
