@@ -97,6 +97,22 @@ def test_a_capped_expiry_never_outlives_the_caller() -> None:
     assert renewed != short and check.verify_metadata(renewed, Capability.APPEND, clock.now).exp == int(NOW + 120)
 
 
+def test_a_caller_with_a_long_token_never_gets_the_short_one_another_caller_left() -> None:
+    """Two callers of a proxying broker: one whose token ends in 20 s, then one whose token lasts a day.
+    The second's proxied call gets an hour (it would be cut at 20 s with the first's)."""
+    clock = _Clock()
+    a = KeyedAuthorizer(KeySet((NEW,)), clock=clock)
+    sel = labels.parse_selector("name=shop/orders")
+    check = Verifier(KeySet((NEW,)))
+    short = a.metadata(Capability.READ, sel, exp=NOW + 20)
+    clock.now += 1
+    day = a.metadata(Capability.READ, sel, exp=NOW + 86_400)
+    assert day != short and check.verify_metadata(day, Capability.READ, clock.now).exp == int(clock.now) + 3600
+    assert check.verify_metadata(a.metadata(Capability.READ, sel, exp=NOW + 20), Capability.READ, clock.now).exp <= (
+        NOW + 20
+    )
+
+
 def test_clients_claim_what_each_call_touches() -> None:
     """Gazette's per-call claims: an append, a read or a fragments listing `name=<journal>`, a List its
     selector, an Apply everything; a Shard call `id=<shard>` (each shard unassigned), a shard List its

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import time
 from typing import Any
 
@@ -350,6 +351,27 @@ async def test_a_blocking_read_ends_when_its_token_expires(tc: TestCluster, no_l
             async for chunk in c.read(A, block=True):  # (it waits at the head until the token expires)
                 got.append(chunk.content)
     assert got == [b"before\n"] and time.time() >= exp
+
+
+async def test_a_backlog_read_cut_by_its_tokens_expiry_is_never_taken_for_the_whole(
+    tc: TestCluster, no_leeway: None
+) -> None:
+    """A non-blocking read of a backlog whose token expires midway: the broker ends it early, and the client
+    opens it again (refused now: a keyed client would have signed a fresh token) instead of returning a
+    part of the journal as if it were all of it."""
+    async with _client(tc, KeyedAuthorizer(KeySet((KEY,)))) as w:
+        for _ in range(24):
+            await w.append(A, os.urandom(1 << 20))
+        head = await w.write_head(A)
+    token, exp = _token(Capability.READ, ttl=2), int(time.time()) + 2
+    got = 0
+    async with _client(tc, BearerAuthorizer(token)) as c:
+        with pytest.raises(UnauthenticatedError, match="token expired"):
+            async for chunk in c.read(A, 0):
+                if not got:  # (a slow reader: the token expires while most of the backlog is unread)
+                    await wait_until(lambda: time.time() > exp + 0.5, timeout=10)
+                got += len(chunk.content)
+    assert got < head
 
 
 async def test_an_append_streaming_past_its_token_expiry_is_rolled_back(tc: TestCluster, no_leeway: None) -> None:

@@ -12,6 +12,9 @@ import asyncio
 import hashlib
 import os
 
+import pytest
+
+from tests.support import recovery
 from tests.support.cluster import FAST_BROKER_FLAGS, create_local_journal
 from tests.support.recovery import (
     append_eventually,
@@ -23,6 +26,7 @@ from tests.support.recovery import (
     routed,
 )
 from tests.support.waiting import wait_until
+from tidings.auth import KeyedAuthorizer, KeySet, generate_key
 from tidings.client import AsyncClient
 from tidings.cluster import LocalCluster
 from tidings.fragment.store import store_for
@@ -30,19 +34,25 @@ from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import IndexHasGreaterOffsetError, TidingsError
 
 
-async def test_an_acknowledged_append_survives_when_its_primary_is_not_back_first(etcd, etcd_root, tmp_path) -> None:
+@pytest.mark.parametrize("keys", ["", generate_key()], ids=["plaintext", "tokens"])
+async def test_an_acknowledged_append_survives_when_its_primary_is_not_back_first(
+    etcd, etcd_root, tmp_path, monkeypatch, keys: str
+) -> None:
     """R=2 over 3 brokers: the last acknowledged append A, then its primary Q and peer P are killed -9
     together and only P comes back (the journal goes on with P and the third broker S). P resumes past A
     (its HEAD records each commit before it answers it), so the next append lands after A and A reads
-    back; when Q comes back, what it recovered is checked and persisted without forking the store."""
+    back; when Q comes back, what it recovered is checked and persisted without forking the store. With
+    keys, the recovery's checks of the other members carry the broker's own tokens."""
+    if keys:
+        monkeypatch.setattr(recovery, "AUTH", KeyedAuthorizer(KeySet.parse(keys), sub="tests"))
     j = "verify/acked"
-    lc = LocalCluster(brokers=3, zones=3, data_dir=tmp_path, etcd=etcd.endpoint, root=etcd_root)
+    lc = LocalCluster(brokers=3, zones=3, data_dir=tmp_path, etcd=etcd.endpoint, root=etcd_root, auth_keys=keys)
     lc.extra = [*FAST_BROKER_FLAGS, "--pulse-interval", "60"]  # no zero-byte append follows A
     try:
         lc.start()
-        await create_local_journal(lc, j, 2, fragment={"length": "1MiB", "refresh_interval": "1s"})
+        await create_local_journal(lc, j, 2, fragment={"length": "1MiB", "refresh_interval": "1s"}, auth=recovery.AUTH)
         await wait_until(lambda: routed(lc.endpoints[0], j, n=2), 30)
-        async with AsyncClient(lc.endpoints[0]) as c:
+        async with recovery.client(lc.endpoints[0]) as c:
             for i in range(3):
                 await c.append(j, f"acked-{i}\n".encode())
             a = await c.append(j, b"the last acknowledged append\n")
@@ -60,7 +70,7 @@ async def test_an_acknowledged_append_survives_when_its_primary_is_not_back_firs
         await wait_until(lambda: routed(s.endpoint, j, {p.suffix, s.suffix}), 60, interval=0.2)
         b = await append_eventually(s.endpoint, j, b"B, after the restart\n")
         assert b.begin >= a.end, f"offsets [{b.begin}, {b.end}) handed out again: A [{a.begin}, {a.end}) is lost"
-        async with AsyncClient(s.endpoint) as c:
+        async with recovery.client(s.endpoint) as c, asyncio.timeout(60):  # (unverified content is not served)
             got = b"".join([ch.content async for ch in c.read(j, a.begin, block=True, end_offset=a.end)])
         assert got == b"the last acknowledged append\n"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from tidings.auth import KeyedAuthorizer, KeySet
+from tidings.auth import Authorizer, KeyedAuthorizer, KeySet
 from tidings.broker.host import BrokerConfig
 from tidings.broker.service import Broker
 from tidings.client import AsyncClient
@@ -96,11 +96,14 @@ class TestCluster:
 FAST_BROKER_FLAGS = ["--pulse-interval", "0.5", "--lease-ttl", "2", "--stall-timeout", "5"]
 
 
-async def create_local_journal(lc: LocalCluster, name: str, replication: int = 3, **fields: object) -> None:
-    """Create a journal on a LocalCluster (brokers as child processes) and wait for its primary."""
+async def create_local_journal(
+    lc: LocalCluster, name: str, replication: int = 3, auth: Authorizer | None = None, **fields: object
+) -> None:
+    """Create a journal on a LocalCluster (brokers as child processes) and wait for its primary (`auth`:
+    what the client signs with, for brokers holding keys)."""
     frag = {"length": "64KiB", "stores": [lc.store_url], **fields.pop("fragment", {})}  # type: ignore[dict-item]
     spec = spec_from_dict({"name": name, "replication": replication, "fragment": frag, **fields})
-    async with AsyncClient(lc.endpoints[0]) as c:
+    async with AsyncClient(lc.endpoints[0], auth=auth) as c:
         await c.apply([pb.ApplyRequest.Change(upsert=spec)])
 
         async def has_primary() -> bool:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tests.support.cluster import create_local_journal
 from tests.support.waiting import wait_until
+from tidings.auth import Authorizer
 from tidings.broker.replica import spool_directory
 from tidings.client import AppendResult, AsyncClient
 from tidings.cluster import LocalCluster
@@ -20,9 +21,15 @@ from tidings.fragment.store import store_for
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import IndexHasGreaterOffsetError, TidingsError
 
+AUTH: Authorizer | None = None  # what the helpers' clients sign with (a test of brokers holding keys sets it)
+
+
+def client(endpoint: str) -> AsyncClient:
+    return AsyncClient(endpoint, auth=AUTH)
+
 
 async def route_of(endpoint: str, journal: str) -> pb.Route | None:
-    async with AsyncClient(endpoint) as c:
+    async with client(endpoint) as c:
         for j in (await c.list()).journals:
             if j.spec.name == journal:
                 return j.route
@@ -41,7 +48,7 @@ async def refuses_to_guess(endpoint: str, journal: str) -> bool:
     """An append through `endpoint` answers INDEX_HAS_GREATER_OFFSET (False: no answer yet; an append
     that lands fails the test: it went over offsets only a lost replica held)."""
     try:
-        async with AsyncClient(endpoint) as c:
+        async with client(endpoint) as c:
             await asyncio.wait_for(c.append(journal, b"not yet"), 10)
     except IndexHasGreaterOffsetError:
         return True
@@ -53,7 +60,7 @@ async def refuses_to_guess(endpoint: str, journal: str) -> bool:
 async def append_eventually(endpoint: str, journal: str, content: bytes, **kw: int) -> AppendResult:
     async def attempt() -> AppendResult | None:
         try:
-            async with AsyncClient(endpoint) as c:
+            async with client(endpoint) as c:
                 return await asyncio.wait_for(c.append(journal, content, **kw), 10)
         except (TidingsError, TimeoutError):
             return None
@@ -115,7 +122,7 @@ def commit_on_disk(data_dir: Path, journal: str, revision: int, content: bytes) 
 
 
 async def create_revision(endpoint: str, journal: str) -> int:
-    async with AsyncClient(endpoint) as c:
+    async with client(endpoint) as c:
         return next(j.create_revision for j in (await c.list()).journals if j.spec.name == journal)
 
 
@@ -135,9 +142,9 @@ class Tail:
 async def primary_killed_with_a_tail(lc: LocalCluster, journal: str) -> Tail:
     """On a started 3-broker cluster: create `journal` (R=2), append A, kill its primary P -9, and leave C
     committed on P's disk alone (`commit_on_disk`)."""
-    await create_local_journal(lc, journal, 2, fragment={"length": "1MiB", "refresh_interval": "1s"})
+    await create_local_journal(lc, journal, 2, fragment={"length": "1MiB", "refresh_interval": "1s"}, auth=AUTH)
     await wait_until(lambda: routed(lc.endpoints[0], journal, n=2), 30)
-    async with AsyncClient(lc.endpoints[0]) as c:
+    async with client(lc.endpoints[0]) as c:
         a = await c.append(journal, b"A: acknowledged on P and Q\n")
     route = await route_of(lc.endpoints[0], journal)
     assert route is not None

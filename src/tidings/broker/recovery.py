@@ -54,11 +54,14 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from tidings.auth.authorizer import CallMetadata
 from tidings.broker.replica import spool_directory, stores_of
 from tidings.fragment.fragment import Fragment
 from tidings.fragment.spool import SpoolFile, lower_head
 from tidings.fragment.store import store_for
 from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.claims import Capability
+from tidings.protocol.labels import name_selector
 from tidings.protocol.protocol_pb2_grpc import JournalStub
 
 if TYPE_CHECKING:
@@ -120,11 +123,13 @@ def _check_store_fragment(frag: Fragment, file: SpoolFile, other: Fragment) -> N
             stream.close()
 
 
-async def _check_member(channel: grpc.aio.Channel, frag: Fragment, file: SpoolFile) -> int | None:
+async def _check_member(
+    channel: grpc.aio.Channel, frag: Fragment, file: SpoolFile, metadata: CallMetadata
+) -> int | None:
     """Compare what one member serves of `frag`'s offsets (its spool files, or the store through it) ->
     the end of the member's index, or None if it cannot answer now."""
     stub = JournalStub(channel)  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
-    listing = await stub.ListFragments(pb.FragmentsRequest(journal=frag.journal, do_not_proxy=True))
+    listing = await stub.ListFragments(pb.FragmentsRequest(journal=frag.journal, do_not_proxy=True), metadata=metadata)
     if listing.status != pb.OK:
         return None
     for entry in listing.fragments:
@@ -133,12 +138,17 @@ async def _check_member(channel: grpc.aio.Channel, frag: Fragment, file: SpoolFi
         if begin >= end or (other.begin, other.end, other.sum) == (frag.begin, frag.end, frag.sum):
             continue
         req = pb.ReadRequest(journal=frag.journal, offset=begin, end_offset=end, do_not_proxy=True)
-        async for resp in stub.Read(req):
+        async for resp in stub.Read(req, metadata=metadata):
             if resp.status != pb.OK:
                 return None  # it no longer holds them as listed: ask again
             if resp.content:
                 _same_as(frag, file, resp.offset, resp.content)
     return max((e.spec.end for e in listing.fragments), default=0)
+
+
+def read_token(broker: Host, journal: str) -> CallMetadata:
+    """The broker's own token for reading `journal` from its peers (none when it holds no keys)."""
+    return broker.authorizer.metadata(Capability.READ, name_selector(journal))
 
 
 async def check(
@@ -148,19 +158,21 @@ async def check(
     channel: Callable[[str], grpc.aio.Channel],
     list_store: Callable[[], Awaitable[list[Fragment] | None]],
     need_past: bool = False,
+    metadata: CallMetadata = (),
 ) -> Verdict:
     """Whether the recovered `frag` (content in `file`) agrees with the journal's members and stores.
 
     Every member is asked (one that cannot answer does not hide another's contradiction), then the
     store is listed: a fragment a member uploaded and dropped locally meanwhile is in that listing.
-    `need_past`: KEEP only if some member's index already reaches past `frag`."""
+    `need_past`: KEEP only if some member's index already reaches past `frag`. `metadata`: the calls' token
+    (a broker's own, READ of the journal: `read_token`), for members checking tokens."""
     unknown: list[str] = []
     furthest = -1
     try:
         for endpoint in members:
             try:
                 async with asyncio.timeout(MEMBER_TIMEOUT):
-                    end = await _check_member(channel(endpoint), frag, file)
+                    end = await _check_member(channel(endpoint), frag, file, metadata)
             except (grpc.RpcError, TimeoutError, OSError) as exc:  # OSError: reading our own file failed
                 unknown.append(f"{endpoint}: {exc!r}"[:200])
                 continue
@@ -213,7 +225,9 @@ async def _journal_refuses_appends(broker: Host, journal: str) -> bool | None:
     INDEX_HAS_GREATER_OFFSET (None: no answer now)."""
     stub = JournalStub(broker.channel(broker.endpoint))  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
     try:
-        resp = await stub.Append(iter([pb.AppendRequest(journal=journal, commit=True)]), timeout=MEMBER_TIMEOUT)
+        barrier = iter([pb.AppendRequest(journal=journal, commit=True)])
+        metadata = broker.authorizer.metadata(Capability.APPEND, name_selector(journal))
+        resp = await stub.Append(barrier, timeout=MEMBER_TIMEOUT, metadata=metadata)
     except grpc.RpcError:
         return None
     if resp.status == pb.INDEX_HAS_GREATER_OFFSET:
@@ -250,7 +264,14 @@ class RecoveryChecks:
                 if members is None:
                     return None
                 for i, (frag, file) in enumerate(replica.unverified):
-                    verdict = await check(frag, file, members, self.broker.channel, functools.partial(_listed, replica))
+                    verdict = await check(
+                        frag,
+                        file,
+                        members,
+                        self.broker.channel,
+                        functools.partial(_listed, replica),
+                        metadata=read_token(self.broker, frag.journal),
+                    )
                     if verdict is Verdict.DROP:
                         return drop_from(replica.unverified, i)
         return None
@@ -264,7 +285,14 @@ class RecoveryChecks:
             members = await self._members(replica)
             if members is not None and (replica.synchronized.is_set() or not members):
                 for frag, file in list(replica.unverified):
-                    verdict = await check(frag, file, members, self.broker.channel, functools.partial(_listed, replica))
+                    verdict = await check(
+                        frag,
+                        file,
+                        members,
+                        self.broker.channel,
+                        functools.partial(_listed, replica),
+                        metadata=read_token(self.broker, frag.journal),
+                    )
                     if verdict is Verdict.KEEP:
                         replica.adopt(frag, file)
                     elif verdict is Verdict.DROP:
@@ -322,7 +350,15 @@ async def verify_unassigned(broker: Host, journal: str, fragments: list[tuple[Fr
         # would stay in the store, past a hole.
         while pending and members:
             frag, file = pending[0]
-            verdict = await check(frag, file, members, broker.channel, list_store, need_past=True)
+            verdict = await check(
+                frag,
+                file,
+                members,
+                broker.channel,
+                list_store,
+                need_past=True,
+                metadata=read_token(broker, frag.journal),
+            )
             if verdict is Verdict.AHEAD and await _journal_refuses_appends(broker, journal):
                 verdict = Verdict.KEEP  # the only copy, maybe of acknowledged appends: a reset-head goes past it
             if verdict is Verdict.KEEP:

@@ -781,9 +781,11 @@ class Reader:
             except StatusError as exc:
                 err = exc
             else:
-                if not self.block:
+                if not self.block and self.end_offset and self.offset >= self.end_offset:
                     return
-                # The broker ended a blocking read (the replica moved?), or the journal is suspended: re-open it.
+                # The broker ended the read before its end (a non-blocking one ends at the head with
+                # OFFSET_NOT_YET_AVAILABLE, above): the replica moved, the caller's token expired, or the
+                # journal is suspended: re-open it.
                 await client.backoff(min(suspended, 5) if suspended > suspended_before else 0)
                 continue
             finally:
