@@ -255,6 +255,11 @@ class RecoveryChecks:
             return None
         return _members(res.route, self.broker.process_id)
 
+    async def _check(self, replica: Replica, frag: Fragment, file: SpoolFile, members: list[str]) -> Verdict:
+        """`check` of a fragment the replica recovered, asking its members with the broker's own token."""
+        listed, token = functools.partial(_listed, replica), read_token(self.broker, frag.journal)
+        return await check(frag, file, members, self.broker.channel, listed, metadata=token)
+
     async def before_sync(self, replica: Replica) -> int | None:
         """Drop the first recovered fragment the journal contradicts and every later one, before the
         spool resumes -> where the spool must resume instead (None: nothing dropped). Bounded."""
@@ -264,14 +269,7 @@ class RecoveryChecks:
                 if members is None:
                     return None
                 for i, (frag, file) in enumerate(replica.unverified):
-                    verdict = await check(
-                        frag,
-                        file,
-                        members,
-                        self.broker.channel,
-                        functools.partial(_listed, replica),
-                        metadata=read_token(self.broker, frag.journal),
-                    )
+                    verdict = await self._check(replica, frag, file, members)
                     if verdict is Verdict.DROP:
                         return drop_from(replica.unverified, i)
         return None
@@ -285,14 +283,7 @@ class RecoveryChecks:
             members = await self._members(replica)
             if members is not None and (replica.synchronized.is_set() or not members):
                 for frag, file in list(replica.unverified):
-                    verdict = await check(
-                        frag,
-                        file,
-                        members,
-                        self.broker.channel,
-                        functools.partial(_listed, replica),
-                        metadata=read_token(self.broker, frag.journal),
-                    )
+                    verdict = await self._check(replica, frag, file, members)
                     if verdict is Verdict.KEEP:
                         replica.adopt(frag, file)
                     elif verdict is Verdict.DROP:
