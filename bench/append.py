@@ -14,21 +14,29 @@ CPU per append of the server process (`server_cpu_us`, /proc utime+stime) and of
   bench/append.py                       # everything: the floor, then R=1 and R=3
   bench/append.py --replicas 3 --seconds 3 --big-mib 256
   bench/append.py --only-floor          # the floor alone, a few seconds, no cluster
-  bench/append.py --tls --replicas 3 --no-floor --big-mib 64 --rounds 3   # plaintext and mutual TLS, alternated
+  bench/append.py --tls --replicas 3 --no-floor --big-mib 64   # the same on plaintext and mutual TLS + tokens
+  bench/append.py --tls-slices 10                               # what TLS and tokens cost, interleaved (~3 min)
 
 With `--tls` the cluster's measurements run twice in one run, on a plaintext cluster and then on one
 serving mutual TLS (gRPC and the replication port; a CA and certificates made for the run with
 trustme) whose brokers verify capability tokens, and the last lines give what TLS + tokens cost
 against the issue's budgets: `tls_overhead_pct` of the R=3 pipelined 64 KiB MB/s (at most 15%) and
-`tls_extra_median_us` of the R=3 sequential 1 KiB median (at most 100 us). `--rounds N` alternates the
-two clusters N times and gives each round's figures and their medians, with the CPU of all the
-processes per R=3 64 KiB append (on two shared cores one round's MB/s swings more than the budget).
+`tls_extra_median_us` of the R=3 sequential 1 KiB median (at most 100 us).
+
+On this 2-core VM one cluster's figures drift by more than those budgets from one minute to the next,
+so `--tls-slices N` measures the cost differently: it starts four R=3 clusters at once (plaintext;
+mutual TLS with tokens; TLS alone; tokens alone, each of the last two being real flags), then gives
+each in turn a slice (300 sequential 1 KiB appends, 1.5 s of pipelined 64 KiB appends), N times,
+alternating the order. Every cluster is measured within seconds of the others, many times; it prints
+each configuration's pooled 1 KiB median, median MB/s and CPU per append (all processes), and their
+cost against plaintext (`tls_slices_cost`). An idle cluster costs under 1% of a core.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
@@ -337,45 +345,104 @@ def tls_costs(plain: list[dict], tls: list[dict]) -> dict:
     }
 
 
-def tls_summary(rounds: list[dict]) -> dict:
-    """The rounds' costs and their medians (one round's figures swing more than the budgets here)."""
-    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0] if all(r[k] is not None for r in rounds)}
-    return emit(
-        {
-            "test": "tls_cost",
-            "replicas": 3,
-            "payload_bytes": 64 * KiB,
-            "rounds": len(rounds),
-            **{k: round(v, 1) for k, v in med.items()},
-            "per_round": rounds,
-            "budget": "at most 15% of R=3 64 KiB MB/s; at most 100 us of the R=3 1 KiB sequential median",
-        }
-    )
-
-
 async def main_async(args) -> None:
+    if args.tls_slices:
+        await tls_slices(args.tls_slices)
+        return
     recs = []
     if not args.no_floor:
         recs.extend(await floor(args.seconds, args.count))
     if args.only_floor:
         table(recs)
         return
-    costs = []
-    for _ in range(args.rounds if args.tls else 1):
-        plain = await cluster_runs(args, None)
-        recs.extend(plain)
-        if args.tls:
-            with tempfile.TemporaryDirectory(prefix="tidings-bench-certs-") as certs:
-                secured = await cluster_runs(args, make_certs(certs))
-            recs.extend(secured)
-            costs.append(tls_costs(plain, secured))
+    plain = await cluster_runs(args, None)
+    recs.extend(plain)
+    if args.tls:
+        with tempfile.TemporaryDirectory(prefix="tidings-bench-certs-") as certs:
+            secured = await cluster_runs(args, make_certs(certs))
+        recs.extend(secured)
     table(recs)
     if args.tls:
-        cost = tls_summary(costs)
+        cost = emit({"test": "tls_cost", "replicas": 3, "payload_bytes": 64 * KiB, **tls_costs(plain, secured)})
         print(
-            f"\nTLS, median of {len(costs)} round(s): {cost.get('tls_overhead_pct')}% of R=3 64 KiB MB/s, "
-            f"+{cost.get('tls_extra_median_us')} us R=3 1 KiB median; CPU per 64 KiB append "
-            f"{cost.get('plain_cpu_us_per_64k')} -> {cost.get('tls_cpu_us_per_64k')} us"
+            f"\nTLS + tokens: {cost.get('tls_overhead_pct')}% of R=3 64 KiB MB/s, "
+            f"+{cost.get('tls_extra_median_us')} us R=3 1 KiB median (one run: compare --tls-slices)"
+        )
+
+
+SLICE_CONFIGS = {"plaintext": (False, False), "tls+tokens": (True, True), "tls": (True, False), "tokens": (False, True)}
+
+
+async def tls_slices(slices: int) -> None:
+    """The four configurations of SLICE_CONFIGS up at once, measured in turn, `slices` times."""
+    with contextlib.ExitStack() as stack:
+        up: dict[str, tuple[Any, TLS | None, KeyedAuthorizer | None, str, str]] = {}
+        for name, (tls_on, tokens_on) in SLICE_CONFIGS.items():
+            keys = generate_key() if tokens_on else ""
+            auth = KeyedAuthorizer(KeySet.parse(keys), sub="bench") if keys else None
+            data = stack.enter_context(tempfile.TemporaryDirectory(prefix="tidings-bench-"))
+            lc = LocalCluster(brokers=3, zones=3, data_dir=data, auth_keys=keys)
+            lc.extra = ["--log-level", "warning"]
+            tls = None
+            if tls_on:
+                files = make_certs(stack.enter_context(tempfile.TemporaryDirectory(prefix="tidings-bench-certs-")))
+                lc.extra += [arg for flag, path in files.items() for arg in (flag, path)]
+                tls = load(*files.values(), "bench", server=False)
+            stack.enter_context(lc)
+            async with AsyncClient(lc.endpoints[0], tls=tls, auth=auth) as c0:
+                for journal in ("bench/slice-seq", "bench/slice-pipe"):
+                    await create_journal(c0, lc, journal, 3)
+                seq_ep, pipe_ep = [await primary_endpoint(c0, j) for j in ("bench/slice-seq", "bench/slice-pipe")]
+            up[name] = (lc, tls, auth, seq_ep, pipe_ep)
+        lat: dict[str, list[float]] = {n: [] for n in up}
+        mbs: dict[str, list[float]] = {n: [] for n in up}
+        cpu1: dict[str, list[int]] = {n: [] for n in up}
+        cpu64: dict[str, list[int]] = {n: [] for n in up}
+        small, big = os.urandom(KiB), os.urandom(64 * KiB)
+        for i in range(slices):
+            for name in list(up) if i % 2 == 0 else list(up)[::-1]:
+                lc, tls, auth, seq_ep, pipe_ep = up[name]
+                async with AsyncClient(seq_ep, tls=tls, auth=auth) as c:
+                    for _ in range(50):
+                        await c.append("bench/slice-seq", small)
+                    with CpuPerAppend(lc, seq_ep) as cpu:
+                        for _ in range(300):
+                            t = time.perf_counter()
+                            await c.append("bench/slice-seq", small)
+                            lat[name].append(time.perf_counter() - t)
+                    cpu1[name].append(sum(cpu.fields(300).values()))
+                async with AsyncClient(pipe_ep, tls=tls, auth=auth) as c:
+                    for _ in range(20):
+                        await c.append("bench/slice-pipe", big)
+                    with CpuPerAppend(lc, pipe_ep) as cpu:
+                        done, elapsed, _ = await pipelined_loop(c, "bench/slice-pipe", big, 1.5, 64)
+                    mbs[name].append(done * 64 * KiB / elapsed / MB)
+                    cpu64[name].append(sum(cpu.fields(done).values()))
+    base = "plaintext"
+    rows = {
+        n: {
+            "seq_1k_median_us": round(statistics.median(lat[n]) * 1e6),
+            "pipelined_64k_mb_per_s": round(statistics.median(mbs[n]), 1),
+            "cpu_us_per_1k_append": round(statistics.median(cpu1[n])),
+            "cpu_us_per_64k_append": round(statistics.median(cpu64[n])),
+        }
+        for n in up
+    }
+    mb = {n: row["pipelined_64k_mb_per_s"] for n, row in rows.items()}
+    for n, row in rows.items():
+        emit({"test": "tls_slices", "config": n, "replicas": 3, "slices": slices, **row})
+    for n in list(up)[1:]:
+        emit(
+            {
+                "test": "tls_slices_cost",
+                "config": n,
+                "mb_cost_pct": round((1 - mb[n] / mb[base]) * 100, 1),
+                "mb_cost_pct_median_of_slices": round(
+                    statistics.median(1 - t / p for p, t in zip(mbs[base], mbs[n], strict=True)) * 100, 1
+                ),
+                "seq_extra_us": rows[n]["seq_1k_median_us"] - rows[base]["seq_1k_median_us"],
+                "budget": "tls+tokens: at most 15% of R=3 64 KiB MB/s, at most +100 us of the R=3 1 KiB median",
+            }
         )
 
 
@@ -388,7 +455,9 @@ def main() -> None:
     p.add_argument("--no-floor", action="store_true", help="skip the no-op server measurements")
     p.add_argument("--only-floor", action="store_true", help="only the no-op server measurements (no cluster)")
     p.add_argument("--tls", action="store_true", help="the cluster's measurements again over mutual TLS, and the cost")
-    p.add_argument("--rounds", type=int, default=1, help="with --tls: plaintext and TLS clusters alternated this often")
+    p.add_argument(
+        "--tls-slices", type=int, default=0, help="TLS and tokens' cost, four clusters measured in turn N times"
+    )
     args = p.parse_args()
     if args.no_floor and args.only_floor:
         p.error("--no-floor and --only-floor exclude each other; pass one of them")
