@@ -22,6 +22,7 @@ import re
 import socket
 import ssl
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ import grpc
 
 from tidings.protocol.status import UsageError
 
-__all__ = ["TLS", "channel", "check_own", "load", "probe", "server_port"]
+__all__ = ["TLS", "RefusalLog", "channel", "check_own", "load", "probe", "server_port"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,20 @@ class TLS:
         """The CA bundle as the stdlib's `cadata` wants it (ASCII PEM: `load` kept only the certificates)."""
         return self.ca.decode("ascii") if self.ca is not None else None
 
+    def server_context(self, alpn: str | None = None) -> ssl.SSLContext:
+        """A stdlib server context serving this certificate (the replication port's, /metrics'): TLS 1.2+,
+        `alpn` if given, and with a CA, client certificates signed by it required (mutual TLS)."""
+        assert self.cert is not None and self.key is not None, "a server needs --tls-cert and --tls-key"
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        if alpn is not None:
+            ctx.set_alpn_protocols([alpn])
+        _load_chain(ctx, self.cert, self.key)
+        if self.ca is not None:
+            ctx.load_verify_locations(cadata=self.ca_text)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
     def client_context(self) -> ssl.SSLContext:
         """A stdlib client context with the same trust and certificate (the probe's)."""
         ctx = ssl.create_default_context(cadata=self.ca_text)
@@ -70,6 +85,24 @@ class TLS:
         if self.cert is not None and self.key is not None:
             _load_chain(ctx, self.cert, self.key)
         return ctx
+
+
+class RefusalLog:
+    """One log line per refused TLS connection, at most one per source address every `every` seconds (a
+    scanner or a misconfigured peer must not flood the log): the replication port's and /metrics'."""
+
+    def __init__(self, what: str, every: float = 10.0, logger: logging.Logger = log) -> None:
+        self.what, self.every, self.log = what, every, logger
+        self._logged: dict[str, float] = {}
+
+    def note(self, peer: Any, why: str) -> None:
+        source = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        now = time.monotonic()
+        if now - self._logged.get(source, -self.every) >= self.every:
+            self._logged[source] = now
+            if len(self._logged) > 4096:
+                self._logged.clear()
+            self.log.warning("%s from %s: refused (%s)", self.what, source, why)
 
 
 def load(cert: str | Path | None, key: str | Path | None, ca: str | Path | None, who: str, server: bool) -> TLS | None:

@@ -100,6 +100,36 @@ MISTAKES = [
         id="metrics-advertise-without-metrics",
     ),
     pytest.param(
+        ("broker", "--etcd", "127.0.0.1:2379", "--metrics-tls"),
+        {},
+        "tidings broker: --metrics-tls serves /metrics with this process's certificate: give --tls-cert and --tls-key",
+        id="metrics-tls-without-a-certificate",
+    ),
+    pytest.param(
+        ("consumer", "--app", "x:y", "--etcd", "127.0.0.1:2379", "--metrics", "", "--metrics-tls"),
+        {},
+        "tidings consumer: --metrics-tls serves /metrics over TLS, but --metrics '' serves none",
+        id="consumer-metrics-tls-without-metrics",
+    ),
+    pytest.param(
+        ("target", "serve", "--id", "t1", "--db", "{tmp}/t1.db", "--metrics", "127.0.0.1:9555"),
+        {"TIDINGS_METRICS_TLS": "1"},
+        "tidings target t1: --metrics-tls serves /metrics with this process's certificate",
+        id="target-metrics-tls-without-a-certificate",
+    ),
+    pytest.param(
+        ("cluster", "up", "--metrics-tls", "--data-dir", "{tmp}/data"),
+        {},
+        "tidings cluster up: --metrics-tls serves /metrics with this process's certificate",
+        id="cluster-up-metrics-tls-without-a-certificate",
+    ),
+    pytest.param(
+        ("logplayer", "run", "--wal", "wal/x", "--targets", "{tmp}/targets.yaml", "--metrics-tls"),
+        {},
+        "tidings logplayer run: --metrics-tls serves /metrics over TLS, but --metrics '' serves none",
+        id="logplayer-metrics-tls-without-metrics",
+    ),
+    pytest.param(
         ("broker", "--etcd", "127.0.0.1:2379", "--replication-advertise", "[fd00::5"),
         {},
         "--replication-advertise '[fd00::5' is not HOST, HOST:PORT or [IPv6]:PORT",

@@ -47,6 +47,7 @@ class BrokerConfig:
     lease_ttl: int = 5
     metrics_listen: str | None = None  # HOST:PORT serving /metrics; "auto": the gRPC port + 1000 (or any free one)
     metrics_advertise: str = ""  # HOST[:PORT] announced for /metrics ("": on --advertise's host, its own port)
+    metrics_tls: bool = False  # /metrics over TLS with the process's certificate (mutual with a CA)
     exit_timeout: float = 60.0
     default_store: str = ""  # the fragment store of journals whose spec names none ("": local only)
     persist_delay: float = 60.0  # seconds a replica waits before persisting what the primary did not

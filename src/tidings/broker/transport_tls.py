@@ -29,11 +29,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-import time
 from collections.abc import Callable, Iterable
 from typing import Any, cast
 
-from tidings.tls import TLS
+from tidings.tls import TLS, RefusalLog
 
 __all__ = ["HANDSHAKE_TIMEOUT", "TLSListener", "contexts", "dial"]
 
@@ -54,19 +53,15 @@ def contexts(tls: TLS) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     from tidings.tls import _load_chain
 
     assert tls.cert is not None and tls.key is not None, "a broker serving TLS has --tls-cert and --tls-key"
-    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    for ctx in (server, client):
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.set_alpn_protocols([ALPN])
-        _load_chain(ctx, tls.cert, tls.key)
-        if tls.ca is not None:
-            ctx.load_verify_locations(cadata=tls.ca_text)
+    client.minimum_version = ssl.TLSVersion.TLSv1_2
+    client.set_alpn_protocols([ALPN])
+    _load_chain(client, tls.cert, tls.key)
     if tls.ca is None:
         client.load_default_certs()
     else:
-        server.verify_mode = ssl.CERT_REQUIRED
-    return server, client
+        client.load_verify_locations(cadata=tls.ca_text)
+    return tls.server_context(ALPN), client
 
 
 def _why(exc: BaseException, timeout: float = HANDSHAKE_TIMEOUT) -> str:
@@ -114,7 +109,7 @@ class TLSListener:
     def __init__(self, ctx: ssl.SSLContext, protocol: Callable[[], asyncio.Protocol]) -> None:
         self.ctx, self.protocol = ctx, protocol
         self._server: asyncio.Server | None = None
-        self._logged: dict[str, float] = {}
+        self._refusals = RefusalLog("replication", REFUSAL_LOG_EVERY, log)
         self._handshaking: set[_TLSLayer] = set()  # (aborted at close: none may serve after it)
         self._closed = False
 
@@ -125,7 +120,7 @@ class TLSListener:
         return bound
 
     def _layer(self) -> _TLSLayer:
-        layer = _TLSLayer(self.ctx, self._upper, None, refused=self._refused)
+        layer = _TLSLayer(self.ctx, self._upper, None, refused=self._refusals.note)
         self._handshaking.add(layer)
         layer.settled = self._handshaking.discard
         return layer
@@ -134,15 +129,6 @@ class TLSListener:
         if self._closed:
             raise ConnectionAbortedError("the replication port is closing")
         return self.protocol()
-
-    def _refused(self, peer: Any, why: str) -> None:
-        source = str(peer[0]) if isinstance(peer, tuple) else str(peer)
-        now = time.monotonic()
-        if now - self._logged.get(source, -REFUSAL_LOG_EVERY) >= REFUSAL_LOG_EVERY:
-            self._logged[source] = now
-            if len(self._logged) > 4096:
-                self._logged.clear()
-            log.warning("replication from %s: refused (%s)", source, why)
 
     def close(self) -> None:
         self._closed = True

@@ -153,6 +153,30 @@ MetricsAdvertiseOpt = Annotated[
 ]
 
 
+MetricsTLSOpt = Annotated[
+    bool,
+    typer.Option(
+        "--metrics-tls",
+        envvar="TIDINGS_METRICS_TLS",
+        help="Serve /metrics over TLS with --tls-cert/--tls-key (with --tls-ca: only to scrapers holding a "
+        "certificate it signed).",
+    ),
+]
+
+
+def check_metrics_tls(who: str, metrics: str, on: bool, tls: TLS | None) -> None:
+    """Refuse, in one line and before anything starts, --metrics-tls without a certificate to serve or
+    without /metrics served."""
+    from tidings.member.serving import metrics_tls
+
+    if on and not metrics:
+        usage(f"{who}: --metrics-tls serves /metrics over TLS, but --metrics '' serves none: drop one")
+    try:
+        metrics_tls(on, tls, who)
+    except TidingsError as exc:
+        usage(str(exc))
+
+
 def check_advertised(who: str, metrics: str, **flags: str) -> None:
     """Refuse, in one line and before anything starts, an advertised address (keyword: the flag, `_` for
     `-`) nobody could dial: a wildcard, port 0, or not HOST[:PORT]; or one for /metrics served nowhere."""

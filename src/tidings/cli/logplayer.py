@@ -22,11 +22,13 @@ from tidings.cli._common import (
     BrokerOpt,
     JournalArg,
     MetricsOpt,
+    MetricsTLSOpt,
     at_least,
     auth_keys,
     broker_client,
     check_endpoint,
     check_log_level,
+    check_metrics_tls,
     client_auth,
     client_tls,
     err,
@@ -92,6 +94,7 @@ def target_serve(
         bool, typer.Option(help="Keep an apply log (table `applied`: index and timestamps of each entry).")
     ] = False,
     metrics: MetricsOpt = "",
+    metrics_tls: MetricsTLSOpt = False,
     log_level: Annotated[str, typer.Option(envvar="TIDINGS_LOG_LEVEL", callback=check_log_level)] = "info",
     keys: AuthKeysOpt = "",
     keys_file: AuthKeysFileOpt = None,
@@ -109,8 +112,9 @@ def target_serve(
     except (UsageError, ValidationError) as exc:
         usage(str(exc))
     tls, keyset = server_tls(f"tidings target {id}"), auth_keys(keys, keys_file)
-    server = TargetServer(id, db, listen, apply=fn, log_applied=log_applied, metrics_listen=metrics or None, tls=tls,
-                          auth_keys=keyset)  # fmt: skip
+    check_metrics_tls(f"tidings target {id}", metrics, metrics_tls, tls)
+    server = TargetServer(id, db, listen, apply=fn, log_applied=log_applied, metrics_listen=metrics or None,
+                          metrics_tls=metrics_tls, tls=tls, auth_keys=keyset)  # fmt: skip
     serve_until_signalled(server.start, f"target {id}", 10.0)
 
 
@@ -146,6 +150,7 @@ def logplayer_run(
             callback=check_endpoint("--metrics", True),
         ),
     ] = "",
+    metrics_tls: MetricsTLSOpt = False,
     log_level: Annotated[str, typer.Option(envvar="TIDINGS_LOG_LEVEL", callback=check_log_level)] = "info",
     keys: AuthKeysOpt = "",
     keys_file: AuthKeysFileOpt = None,
@@ -170,6 +175,7 @@ def logplayer_run(
     declared = _load_targets(targets)
     state_path = state or Path("data/logplayer") / (wal_journal.replace("/", "_") + ".state")
     tls = client_tls()  # (the brokers' and the targets')
+    check_metrics_tls("tidings logplayer run", metrics, metrics_tls, tls)
     auth = client_auth(auth_keys(keys, keys_file), sub=f"logplayer {wal_journal}")  # (the brokers' and targets')
 
     async def go() -> None:
@@ -178,8 +184,8 @@ def logplayer_run(
         server = None
         if metrics:
             host, port = metrics.rsplit(":", 1)
-            server, at = serve_metrics(metrics, host, int(port), "logplayer")
-            err.print(f"metrics on http://{at}/metrics", highlight=False)
+            server, at = serve_metrics(metrics, host, int(port), "logplayer", tls if metrics_tls else None)
+            err.print(f"metrics on {'https' if metrics_tls else 'http'}://{at}/metrics", highlight=False)
         # (a wrong --broker or WAL fails here, within 30 s: a server process may start beside its brokers)
         async with AsyncClient(broker, retries=1_000_000, deadline=30.0, tls=tls, auth=auth) as probe:
             await probe.write_head(wal_journal)

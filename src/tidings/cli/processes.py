@@ -19,12 +19,14 @@ from tidings.cli._common import (
     AuthKeysOpt,
     BrokerOpt,
     MetricsAdvertiseOpt,
+    MetricsTLSOpt,
     at_least,
     auth_keys,
     broker_client,
     check_advertised,
     check_endpoint,
     check_log_level,
+    check_metrics_tls,
     err,
     etcd_security,
     group,
@@ -111,6 +113,7 @@ def broker(
         ),
     ] = "auto",
     metrics_advertise: MetricsAdvertiseOpt = "",
+    metrics_tls: MetricsTLSOpt = False,
     metrics_journals: Annotated[
         bool,
         typer.Option(
@@ -201,6 +204,8 @@ def broker(
     check_advertised(
         "tidings broker", metrics, replication_advertise=replication_advertise, metrics_advertise=metrics_advertise
     )
+    tls = server_tls(f"tidings broker {zone}/{id}")
+    check_metrics_tls("tidings broker", metrics, metrics_tls, tls)
     keyset = auth_keys(keys, keys_file)  # (with keys every RPC needs a token; without, none is checked)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tune_malloc()
@@ -217,6 +222,7 @@ def broker(
         journal_limit=journal_limit,
         metrics_listen=metrics or None,
         metrics_advertise=metrics_advertise,
+        metrics_tls=metrics_tls,
         metrics_journals=metrics_journals,
         stall_timeout=stall_timeout,
         min_append_rate=min_append_rate,
@@ -224,7 +230,7 @@ def broker(
         pulse_interval=pulse_interval,
         lease_ttl=lease_ttl,
         exit_timeout=exit_timeout,
-        tls=server_tls(f"tidings broker {zone}/{id}"),
+        tls=tls,
         **etcd_security(f"tidings broker {zone}/{id}"),
         auth_keys=keyset,
         default_store=default_store,
@@ -279,6 +285,7 @@ def cluster_up(
             help="The address etcd and the brokers announce (each broker's --advertise); default: --listen-host.",
         ),
     ] = "",
+    metrics_tls: MetricsTLSOpt = False,
     keys: AuthKeysOpt = "",
     keys_file: AuthKeysFileOpt = None,
 ) -> None:
@@ -314,6 +321,9 @@ def cluster_up(
                 usage(f"{flag} {first}: {endpoint_of(lc.listen_host, at)} is taken or not this host's address: "
                       f"give another {flag} or --listen-host (the brokers use {brokers} ports from it)")  # fmt: skip
     lc.tls = server_tls("tidings cluster up")  # (checked before anything starts; brokers and etcd serve with it)
+    check_metrics_tls("tidings cluster up", "auto", metrics_tls, lc.tls)
+    if metrics_tls:
+        lc.extra.append("--metrics-tls")
     if auth_keys(keys, keys_file) is not None:  # (checked here: a mistake is one line, not N brokers' deaths)
         text = keys or Path(keys_file or "").read_text(encoding="ascii")
         lc.auth_keys = " ".join(text.split())  # (to the brokers' environment: never their command lines)
@@ -331,7 +341,8 @@ def cluster_up(
             out.print(f"cleared {lc.cleared} member keys left by an earlier run", highlight=False)
         out.print(f"etcd     {lc.etcd_endpoint}")
         for b in lc.brokers:
-            metrics_at = f"  metrics=http://{b.metrics_endpoint}/metrics" if b.metrics_endpoint else ""
+            scheme = "https" if metrics_tls else "http"
+            metrics_at = f"  metrics={scheme}://{b.metrics_endpoint}/metrics" if b.metrics_endpoint else ""
             out.print(f"broker   {b.endpoint}  zone={b.zone} id={b.suffix}{metrics_at}", highlight=False)
         out.print(f"store    {lc.store_url}  (for journals without stores)")
         if lc.tls is not None:

@@ -18,12 +18,14 @@ from tidings.cli._common import (
     BrokerOpt,
     MetricsAdvertiseOpt,
     MetricsOpt,
+    MetricsTLSOpt,
     at_least,
     auth_keys,
     broker_client,
     check_advertised,
     check_endpoint,
     check_log_level,
+    check_metrics_tls,
     client_auth,
     client_tls,
     edit_then_apply,
@@ -123,6 +125,7 @@ def consumer(
     ] = 1024,
     metrics: MetricsOpt = "auto",
     metrics_advertise: MetricsAdvertiseOpt = "",
+    metrics_tls: MetricsTLSOpt = False,
     lease_ttl: Annotated[int, typer.Option(envvar="TIDINGS_LEASE_TTL", callback=at_least("--lease-ttl", 1))] = 5,
     exit_timeout: Annotated[
         float, typer.Option(envvar="TIDINGS_EXIT_TIMEOUT", help="On SIGTERM, seconds to wait for shards to move away.")
@@ -143,6 +146,7 @@ def consumer(
     tls, etcd_access = server_tls(who), etcd_security(who)  # (the flags' mistakes first: before the app loads)
     keyset = auth_keys(keys, keys_file)
     check_advertised("tidings consumer", metrics, metrics_advertise=metrics_advertise)
+    check_metrics_tls("tidings consumer", metrics, metrics_tls, tls)
     try:
         advertised(listen, advertise, "tidings consumer")  # (an address nobody could dial: one line, first)
         application = load_app(app_ref)
@@ -162,6 +166,7 @@ def consumer(
         lease_ttl=lease_ttl,
         metrics_listen=metrics or None,
         metrics_advertise=metrics_advertise,
+        metrics_tls=metrics_tls,
         exit_timeout=exit_timeout,
         tls=tls,
         **etcd_access,

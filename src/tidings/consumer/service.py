@@ -94,6 +94,7 @@ class ConsumerConfig:
     lease_ttl: int = 5
     metrics_listen: str | None = None  # HOST:PORT serving /metrics; "auto": the gRPC port + 1000
     metrics_advertise: str = ""  # HOST[:PORT] announced for /metrics ("": on --advertise's host, its own port)
+    metrics_tls: bool = False  # /metrics over TLS with the process's certificate (mutual with a CA)
     exit_timeout: float = 60.0
     tls: TLS | None = None  # --tls-cert/--tls-key/--tls-ca: serve, and dial brokers and peers, with TLS
     etcd_tls: TLS | None = None  # --etcd-tls-*: etcd over TLS

@@ -51,7 +51,7 @@ from prometheus_client import Counter, Gauge
 from tidings.auth import AuthError, KeySet, NoVerifier, Verifier, expires_at, verifier_of
 from tidings.logplayer.dispatcher import NOTHING
 from tidings.logplayer.stream import MESSAGE_OPTIONS
-from tidings.member.serving import listen_grpc, serve_metrics, stop_metrics
+from tidings.member.serving import listen_grpc, metrics_tls, serve_metrics, stop_metrics
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import protocol_pb2_grpc as pb_grpc
 from tidings.protocol.claims import Capability, Claims, covers
@@ -316,6 +316,7 @@ class TargetServer:
         apply: ApplyFn | None = None,
         log_applied: bool = False,
         metrics_listen: str | None = None,
+        metrics_tls: bool = False,
         tls: TLS | None = None,
         auth_keys: KeySet | None = None,
     ) -> None:
@@ -327,6 +328,7 @@ class TargetServer:
         self.apply = apply
         self.log_applied = log_applied
         self.metrics_listen = metrics_listen
+        self.metrics_tls = metrics_tls
         self.endpoint = ""
         self.metrics_endpoint = ""
         self.store: TargetStore | None = None
@@ -346,8 +348,9 @@ class TargetServer:
             await self._server.start()
             undo.push_async_callback(self._server.stop, 0)
             if self.metrics_listen:
+                who = f"target {self.target}"
                 self._metrics, self.metrics_endpoint = serve_metrics(
-                    self.metrics_listen, host, int(port), f"target {self.target}"
+                    self.metrics_listen, host, int(port), who, metrics_tls(self.metrics_tls, self.tls, who)
                 )
             undo.pop_all()
         log.info("target %s serving on %s (%s, last applied %d)", self.target, self.endpoint, self.db,

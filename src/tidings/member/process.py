@@ -34,7 +34,15 @@ from tidings.allocator.state import State
 from tidings.keyspace import KeySpace
 from tidings.keyspace.decode import decoder
 from tidings.keyspace.etcd import Etcd
-from tidings.member.serving import WILDCARDS, advertised, host_of, listen_grpc, serve_metrics, stop_metrics
+from tidings.member.serving import (
+    WILDCARDS,
+    advertised,
+    host_of,
+    listen_grpc,
+    metrics_tls,
+    serve_metrics,
+    stop_metrics,
+)
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol import validate
 from tidings.protocol.status import TidingsError
@@ -57,6 +65,7 @@ class MemberConfig(Protocol):
     lease_ttl: int
     metrics_listen: str | None
     metrics_advertise: str
+    metrics_tls: bool
     exit_timeout: float
     tls: TLS | None
     etcd_tls: TLS | None
@@ -154,7 +163,9 @@ class MemberProcess:
                 await asyncio.to_thread(check_own, self.endpoint, cfg.tls, self.who)
             await self._serve_more(undo, host)
             if cfg.metrics_listen:
-                served = serve_metrics(cfg.metrics_listen, host, int(port), self.who)
+                served = serve_metrics(
+                    cfg.metrics_listen, host, int(port), self.who, metrics_tls(cfg.metrics_tls, cfg.tls, self.who)
+                )
                 self._metrics_server, self.metrics_endpoint = (
                     served[0],
                     self.announced(

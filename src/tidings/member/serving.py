@@ -6,18 +6,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import socket
+import socketserver
+import ssl
+import threading
 from collections.abc import Iterator
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import grpc
 from prometheus_client import Counter
 
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import UsageError
-from tidings.tls import TLS, server_port
+from tidings.tls import TLS, RefusalLog, server_port
 
-__all__ = ["advertised", "check_listen", "counted", "host_of", "listen_grpc", "serve_metrics", "stop_metrics"]
+__all__ = [
+    "advertised",
+    "check_listen",
+    "counted",
+    "host_of",
+    "listen_grpc",
+    "metrics_tls",
+    "serve_metrics",
+    "stop_metrics",
+]
+
+log = logging.getLogger(__name__)
 
 WILDCARDS = {"", "0.0.0.0", "::", "[::]"}  # (hosts a server may listen on but nobody can dial)
 
@@ -101,9 +117,22 @@ def host_of(endpoint: str) -> str:
     return endpoint.rpartition(":")[0]
 
 
-def serve_metrics(listen: str, host: str, port: int, who: str) -> tuple[Any, str]:
+def metrics_tls(on: bool, tls: TLS | None, who: str) -> TLS | None:
+    """The TLS /metrics serves with when `on` (--metrics-tls): the process's own certificate; a UsageError
+    of one line when it has none."""
+    if not on:
+        return None
+    if tls is None or tls.cert is None or tls.key is None:
+        raise UsageError(
+            f"{who}: --metrics-tls serves /metrics with this process's certificate: give --tls-cert and --tls-key"
+        )
+    return tls
+
+
+def serve_metrics(listen: str, host: str, port: int, who: str, tls: TLS | None = None) -> tuple[Any, str]:
     """Serve /metrics on `listen` (HOST:PORT), or with "auto" on the gRPC `port` + 1000 of `host` (any
-    free port if that one is taken); the server and the endpoint it serves on."""
+    free port if that one is taken); over TLS with `tls`'s certificate (--metrics-tls); the server and
+    the endpoint it serves on."""
     from prometheus_client import start_http_server
 
     tries = [listen.rsplit(":", 1)]
@@ -111,13 +140,65 @@ def serve_metrics(listen: str, host: str, port: int, who: str) -> tuple[Any, str
         tries = [[host, str(port + 1000 if 0 < port <= 64535 else 0)], [host, "0"]]
     for i, (mhost, mport) in enumerate(tries):
         try:
-            server, _thread = start_http_server(int(mport), addr=mhost.strip("[]"))  # (an IPv6 literal: bare)
+            if tls is None:
+                server, _thread = start_http_server(int(mport), addr=mhost.strip("[]"))  # (an IPv6 literal: bare)
+            else:
+                server = _serve_metrics_tls(mhost.strip("[]"), int(mport), tls.server_context(), who)
         except OSError as err:
             if i + 1 < len(tries):
                 continue
             raise UsageError(f"{who} cannot serve metrics on {mhost}:{mport} ({err}): pass another --metrics") from None
         return server, f"{mhost}:{server.server_port}"
     raise AssertionError("unreachable")
+
+
+METRICS_HANDSHAKE_TIMEOUT = 5.0  # seconds a scraper has to finish its TLS handshake
+METRICS_REQUEST_TIMEOUT = 30.0  # and then to send its request and read the answer
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # (the stdlib's name)
+        pass  # (a line per scrape on stderr: no)
+
+
+class _MetricsTLSServer(socketserver.ThreadingMixIn, WSGIServer):
+    """/metrics over TLS. prometheus_client's own TLS wraps the listening socket, so the handshake runs in
+    the accepting thread, unbounded: one client that connects and says nothing stalls every scrape. Here
+    each connection shakes hands in its own thread, within METRICS_HANDSHAKE_TIMEOUT."""
+
+    daemon_threads = True
+    context: ssl.SSLContext
+    refusals: RefusalLog
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        request.settimeout(METRICS_HANDSHAKE_TIMEOUT)
+        try:
+            conn = self.context.wrap_socket(request, server_side=True)
+        except (OSError, ValueError) as exc:  # (ssl.SSLError is an OSError; a timeout too)
+            self.refusals.note(client_address, f"TLS: {_reason(exc)}")
+            return
+        with conn:
+            conn.settimeout(METRICS_REQUEST_TIMEOUT)
+            self.RequestHandlerClass(conn, client_address, self)  # type: ignore[arg-type]  # (stdlib stubs' Self)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # (a scraper that went away mid-answer: nothing to tell)
+
+
+def _reason(exc: BaseException) -> str:
+    return str(getattr(exc, "reason", None) or exc or type(exc).__name__)
+
+
+def _serve_metrics_tls(addr: str, port: int, context: ssl.SSLContext, who: str) -> _MetricsTLSServer:
+    from prometheus_client import make_wsgi_app
+
+    family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    server_class: type[_MetricsTLSServer] = type("_MetricsTLSServer", (_MetricsTLSServer,), {"address_family": family})
+    server = server_class((addr, port), _Quiet)
+    server.context, server.refusals = context, RefusalLog(f"{who}: /metrics", logger=log)
+    server.set_app(make_wsgi_app())
+    threading.Thread(target=server.serve_forever, name="metrics-tls", daemon=True).start()
+    return server
 
 
 def stop_metrics(server: Any) -> None:
