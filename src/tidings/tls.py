@@ -31,7 +31,7 @@ import grpc
 
 from tidings.protocol.status import UsageError
 
-__all__ = ["TLS", "RefusalLog", "channel", "check_own", "load", "probe", "server_port"]
+__all__ = ["TLS", "RefusalLog", "channel", "check_own", "load", "probe", "server_port", "why_refused"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,17 @@ class TLS:
         if self.cert is not None and self.key is not None:
             _load_chain(ctx, self.cert, self.key)
         return ctx
+
+
+def why_refused(exc: BaseException, timeout: float) -> str:
+    """One line naming why a TLS handshake failed (`timeout`: its bound, for the message)."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS: {exc.verify_message}"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS handshake failed: {getattr(exc, 'reason', None) or exc}"
+    if isinstance(exc, TimeoutError):
+        return f"TLS handshake not done within {timeout:g}s"
+    return str(exc) or type(exc).__name__
 
 
 class RefusalLog:

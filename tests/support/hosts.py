@@ -36,7 +36,7 @@ class Hosts:
     ) -> None:
         self.net, self.data, self.certs, self.auth_keys, self.ipv6 = net, data, certs, auth_keys, ipv6
         self.store = f"file://{data / 'fragments'}/"
-        etcd_host = net.host("etcd")
+        self.etcd_host = etcd_host = net.host("etcd")
         self.etcd = EtcdProcess(data / "etcd", client_port=2379, peer_port=2380, host="::" if ipv6 else "0.0.0.0",
                                 advertise_host=self.address(etcd_host), wrap=etcd_host.wrap,
                                 tls=self.tls(etcd_host, server=True))  # fmt: skip
@@ -65,6 +65,7 @@ class Hosts:
     def add_broker(self) -> BrokerProcess:
         i = len(self.brokers)
         h = self.net.host(f"b{i}")
+        h.wait_reaches(self.address(self.etcd_host), 2379)  # (etcd itself, over the address it announces)
         extra = [*FAST_BROKER_FLAGS, "--default-store", self.store]
         extra += self.flags(h)
         b = BrokerProcess(self.etcd.endpoint, f"zone-{'abc'[i % 3]}", f"broker-{i}", 8080, self.data / h.name, extra,

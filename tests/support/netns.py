@@ -21,7 +21,9 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +117,35 @@ class Host:
     def run(self, argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*self.wrap, *argv], capture_output=True, text=True, timeout=timeout)
 
+    def wait_reaches(self, address: str, port: int, timeout: float = 30.0) -> None:
+        """Return once a TCP connection from this host to `address:port` succeeds (a fresh namespace's
+        first IPv6 dials could time out while its link and neighbours settled); RuntimeError after
+        `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            r = self.run([sys.executable, "-I", "-S", "-c", _CONNECT, address, str(port)], timeout=15)
+            if r.returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"host {self.name} cannot reach {address}:{port} within {timeout:g}s: {r.stderr}")
+
+
+_CONNECT = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2).close()"
+
+
+def _listen(address: str) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((address, 0))
+    sock.listen(64)
+    sock.setblocking(False)
+    return sock
+
+
+def _drain(sock: socket.socket) -> None:
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            sock.accept()[0].close()
+
 
 class Net:
     """A private bridge and the hosts on it; use as a context manager (or call `close`)."""
@@ -136,6 +167,9 @@ class Net:
             _ip("addr", "add", f"{self.prefix}.1/24", "dev", self.bridge)
             _ip("-6", "addr", "add", f"fd7d:{self.run[:4]}::1/64", "dev", self.bridge, "nodad")
             _ip("link", "set", self.bridge, "up")
+            # (a listening socket on each of the bridge's addresses: every new host must reach both before
+            # it is handed out; the kernel completes the handshakes, `_drain` accepts and closes them)
+            self._beacons = [_listen(f"{self.prefix}.1"), _listen(f"fd7d:{self.run[:4]}::1")]
         except BaseException:
             self.close()
             raise
@@ -179,9 +213,15 @@ class Net:
             _ip("-n", ns, *args)
         self.hosts[name] = h
         self._pending = ()
+        for beacon in self._beacons:
+            address, port = beacon.getsockname()[:2]
+            h.wait_reaches(address, port)
+            _drain(beacon)
         return h
 
     def close(self) -> None:
+        for beacon in getattr(self, "_beacons", ()):
+            beacon.close()
         _teardown([*(h.ns for h in self.hosts.values()), *(f"td-{self.run}-{n}" for n in self._pending)],
                   self.bridge, self.procs)  # fmt: skip
         (REGISTRY / self.run).unlink(missing_ok=True)

@@ -1,7 +1,9 @@
 """/metrics over TLS (`--metrics-tls`, member/serving.py): served with the process's certificate, only to
 scrapers holding a certificate of its CA when it has one (mutual TLS); a plaintext scraper, one without
 a certificate, garbage, or a client that connects and never shakes hands is refused or waits alone,
-and every other scrape is answered. A real broker serves it too."""
+and every other scrape is answered. No connection outlives the deadline, however slowly it trickles;
+connections beyond the cap are closed at once; a scraper hanging up mid-answer prints no traceback.
+A real broker serves it too, and announces it as https."""
 
 from __future__ import annotations
 
@@ -9,12 +11,14 @@ import http.client
 import os
 import socket
 import ssl
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 
 from tests.support.certs import Certs
+from tests.support.waiting import wait_until_sync
 from tidings.member import serving
 from tidings.member.serving import serve_metrics, stop_metrics
 
@@ -93,6 +97,79 @@ def test_a_client_that_never_shakes_hands_stalls_no_other_scrape(certs: Certs, m
                 s.close()
 
 
+def test_a_scraper_hanging_up_mid_answer_prints_no_traceback(certs: Certs, capfd) -> None:
+    with metrics_server(certs.tls("metrics")) as (host, port):
+        ctx = scraper(certs)
+        for _ in range(3):
+            with (
+                socket.create_connection((host, port), timeout=30) as raw,
+                ctx.wrap_socket(raw, server_hostname=host) as tls,
+            ):
+                tls.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")  # (and gone before the answer)
+        assert b"# TYPE" in scrape(host, port, ctx)  # (the three were answered, or failed to be: it serves on)
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def closed_by_server(sock, trickle: bytes = b"", every: float = 0.2, bound: float = 60.0) -> bool:
+    """Whether the server closes `sock` within `bound` seconds (sending `trickle` a byte at a time, paced
+    by `every`, meanwhile)."""
+    sock.settimeout(every)
+    end = time.monotonic() + bound
+    sent = 0
+    while time.monotonic() < end:
+        try:
+            if sock.recv(65536) == b"":
+                return True
+        except TimeoutError:
+            pass
+        except (ConnectionError, ssl.SSLError):
+            return True
+        try:
+            if sent < len(trickle):
+                sock.sendall(trickle[sent : sent + 1])
+                sent += 1
+        except (ConnectionError, ssl.SSLError):
+            return True
+    return False
+
+
+def test_no_connection_outlives_the_deadline(certs: Certs, monkeypatch) -> None:
+    """A client that never shakes hands (the handshake bound raised far above the deadline), and one that
+    shakes hands and then trickles its request a byte at a time, are both cut at the deadline."""
+    monkeypatch.setattr(serving, "METRICS_HANDSHAKE_TIMEOUT", 600.0)
+    monkeypatch.setattr(serving, "METRICS_DEADLINE", 2.0)
+    with metrics_server(certs.tls("metrics")) as (host, port):
+        with socket.create_connection((host, port), timeout=30) as silent:
+            assert closed_by_server(silent)
+        with (
+            socket.create_connection((host, port), timeout=30) as raw,
+            scraper(certs).wrap_socket(raw, server_hostname=host) as tls,
+        ):
+            assert closed_by_server(tls, trickle=b"GET /metrics HTTP/1.1\r\n" + b"X" * 1000)
+        assert b"# TYPE" in scrape(host, port, scraper(certs))
+
+
+def test_connections_beyond_the_cap_are_closed_at_once_and_the_rest_served(certs: Certs, monkeypatch) -> None:
+    monkeypatch.setattr(serving, "METRICS_HANDSHAKE_TIMEOUT", 600.0)
+    monkeypatch.setattr(serving, "METRICS_CONNECTIONS", 3)
+    with metrics_server(certs.tls("metrics")) as (host, port):
+        held = [socket.create_connection((host, port), timeout=30) for _ in range(3)]
+        try:
+            with socket.create_connection((host, port), timeout=30) as extra:
+                assert closed_by_server(extra)  # (the handshake bound is 600 s: closed for the cap)
+        finally:
+            for s in held:
+                s.close()
+
+        def answered() -> bool:
+            try:
+                return b"# TYPE" in scrape(host, port, scraper(certs))
+            except (OSError, http.client.HTTPException):
+                return False  # (the held ones' slots not yet given back)
+
+        wait_until_sync(answered, 30)
+
+
 async def test_a_broker_serves_metrics_over_tls_with_its_certificate(brokers, certs: Certs) -> None:
     import asyncio
 
@@ -103,3 +180,6 @@ async def test_a_broker_serves_metrics_over_tls_with_its_certificate(brokers, ce
     assert b"tidings_journals" in body
     with pytest.raises((http.client.HTTPException, ConnectionError)):
         await asyncio.to_thread(scrape, host, int(port), None)
+    async with bs.client() as c:
+        (member,) = (await c.members()).members
+    assert member.spec.metrics_endpoint == f"https://{b.metrics_endpoint}"  # (announced: scrape it with https)

@@ -162,7 +162,8 @@ class Broker(MemberProcess):
             endpoint=self.endpoint,
             journal_limit=self.config.journal_limit,
             replication_endpoint=self.replication_endpoint,
-            metrics_endpoint=self.metrics_endpoint,
+            metrics_endpoint=("https://" if self.metrics_scheme == "https" and self.metrics_endpoint else "")
+            + self.metrics_endpoint,
         )
 
     def _exiting_spec(self) -> pb.BrokerSpec:

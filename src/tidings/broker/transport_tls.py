@@ -32,7 +32,7 @@ import ssl
 from collections.abc import Callable, Iterable
 from typing import Any, cast
 
-from tidings.tls import TLS, RefusalLog
+from tidings.tls import TLS, RefusalLog, why_refused
 
 __all__ = ["HANDSHAKE_TIMEOUT", "TLSListener", "contexts", "dial"]
 
@@ -65,13 +65,7 @@ def contexts(tls: TLS) -> tuple[ssl.SSLContext, ssl.SSLContext]:
 
 
 def _why(exc: BaseException, timeout: float = HANDSHAKE_TIMEOUT) -> str:
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return f"TLS: {exc.verify_message}"
-    if isinstance(exc, ssl.SSLError):
-        return f"TLS handshake failed: {getattr(exc, 'reason', None) or exc}"
-    if isinstance(exc, TimeoutError):
-        return f"TLS handshake not done within {timeout:g}s"
-    return str(exc) or type(exc).__name__
+    return why_refused(exc, timeout)
 
 
 class _NotReplication(OSError):

@@ -546,6 +546,7 @@ class Server(Protocol):
 
     endpoint: str
     metrics_endpoint: str
+    metrics_scheme: str  # http, or https with --metrics-tls
 
     async def stop(self, graceful: bool = True) -> None: ...
 
@@ -582,7 +583,7 @@ def serve_until_signalled(start: Callable[[], Awaitable[Server]], who: str, exit
         metrics_at = f" METRICS {server.metrics_endpoint}" if server.metrics_endpoint else ""
         print(f"READY {server.endpoint}{metrics_at}", flush=True)
         if server.metrics_endpoint:
-            log.info("%s: metrics on http://%s/metrics", who, server.metrics_endpoint)
+            log.info("%s: metrics on %s://%s/metrics", who, server.metrics_scheme, server.metrics_endpoint)
         announcement = getattr(server, "announcement", None)  # (a server without an etcd lease cannot lose one)
         lost = asyncio.ensure_future(announcement.lost.wait() if announcement is not None else asyncio.Event().wait())
         await asyncio.wait([signalled, lost], return_when=asyncio.FIRST_COMPLETED)

@@ -242,6 +242,14 @@ def broker(
     serve_until_signalled(Broker(cfg).start, f"broker {zone}/{id}", exit_timeout)
 
 
+def metrics_url(announced: str) -> str:
+    """The /metrics URL of a broker's announced metrics endpoint (HOST:PORT, or https://HOST:PORT when it
+    serves --metrics-tls)."""
+    if not announced:
+        return ""
+    return f"{announced if '://' in announced else 'http://' + announced}/metrics"
+
+
 @cluster.command("up")
 def cluster_up(
     brokers: Annotated[
@@ -385,7 +393,7 @@ def _member_rows(resp: pb.MembersResponse) -> list[dict[str, Any]]:
             "primaries": m.primaries,
             "journal_limit": m.spec.journal_limit,
             "exiting": m.spec.exiting,
-            "metrics": f"http://{m.spec.metrics_endpoint}/metrics" if m.spec.metrics_endpoint else "",
+            "metrics": metrics_url(m.spec.metrics_endpoint),
         }
         for m in resp.members
     ]

@@ -329,6 +329,7 @@ class TargetServer:
         self.log_applied = log_applied
         self.metrics_listen = metrics_listen
         self.metrics_tls = metrics_tls
+        self.metrics_scheme = "https" if metrics_tls else "http"
         self.endpoint = ""
         self.metrics_endpoint = ""
         self.store: TargetStore | None = None

@@ -85,6 +85,7 @@ class MemberProcess:
         self.config = config
         self.process_id = pb.ProcessId(zone=config.zone, suffix=config.suffix)
         self.endpoint = self.metrics_endpoint = ""
+        self.metrics_scheme = "https" if config.metrics_tls else "http"  # (how /metrics is scraped)
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics_server: Any = None
         self.stopping = False  # handed off (or not to be): from here on it follows no more assignments

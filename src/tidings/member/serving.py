@@ -13,14 +13,14 @@ import ssl
 import threading
 from collections.abc import Iterator
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, WSGIServer
 
 import grpc
 from prometheus_client import Counter
 
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import UsageError
-from tidings.tls import TLS, RefusalLog, server_port
+from tidings.tls import TLS, RefusalLog, server_port, why_refused
 
 __all__ = [
     "advertised",
@@ -153,40 +153,88 @@ def serve_metrics(listen: str, host: str, port: int, who: str, tls: TLS | None =
 
 
 METRICS_HANDSHAKE_TIMEOUT = 5.0  # seconds a scraper has to finish its TLS handshake
-METRICS_REQUEST_TIMEOUT = 30.0  # and then to send its request and read the answer
+METRICS_DEADLINE = 30.0  # and a connection to be done, all in all (a scraper trickling bytes is cut then)
+METRICS_CONNECTIONS = 64  # connections served at once; more are closed at once (a scraper needs a few)
+
+
+class _Answer(ServerHandler):
+    def log_exception(self, exc_info: Any) -> None:
+        if not isinstance(exc_info[1], OSError):  # (a scraper gone mid-answer, a timeout: nothing to tell)
+            log.warning("/metrics: %s", exc_info[1] or type(exc_info[1]).__name__)  # (one line, not a traceback)
 
 
 class _Quiet(WSGIRequestHandler):
+    """The stdlib's handler, but quiet: no line per scrape, and no traceback on stderr when a scraper
+    hangs up mid-answer (TLS reports it as errors the stdlib does not expect)."""
+
     def log_message(self, format: str, *args: Any) -> None:  # (the stdlib's name)
-        pass  # (a line per scrape on stderr: no)
+        pass
+
+    def handle(self) -> None:  # (the stdlib's, with _Answer)
+        self.raw_requestline = self.rfile.readline(65537)
+        if len(self.raw_requestline) > 65536:
+            self.requestline, self.request_version, self.command = "", "", ""
+            self.send_error(414)
+            return
+        if not self.parse_request():
+            return
+        answer = _Answer(self.rfile, self.wfile, self.get_stderr(), self.get_environ(), multithread=False)  # type: ignore[arg-type]  # (a socket file)
+        answer.request_handler = self  # type: ignore[attr-defined]  # (the stdlib's back-pointer for logging)
+        answer.run(self.server.get_app())  # type: ignore[attr-defined]  # (a WSGIServer's)
 
 
 class _MetricsTLSServer(socketserver.ThreadingMixIn, WSGIServer):
     """/metrics over TLS. prometheus_client's own TLS wraps the listening socket, so the handshake runs in
     the accepting thread, unbounded: one client that connects and says nothing stalls every scrape. Here
-    each connection shakes hands in its own thread, within METRICS_HANDSHAKE_TIMEOUT."""
+    each connection shakes hands in its own thread within METRICS_HANDSHAKE_TIMEOUT, is cut after
+    METRICS_DEADLINE whatever it does, and at most METRICS_CONNECTIONS are served at once."""
 
     daemon_threads = True
     context: ssl.SSLContext
     refusals: RefusalLog
+    slots: threading.BoundedSemaphore
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.refusals.note(client_address, f"{METRICS_CONNECTIONS} connections already open")
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)  # (a thread of its own)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        cut = request.dup()  # (ours: shutting it down ends the connection, TLS-wrapped or not)
+        deadline = threading.Timer(METRICS_DEADLINE, _shut, (cut,))
+        deadline.daemon = True
+        deadline.start()
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            deadline.cancel()
+            cut.close()
+            self.slots.release()
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         request.settimeout(METRICS_HANDSHAKE_TIMEOUT)
         try:
             conn = self.context.wrap_socket(request, server_side=True)
         except (OSError, ValueError) as exc:  # (ssl.SSLError is an OSError; a timeout too)
-            self.refusals.note(client_address, f"TLS: {_reason(exc)}")
+            self.refusals.note(client_address, why_refused(exc, METRICS_HANDSHAKE_TIMEOUT))
             return
         with conn:
-            conn.settimeout(METRICS_REQUEST_TIMEOUT)
+            conn.settimeout(METRICS_DEADLINE)
             self.RequestHandlerClass(conn, client_address, self)  # type: ignore[arg-type]  # (stdlib stubs' Self)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        pass  # (a scraper that went away mid-answer: nothing to tell)
+        pass  # (a scraper that went away mid-answer, or was cut: nothing to tell)
 
 
-def _reason(exc: BaseException) -> str:
-    return str(getattr(exc, "reason", None) or exc or type(exc).__name__)
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):  # (already closed: the connection ended by itself)
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def _serve_metrics_tls(addr: str, port: int, context: ssl.SSLContext, who: str) -> _MetricsTLSServer:
@@ -196,6 +244,7 @@ def _serve_metrics_tls(addr: str, port: int, context: ssl.SSLContext, who: str) 
     server_class: type[_MetricsTLSServer] = type("_MetricsTLSServer", (_MetricsTLSServer,), {"address_family": family})
     server = server_class((addr, port), _Quiet)
     server.context, server.refusals = context, RefusalLog(f"{who}: /metrics", logger=log)
+    server.slots = threading.BoundedSemaphore(METRICS_CONNECTIONS)
     server.set_app(make_wsgi_app())
     threading.Thread(target=server.serve_forever, name="metrics-tls", daemon=True).start()
     return server
