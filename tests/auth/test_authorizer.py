@@ -113,6 +113,20 @@ def test_a_caller_with_a_long_token_never_gets_the_short_one_another_caller_left
     )
 
 
+def test_a_caller_with_half_an_hour_left_never_gets_a_token_of_seconds() -> None:
+    """The reuse bound is half of what this caller allows, not half the broker's TTL: a caller whose token
+    has 30 min 10 s left, after one with 20 s left, gets a token of its own (with the 20 s one its
+    streaming append would be rolled back at 25 s)."""
+    clock = _Clock()
+    a = KeyedAuthorizer(KeySet((NEW,)), clock=clock)
+    sel = labels.parse_selector("name=shop/orders")
+    check = Verifier(KeySet((NEW,)))
+    short = a.metadata(Capability.APPEND, sel, exp=NOW + 20)
+    clock.now += 1
+    longer = a.metadata(Capability.APPEND, sel, exp=NOW + 1810)
+    assert longer != short and check.verify_metadata(longer, Capability.APPEND, clock.now).exp == int(NOW + 1810)
+
+
 def test_clients_claim_what_each_call_touches() -> None:
     """Gazette's per-call claims: an append, a read or a fragments listing `name=<journal>`, a List its
     selector, an Apply everything; a Shard call `id=<shard>` (each shard unassigned), a shard List its

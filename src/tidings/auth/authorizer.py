@@ -55,8 +55,8 @@ class KeyedAuthorizer:
     """Signs `Claims(cap, selector, exp=now + ttl, sub)` with the first key, and reuses each token
     until half its life is gone (so a call never carries a token about to expire, and signing, ~10 µs,
     stays off the hot path). A call capping the expiry (`exp`: a proxy's, at its caller's) reuses a token
-    expiring no later than it and at most half a `ttl` before what it would sign (a caller with a long
-    token never gets one a short-lived caller left in the cache), else gets one of its own. `clock` is
+    expiring no later than it and with at least half the life it would sign (a caller with a long token
+    never gets one a short-lived caller left in the cache), else gets one of its own. `clock` is
     for tests."""
 
     def __init__(
@@ -75,7 +75,7 @@ class KeyedAuthorizer:
         iat = int(now)
         until = iat + self.ttl if exp is None else min(iat + self.ttl, int(exp))
         hit = self._signed.get(key)
-        if hit is not None and now < hit.renew_at and until - self.ttl / 2 <= hit.exp <= until:
+        if hit is not None and now < hit.renew_at and iat + (until - iat) / 2 <= hit.exp <= until:
             self._signed.move_to_end(key)
             return hit.metadata
         token = sign(Claims(cap=int(cap), sel=sel, iat=iat, exp=until, sub=self.sub), self.keys.signing_key)

@@ -138,11 +138,15 @@ async def _check_member(
         if begin >= end or (other.begin, other.end, other.sum) == (frag.begin, frag.end, frag.sum):
             continue
         req = pb.ReadRequest(journal=frag.journal, offset=begin, end_offset=end, do_not_proxy=True)
+        reached = begin
         async for resp in stub.Read(req, metadata=metadata):
             if resp.status != pb.OK:
                 return None  # it no longer holds them as listed: ask again
             if resp.content:
                 _same_as(frag, file, resp.offset, resp.content)
+                reached = resp.offset + len(resp.content)
+        if reached < end:
+            return None  # (the read ended short, e.g. our token expired: what was not compared is no answer)
     return max((e.spec.end for e in listing.fragments), default=0)
 
 

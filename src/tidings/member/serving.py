@@ -206,14 +206,21 @@ class _MetricsTLSServer(socketserver.ThreadingMixIn, WSGIServer):
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
-        cut = request.dup()  # (ours: shutting it down ends the connection, TLS-wrapped or not)
+        try:
+            cut = request.dup()  # (ours: shutting it down ends the connection, TLS-wrapped or not)
+        except OSError:  # (out of descriptors: this connection is not served, its slot given back)
+            self.shutdown_request(request)
+            self.slots.release()
+            return
         deadline = threading.Timer(METRICS_DEADLINE, _shut, (cut,))
         deadline.daemon = True
-        deadline.start()
         try:
+            deadline.start()
             super().process_request_thread(request, client_address)
         finally:
             deadline.cancel()
+            if deadline.is_alive():
+                deadline.join()  # (a cut under way finishes first: `cut`'s descriptor is not reused under it)
             cut.close()
             self.slots.release()
 
