@@ -50,22 +50,10 @@ REFUSAL_LOG_EVERY = 10.0
 
 def contexts(tls: TLS) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     """(server, client) contexts for the replication port: TLS 1.2+, ALPN, mutual when a CA is given."""
-    from tidings.tls import _load_chain
-
     assert tls.cert is not None and tls.key is not None, "a broker serving TLS has --tls-cert and --tls-key"
-    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    client.minimum_version = ssl.TLSVersion.TLSv1_2
+    client = tls.client_context()  # (our CA, else the system's; our certificate for the peers that ask)
     client.set_alpn_protocols([ALPN])
-    _load_chain(client, tls.cert, tls.key)
-    if tls.ca is None:
-        client.load_default_certs()
-    else:
-        client.load_verify_locations(cadata=tls.ca_text)
     return tls.server_context(ALPN), client
-
-
-def _why(exc: BaseException, timeout: float = HANDSHAKE_TIMEOUT) -> str:
-    return why_refused(exc, timeout)
 
 
 class _NotReplication(OSError):
@@ -93,7 +81,7 @@ async def dial(
         if layer is not None:
             layer.abort()
         if isinstance(exc, ssl.SSLError | TimeoutError):
-            raise OSError(_why(exc, timeout)) from None
+            raise OSError(why_refused(exc, timeout)) from None
         raise
 
 
@@ -238,7 +226,7 @@ class _TLSLayer(asyncio.Protocol):
             if not self._done.done():
                 self._done.set_exception(exc)
         elif self._refused is not None and self._raw is not None:
-            self._refused(self._raw.get_extra_info("peername"), _why(exc))
+            self._refused(self._raw.get_extra_info("peername"), why_refused(exc, HANDSHAKE_TIMEOUT))
         self.abort()
 
     # -- the data ----------------------------------------------------------------------------

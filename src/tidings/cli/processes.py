@@ -348,8 +348,8 @@ def cluster_up(
         if lc.cleared:
             out.print(f"cleared {lc.cleared} member keys left by an earlier run", highlight=False)
         out.print(f"etcd     {lc.etcd_endpoint}")
+        scheme = "https" if metrics_tls else "http"
         for b in lc.brokers:
-            scheme = "https" if metrics_tls else "http"
             metrics_at = f"  metrics={scheme}://{b.metrics_endpoint}/metrics" if b.metrics_endpoint else ""
             out.print(f"broker   {b.endpoint}  zone={b.zone} id={b.suffix}{metrics_at}", highlight=False)
         out.print(f"store    {lc.store_url}  (for journals without stores)")
