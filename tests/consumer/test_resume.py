@@ -113,9 +113,13 @@ async def test_a_recovered_ack_intent_of_a_deleted_journal_is_discarded_and_the_
             return await outputs(cluster) == {"m0": 1, "m1": 1, "m2": 1}
 
         await wait_until(committed, 30, interval=0.1)
-        async with ShardClient(second) as sc:
-            shards = (await sc.list()).shards
-        assert [st.code for st in shards[0].status] == [pb.ReplicaStatus.PRIMARY], shards[0].status
+
+        async def primary() -> bool:  # (its status reaches etcd after its store is restored, on its own time)
+            async with ShardClient(second) as sc:
+                shards = (await sc.list()).shards
+            return [st.code for st in shards[0].status] == [pb.ReplicaStatus.PRIMARY]
+
+        await wait_until(primary, 30, interval=0.1)
         assert "discarding the recovered ACK intent of output journal relay/side" in procs.log("c1")
         # Once the journal is back, the shard serves on (nothing to unassign). (Over a fresh store: the old
         # one may hold the deleted journal's fragments, which a journal created again over them refuses

@@ -121,3 +121,10 @@ async def test_a_replication_name_its_certificate_does_not_cover_is_refused_at_s
     async with wide.client() as c:
         (m,) = (await c.members()).members
     assert m.spec.replication_endpoint == f"localhost:{port}" and m.spec.endpoint == b.endpoint
+
+
+def test_a_port_drawn_for_a_server_is_never_handed_out_twice() -> None:
+    """Twenty targets draw their ports before any of them listens: free_port must not give two the same
+    one (each is free when drawn, so only the process can remember what it gave)."""
+    ports = [free_port() for _ in range(2000)]
+    assert len(set(ports)) == len(ports)

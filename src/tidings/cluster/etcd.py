@@ -54,23 +54,34 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
+_HANDED_OUT: set[int] = set()  # ports free_port gave, by this process
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A free TCP port on `host` for a server that may restart on it; callers bind it soon after.
 
     It is drawn below the kernel's ephemeral range, so no outgoing connection and no port-0 listener
-    (a broker's replication port, say) can take it while its owner is down between restarts.
+    (a broker's replication port, say) can take it while its owner is down between restarts. A port is
+    handed out once per process: twenty targets drawn before any of them listens must not share one.
     """
     host = host.strip("[]")
     low = _ephemeral_low()
     for _ in range(100):
         port = random.randrange(10_000, low) if low > 11_000 else 0
+        if port in _HANDED_OUT:
+            continue
         with socket.socket(_family(host), socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
             bound: int = s.getsockname()[1]  # (host, port[, flow, scope]) of an AF_INET(6) socket
-            return bound
+        with _HANDED_OUT_LOCK:
+            if bound in _HANDED_OUT:
+                continue
+            _HANDED_OUT.add(bound)
+        return bound
     raise ClusterError(f"no free TCP port on {host}")
 
 
