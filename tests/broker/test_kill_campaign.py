@@ -12,6 +12,10 @@ sometimes on an empty disk. Readers tail every journal throughout. At the end:
   offset below their write head);
 - every RPC returned a status: no append waited until its deadline (the "lost answer").
 
+It runs twice: plaintext, and secured as a production cluster is (mutual TLS on gRPC and on the
+replication port, capability tokens on every call: brokers sign their own for proxying, replication
+and recovery checks), where a restart must find its peers and clients through the same checks.
+
 `TIDINGS_CAMPAIGN_SECONDS` sets how long the chaos runs (default 30; an hour:
 ``TIDINGS_CAMPAIGN_SECONDS=3600 .venv/bin/pytest tests/broker/test_kill_campaign.py``).
 `TIDINGS_CAMPAIGN_SEED` replays a run's choices.
@@ -33,15 +37,18 @@ import pytest
 
 from tests.support.cluster import FAST_BROKER_FLAGS
 from tests.support.waiting import wait_until
+from tidings.auth import Authorizer, KeyedAuthorizer, KeySet, generate_key
 from tidings.client import AsyncClient
 from tidings.cluster import LocalCluster
 from tidings.cluster.etcd import free_port
 from tidings.fragment.fragment import Fragment
 from tidings.fragment.store import store_for
 from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.claims import Capability
 from tidings.protocol.protocol_pb2_grpc import JournalStub
 from tidings.protocol.specs import spec_from_dict
 from tidings.protocol.status import IndexHasGreaterOffsetError, StatusError, TransportError
+from tidings.tls import TLS, channel
 
 SECONDS = float(os.environ.get("TIDINGS_CAMPAIGN_SECONDS", "30"))
 SEED = int(os.environ.get("TIDINGS_CAMPAIGN_SEED", str(random.randrange(1 << 30))))
@@ -59,6 +66,17 @@ class Ledger:
     refused: list[str] = field(default_factory=list)
     jumps: list[str] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Access:
+    """What the campaign's clients hold: a client certificate and a keyed signer (None: plaintext)."""
+
+    tls: TLS | None = None
+    auth: Authorizer | None = None
+
+    def client(self, endpoint: str) -> AsyncClient:
+        return AsyncClient(endpoint, tls=self.tls, auth=self.auth)
 
 
 def _ports(n: int) -> int:
@@ -80,9 +98,11 @@ def _free(port: int) -> bool:
     return True
 
 
-async def _writer(lc: LocalCluster, i: int, ledger: Ledger, stop: asyncio.Event, idle: bool = False) -> None:
+async def _writer(
+    lc: LocalCluster, access: Access, i: int, ledger: Ledger, stop: asyncio.Event, idle: bool = False
+) -> None:
     rng = random.Random(SEED + i)
-    async with AsyncClient(lc.brokers[i % len(lc.brokers)].endpoint) as c:
+    async with access.client(lc.brokers[i % len(lc.brokers)].endpoint) as c:
         k = 0
         while not stop.is_set():
             if idle:
@@ -107,8 +127,10 @@ async def _writer(lc: LocalCluster, i: int, ledger: Ledger, stop: asyncio.Event,
             ledger.ok[journal].append((r.begin, r.end, body))
 
 
-async def _tail(lc: LocalCluster, journal: str, ledger: Ledger, stop: asyncio.Event, seen: bytearray) -> None:
-    async with AsyncClient(lc.brokers[0].endpoint) as c:
+async def _tail(
+    lc: LocalCluster, access: Access, journal: str, ledger: Ledger, stop: asyncio.Event, seen: bytearray
+) -> None:
+    async with access.client(lc.brokers[0].endpoint) as c:
         reader = c.reader(journal, 0, block=True, on_jump=lambda a, b: ledger.jumps.append(f"{journal} {a}->{b}"))
         with contextlib.suppress(asyncio.CancelledError):
             async for chunk in reader:
@@ -139,20 +161,21 @@ async def _chaos(lc: LocalCluster, ledger: Ledger, stop: asyncio.Event) -> None:
     stop.set()
 
 
-async def _replica_bytes(endpoint: str, journal: str) -> bytes:
+async def _replica_bytes(access: Access, endpoint: str, journal: str) -> bytes:
     """Everything one broker itself serves of `journal` (no proxying), checking it never skips."""
     out = bytearray()
-    async with grpc.aio.insecure_channel(endpoint) as ch:
+    metadata = access.auth.metadata(Capability.READ) if access.auth is not None else ()
+    async with channel(endpoint, access.tls) as ch:
         req = pb.ReadRequest(journal=journal, offset=0, block=False, do_not_proxy=True)
-        async for resp in JournalStub(ch).Read(req):
+        async for resp in JournalStub(ch).Read(req, metadata=metadata):
             if resp.content:
                 assert resp.offset == len(out), f"{journal} at {endpoint}: read skipped to {resp.offset}"
                 out += resp.content
     return bytes(out)
 
 
-async def _verify(lc: LocalCluster, ledger: Ledger, tails: dict[str, bytearray]) -> None:
-    async with AsyncClient(lc.brokers[0].endpoint) as c:
+async def _verify(lc: LocalCluster, access: Access, ledger: Ledger, tails: dict[str, bytearray]) -> None:
+    async with access.client(lc.brokers[0].endpoint) as c:
         for journal in JOURNALS:
             spans = sorted(ledger.ok[journal])
             for (b0, e0, _), (b1, _e1, _) in itertools.pairwise(spans):
@@ -162,7 +185,7 @@ async def _verify(lc: LocalCluster, ledger: Ledger, tails: dict[str, bytearray])
             route = next(j.route for j in (await c.list()).journals if j.spec.name == journal)
 
             async def replicas_whole(route=route, journal=journal, head=barrier.end) -> list[bytes] | None:
-                views = [await _replica_bytes(ep, journal) for ep in route.endpoints]
+                views = [await _replica_bytes(access, ep, journal) for ep in route.endpoints]
                 return views if all(len(v) == head for v in views) else None
 
             views = await wait_until(replicas_whole, 60, interval=0.25)  # holes fill as fragments persist
@@ -193,15 +216,30 @@ async def _assert_store_matches(c: AsyncClient, journal: str, data: bytes) -> No
 
 
 @pytest.mark.timeout(SECONDS + 270)  # the campaign's own length, beyond the suite's per-test limit
-async def test_kill_9_campaign(etcd, etcd_root, tmp_path) -> None:
-    lc = LocalCluster(brokers=4, zones=3, data_dir=tmp_path, port=_ports(4), etcd=etcd.endpoint, root=etcd_root)
+@pytest.mark.parametrize("secured", [False, True], ids=["plaintext", "tls-and-tokens"])
+async def test_kill_9_campaign(etcd, etcd_root, tmp_path, request, secured: bool) -> None:
+    keys, access, tls = "", Access(), None
+    if secured:
+        certs = request.getfixturevalue("certs")
+        keys, tls = generate_key(), certs.tls("campaign-broker")
+        access = Access(certs.tls("campaign-client", server=False), KeyedAuthorizer(KeySet.parse(keys), sub="campaign"))
+    lc = LocalCluster(
+        brokers=4,
+        zones=3,
+        data_dir=tmp_path,
+        port=_ports(4),
+        etcd=etcd.endpoint,
+        root=etcd_root,
+        auth_keys=keys,
+        tls=tls,
+    )
     lc.extra = [*FAST_BROKER_FLAGS, "--persist-delay", "5"]
     ledger = Ledger()
     stop = asyncio.Event()
     tasks: list[asyncio.Task] = []
     try:
         await asyncio.to_thread(lc.start)
-        async with AsyncClient(lc.brokers[0].endpoint) as c:
+        async with access.client(lc.brokers[0].endpoint) as c:
             for j in JOURNALS:
                 spec = spec_from_dict({"name": j, "replication": 3, "fragment": {"length": "16KiB"}})
                 await c.apply([pb.ApplyRequest.Change(upsert=spec)])
@@ -212,10 +250,10 @@ async def test_kill_9_campaign(etcd, etcd_root, tmp_path) -> None:
 
             await wait_until(primaries, 30)
         tails = {j: bytearray() for j in JOURNALS}
-        tasks = [asyncio.ensure_future(_writer(lc, i, ledger, stop)) for i in range(6)]
-        tasks.append(asyncio.ensure_future(_writer(lc, 6, ledger, stop, idle=True)))
+        tasks = [asyncio.ensure_future(_writer(lc, access, i, ledger, stop)) for i in range(6)]
+        tasks.append(asyncio.ensure_future(_writer(lc, access, 6, ledger, stop, idle=True)))
         writers = len(tasks)
-        tasks += [asyncio.ensure_future(_tail(lc, j, ledger, stop, tails[j])) for j in JOURNALS]
+        tasks += [asyncio.ensure_future(_tail(lc, access, j, ledger, stop, tails[j])) for j in JOURNALS]
         await _chaos(lc, ledger, stop)
         await asyncio.wait_for(asyncio.gather(*tasks[:writers]), APPEND_DEADLINE + 30)
         for t in tasks[writers:]:
@@ -227,7 +265,7 @@ async def test_kill_9_campaign(etcd, etcd_root, tmp_path) -> None:
         assert not ledger.refused, f"consistency lost under single faults: {ledger.refused[:3]} ({summary})"
         assert not ledger.jumps, f"reads skipped offsets: {ledger.jumps} ({summary})"
         assert oks > 50, summary
-        await _verify(lc, ledger, tails)
+        await _verify(lc, access, ledger, tails)
         print(summary)  # shown with -s: what this run did
     finally:
         stop.set()

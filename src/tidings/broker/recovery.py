@@ -226,7 +226,10 @@ def drop_from(pending: list[tuple[Fragment, SpoolFile]], i: int) -> int:
 
 async def _journal_refuses_appends(broker: Host, journal: str) -> bool | None:
     """Whether a zero-byte append (a barrier: it writes nothing) through this broker answers
-    INDEX_HAS_GREATER_OFFSET (None: no answer now)."""
+    INDEX_HAS_GREATER_OFFSET (None: no answer now). It resumes a suspended journal, as any append
+    does: asked without resuming, a suspended journal answers SUSPENDED, no answer, and the tail would
+    wait on disk until the check gives up. Asked only for a recovered tail past the journal's brokers
+    (rare), and a resumed journal costs replicas, not data."""
     stub = JournalStub(broker.channel(broker.endpoint))  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
     try:
         barrier = iter([pb.AppendRequest(journal=journal, commit=True)])
