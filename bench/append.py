@@ -45,6 +45,7 @@ import threading
 import time
 from typing import Any
 
+from _ab import main_if_requested
 from _common import cpu_seconds, create_journal, emit, primary_endpoint, rss_kib, run
 from _floor import floor_server
 
@@ -447,6 +448,7 @@ async def tls_slices(slices: int) -> None:
 
 
 def main() -> None:
+    main_if_requested("append.py")  # (--ab REF: this tree against REF, interleaved; bench/_ab.py)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 3])
     p.add_argument("--count", type=int, default=2000, help="sequential appends timed")

@@ -37,6 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from _ab import main_if_requested
 from _common import create_journal, emit, run
 
 from tidings.client import AppendService, AsyncClient
@@ -180,6 +181,7 @@ async def bench(lc: LocalCluster, args: argparse.Namespace, work: str) -> None:
 
 
 def main() -> None:
+    main_if_requested("consumer.py")  # (--ab REF: this tree against REF, interleaved; bench/_ab.py)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--messages", type=int, default=200_000)
     ap.add_argument("--replication", type=int, default=3)

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import apsw
 import msgspec
+from _ab import main_if_requested
 from _common import child_processes, cpu_seconds, create_journal, emit, run
 from _relay import Part
 
@@ -321,6 +322,7 @@ def plot(paths: list[str], outdir: Path) -> None:
 
 
 def main() -> None:
+    main_if_requested("logplayer.py")  # (--ab REF: this tree against REF, interleaved; bench/_ab.py)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--design", default="logplayer,relay,direct", type=lambda s: s.split(","))
     ap.add_argument("--sweep", choices=["targets", "size", "both", "rate"], default="both",

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 
+from _ab import main_if_requested
 from _common import create_journal, emit, run
 
 from tidings.client import AppendService, AsyncClient
@@ -142,6 +143,7 @@ async def main_async(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    main_if_requested("messages.py")  # (--ab REF: this tree against REF, interleaved; bench/_ab.py)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--messages", type=int, default=300_000, help="messages per measurement")
     p.add_argument("--batch", type=int, default=1000, help="messages per publish_committed call")

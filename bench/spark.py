@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 
+from _ab import main_if_requested
 from _common import create_journal, emit
 
 from tidings.client import AppendService, AsyncClient, Client
@@ -68,6 +69,7 @@ def timed(make) -> tuple[float, float, int]:  # type: ignore[no-untyped-def]
 
 
 def main() -> None:
+    main_if_requested("spark.py")  # (--ab REF: this tree against REF, interleaved; bench/_ab.py)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--messages", type=int, default=1_000_000)
     p.add_argument("--rounds", type=int, default=3)
