@@ -64,14 +64,14 @@ class TLS:
         """The CA bundle as the stdlib's `cadata` wants it (ASCII PEM: `load` kept only the certificates)."""
         return self.ca.decode("ascii") if self.ca is not None else None
 
-    def server_context(self, alpn: str | None = None) -> ssl.SSLContext:
+    def server_context(self, alpn: str | list[str] | None = None) -> ssl.SSLContext:
         """A stdlib server context serving this certificate (the replication port's, /metrics'): TLS 1.2+,
         `alpn` if given, and with a CA, client certificates signed by it required (mutual TLS)."""
         assert self.cert is not None and self.key is not None, "a server needs --tls-cert and --tls-key"
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         if alpn is not None:
-            ctx.set_alpn_protocols([alpn])
+            ctx.set_alpn_protocols([alpn] if isinstance(alpn, str) else alpn)
         _load_chain(ctx, self.cert, self.key)
         if self.ca is not None:
             ctx.load_verify_locations(cadata=self.ca_text)

@@ -316,8 +316,12 @@ async def test_an_r1_journal_moved_elsewhere_gets_its_acknowledged_tail_back(etc
         assert route is not None
         p = next(b for b in lc.brokers if b.suffix == route.members[route.primary].suffix)
         others = [b for b in lc.brokers if b is not p]
-        stored_end = max((f.end for f in store_for(lc.store_url).list(j)), default=0)
-        assert 0 < stored_end < end, f"the store holds [0, {stored_end}), P alone [{stored_end}, {end})"
+
+        def stored() -> int:  # (the first fragment persists on its own time)
+            return max((f.end for f in store_for(lc.store_url).list(j)), default=0)
+
+        stored_end = await wait_until(stored, 30, interval=0.05)
+        assert stored_end < end, f"the store holds [0, {stored_end}), P alone [{stored_end}, {end})"
         p.kill()
 
         async def moved() -> bool:

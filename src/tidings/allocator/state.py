@@ -31,6 +31,7 @@ def route_of(assignments: list[Assignment], members: dict[MemberId, Member]) -> 
         route.members.add(zone=zone, suffix=suffix)
         member = members.get((zone, suffix))
         route.endpoints.append(member.spec.endpoint if member is not None else "")
+        route.data_endpoints.append(getattr(member.spec, "replication_endpoint", "") if member is not None else "")
     return route
 
 

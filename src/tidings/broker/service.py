@@ -134,6 +134,7 @@ class Broker(MemberProcess):
             f"{cfg.zone}/{cfg.suffix}",
             tls=cfg.tls,
             verifier=self.verifier if isinstance(self.verifier, Verifier) else None,
+            servicer=_Servicer(self),  # (clients' calls on the same port: transport_rpc.py)
         )
         listen = cfg.replication_listen or f"{host}:0"
         try:

@@ -51,7 +51,6 @@ import contextlib
 import functools
 import logging
 import socket
-import struct
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol, cast
 
@@ -60,14 +59,32 @@ from google.protobuf.message import DecodeError
 
 from tidings.auth import AuthError, Authorizer, Verifier
 from tidings.broker import transport_tls
+from tidings.broker.frames import (
+    CLOSE_SEND,
+    END,
+    HEADER,
+    HELLO,
+    MAX_FRAME,
+    OPEN,
+    PING,
+    PONG,
+    REQUEST,
+    RESET,
+    RESPONSE,
+    end_payload,
+    end_status,
+)
+from tidings.broker.frames import (
+    StreamError as StreamError,
+)
+from tidings.broker.transport_rpc import CLIENT_ALPN, CLIENT_HELLO, METHODS, OPEN_HEAD, Context, RpcStream, Servicer
+from tidings.broker.transport_rpc import serve as serve_call
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.claims import Capability, Claims
 from tidings.tls import TLS
 
 log = logging.getLogger(__name__)
 
-HEADER = struct.Struct("!IIB")  # payload length, stream id, kind
-MAX_FRAME = 65 * 1024 * 1024  # a ReplicateRequest carries at most one client message (64 MiB) and a proposal
 HELLO_PAYLOAD = b"tidings-replicate/1"
 HELLO_MAX = 8 * 1024 + 256  # a HELLO's payload at most: the version, the broker meant, a token (at most 8 KiB)
 KEEPALIVE_INTERVAL = 2.0  # seconds between the primary's pings
@@ -78,13 +95,7 @@ INBOUND_LOW = 4 * 1024 * 1024
 WRITE_HIGH = 4 * 1024 * 1024  # socket buffer bytes at which drain() waits
 CONNECT_TIMEOUT = 5.0
 
-HELLO, REQUEST, RESPONSE, CLOSE_SEND, END, RESET, PING, PONG = range(8)
 _REPLICATE = int(Capability.REPLICATE)
-_END_STATUS = struct.Struct("!B")
-
-
-class StreamError(Exception):
-    """A replication stream failed (the peer went away, refused the stream, or the connection broke)."""
 
 
 class ReplicaStream(Protocol):
@@ -156,17 +167,15 @@ def _split(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _end_payload(code: grpc.StatusCode, message: str) -> bytes:
-    return _END_STATUS.pack(code.value[0]) + message.encode()
-
-
 def _end_error(payload: bytes) -> str:
-    code = next((c for c in grpc.StatusCode if c.value[0] == payload[0]), grpc.StatusCode.UNKNOWN)
-    return f"{code.name}: {payload[1:].decode(errors='replace')}"
+    code, message = end_status(payload)
+    return f"{code.name}: {message}"
 
 
 class _Connection(asyncio.Protocol):
     """One TCP connection carrying many streams: frame parsing, writes, flow control, keep-alive."""
+
+    hellos: tuple[bytes, ...] = (HELLO_PAYLOAD,)  # what the other side's HELLO may say
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -200,7 +209,7 @@ class _Connection(asyncio.Protocol):
         while size - pos >= HEADER.size and self.closed is None:
             length, sid, kind = HEADER.unpack_from(buf, pos)
             if not self._hello and (kind != HELLO or length > HELLO_MAX):
-                self.close("it did not open with a tidings replication HELLO (another service's port?)")
+                self.close("it did not open with a tidings HELLO (another service's port?)")
                 return
             if length > MAX_FRAME:
                 self.close(f"a frame of {length} bytes is over the limit of {MAX_FRAME}")
@@ -213,11 +222,12 @@ class _Connection(asyncio.Protocol):
                 try:
                     if not self._hello:
                         hello = bytes(payload)
-                        if hello != HELLO_PAYLOAD and not hello.startswith(HELLO_PAYLOAD + b" "):
-                            self.close(f"its HELLO {hello!r} is not {HELLO_PAYLOAD!r}")
+                        said = next((p for p in self.hellos if hello == p or hello.startswith(p + b" ")), None)
+                        if said is None:
+                            self.close(f"its HELLO {hello!r} is not {b' or '.join(self.hellos)!r}")
                             return
                         self._hello = True
-                        self.hello(hello[len(HELLO_PAYLOAD) + 1 :].decode(errors="replace"))
+                        self.hello(said, hello[len(said) + 1 :].decode(errors="replace"))
                     else:
                         self.frame(sid, kind, payload, length)
                 except DecodeError as exc:
@@ -263,7 +273,7 @@ class _Connection(asyncio.Protocol):
     def refuse(self, why: str, code: grpc.StatusCode = grpc.StatusCode.FAILED_PRECONDITION) -> None:
         """Tell the other side why (an END on stream 0), then close once that is sent."""
         if self.closed is None and self.transport is not None:
-            self.write(0, END, _end_payload(code, why))
+            self.write(0, END, end_payload(code, why))
         self.close(why, flush=True)
 
     def close(self, why: str, flush: bool = False) -> None:
@@ -297,8 +307,9 @@ class _Connection(asyncio.Protocol):
 
     # -- per side --------------------------------------------------------------------------
 
-    def hello(self, target: str) -> None:
-        """The other side's HELLO arrived (naming the broker it means to reach, if it says)."""
+    def hello(self, said: bytes, target: str) -> None:
+        """The other side's HELLO arrived (`said`: which of `hellos`; naming the broker it means to reach,
+        if it says)."""
 
     def frame(self, sid: int, kind: int, payload: memoryview, size: int) -> None:
         raise NotImplementedError
@@ -588,16 +599,25 @@ class _PeerConnection(_Connection):
         self._reading = True
         self.quiet = False  # (its closing is logged elsewhere)
         self.claims: Claims | None = None  # (its HELLO's, when this broker has keys)
+        self.calls: dict[int, RpcStream] | None = None  # a client's connection: its calls (transport_rpc.py)
+        if server.servicer is not None:
+            self.hellos = (HELLO_PAYLOAD, CLIENT_HELLO)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self.name = f"replication from {transport.get_extra_info('peername')}"
         self._server.connections.add(self)
 
-    def hello(self, said: str) -> None:
+    def hello(self, said: bytes, rest: str) -> None:
         """The primary's HELLO: "[BROKER|- [TOKEN]]". Refused: a token without REPLICATE (when this broker
-        has keys), or a HELLO meant for another broker."""
-        target, _, token = said.partition(" ")
+        has keys), or a HELLO meant for another broker. A client's HELLO opens a connection for its calls
+        (each carries its own token)."""
+        if said == CLIENT_HELLO:
+            self.calls = {}
+            self.name = self.name.replace("replication from", "client calls from", 1)
+            self.write(0, HELLO, CLIENT_HELLO)
+            return
+        target, _, token = rest.partition(" ")
         target = "" if target == "-" else target
         identity = self._server.identity
         verifier = self._server.verifier
@@ -624,6 +644,9 @@ class _PeerConnection(_Connection):
         self.write(0, HELLO, HELLO_PAYLOAD)
 
     def frame(self, sid: int, kind: int, payload: memoryview, size: int) -> None:
+        if self.calls is not None:
+            self._call_frame(self.calls, sid, kind, payload, size)
+            return
         if kind == REQUEST:
             stream = self.streams.get(sid)
             if stream is None:
@@ -645,6 +668,44 @@ class _PeerConnection(_Connection):
         else:
             self.close(f"the primary sent a frame of unknown kind {kind}")
 
+    def _call_frame(self, calls: dict[int, RpcStream], sid: int, kind: int, payload: memoryview, size: int) -> None:
+        """A frame of a client's call (transport_rpc.py)."""
+        if kind == OPEN:
+            if sid <= self._max_sid:
+                self.close(f"call {sid} opened after call {self._max_sid} (calls are numbered upwards)")
+                return
+            self._max_sid = sid
+            number, token_length = OPEN_HEAD.unpack_from(payload)
+            method = METHODS.get(number)
+            if method is None:
+                self.write(sid, END, end_payload(grpc.StatusCode.UNIMPLEMENTED, f"no method {number} here"))
+                return
+            start = OPEN_HEAD.size + token_length
+            token = bytes(payload[OPEN_HEAD.size : start]).decode(errors="replace")
+            first = method.request.FromString(payload[start:])  # type: ignore[arg-type]  # parses any buffer
+            call = calls[sid] = RpcStream(self, sid, method)
+            peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+            ctx = Context(call, token, f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "")
+            call.task = self._loop.create_task(serve_call(self._server.servicer, call, first, ctx), name=method.name)
+            call.task.add_done_callback(lambda _: self._call_done(calls, call))
+        elif kind == REQUEST:
+            if (known := calls.get(sid)) is not None:
+                known.deliver(payload, size)
+        elif kind == CLOSE_SEND:
+            if (known := calls.get(sid)) is not None:
+                known.end_of_stream()
+        elif kind == RESET:
+            if (known := calls.get(sid)) is not None:
+                known.reset()
+        elif kind == PING:
+            self.write(0, PONG)
+        else:
+            self.close(f"the client sent a frame of unknown kind {kind}")
+
+    def _call_done(self, calls: dict[int, RpcStream], call: RpcStream) -> None:
+        self.consumed(call.take_inbound())
+        calls.pop(call.sid, None)
+
     def _served(self, stream: _MuxPeerStream, task: asyncio.Task[None]) -> None:
         """A stream's handler ended: END it and forget it. A done-callback, not a `finally`: a handler
         cancelled before its first step (a RESET read with its first REQUEST) runs no code of its own."""
@@ -653,7 +714,7 @@ class _PeerConnection(_Connection):
             log.debug("%s: stream %d: %s", self.name, stream.sid, exc)
         elif exc is not None:
             log.error("%s: stream %d failed", self.name, stream.sid, exc_info=exc)
-            stream.end(_end_payload(grpc.StatusCode.INTERNAL, "the peer failed serving the stream"))
+            stream.end(end_payload(grpc.StatusCode.INTERNAL, "the peer failed serving the stream"))
         stream.end(b"")
         self.consumed(stream.take_inbound())
         self.streams.pop(stream.sid, None)
@@ -676,6 +737,8 @@ class _PeerConnection(_Connection):
             log.warning("%s: %s; closed it", self.name, why)
         for stream in list(self.streams.values()):
             stream._reset(why)
+        for call in list((self.calls or {}).values()):
+            call.reset()
 
 
 class _MuxPeerStream(_Inbox):
@@ -729,7 +792,7 @@ class _MuxPeerStream(_Inbox):
         await self.conn.drain()
 
     async def fail(self, code: grpc.StatusCode, message: str) -> None:
-        self.end(_end_payload(code, message))
+        self.end(end_payload(code, message))
 
     def end(self, payload: bytes) -> None:
         """Send END (once): empty for a clean end, else a status."""
@@ -752,21 +815,29 @@ class ReplicationServer:
     """A broker's replication port: accepts primaries' connections and serves their streams."""
 
     def __init__(
-        self, handler: Handler, identity: str = "", tls: TLS | None = None, verifier: Verifier | None = None
+        self,
+        handler: Handler,
+        identity: str = "",
+        tls: TLS | None = None,
+        verifier: Verifier | None = None,
+        servicer: Servicer | None = None,
     ) -> None:
         self.handler = handler
+        self.servicer = servicer  # (the Journal service's: clients' calls are served too; transport_rpc.py)
         self.identity = identity  # "zone/suffix": a primary that means another broker is refused
         self.verifier = verifier  # (a broker with keys: a HELLO must carry a REPLICATE token)
         self.connections: set[_PeerConnection] = set()
         self.endpoint = ""
         self._server: asyncio.Server | None = None
-        self._tls = transport_tls.contexts(tls)[0] if tls is not None else None  # (a CA: mutual TLS)
+        alpn = [transport_tls.ALPN, CLIENT_ALPN] if servicer is not None else [transport_tls.ALPN]
+        self._tls = transport_tls.contexts(tls, alpn)[0] if tls is not None else None  # (a CA: mutual TLS)
         self._tls_listener: transport_tls.TLSListener | None = None
 
     async def start(self, listen: str) -> ReplicationServer:
         host, port = _split(listen)
         if self._tls is not None:
-            self._tls_listener = transport_tls.TLSListener(self._tls, lambda: _PeerConnection(self))
+            alpn = (transport_tls.ALPN, CLIENT_ALPN) if self.servicer is not None else (transport_tls.ALPN,)
+            self._tls_listener = transport_tls.TLSListener(self._tls, lambda: _PeerConnection(self), alpn)
             bound = await self._tls_listener.start(host, port)
         else:
             self._server = await asyncio.get_running_loop().create_server(
@@ -783,6 +854,7 @@ class ReplicationServer:
         if self._tls_listener is not None:
             self._tls_listener.close()
         tasks = [s.task for c in self.connections for s in c.streams.values() if s.task is not None]
+        tasks += [call.task for c in self.connections for call in (c.calls or {}).values() if call.task is not None]
         for conn in list(self.connections):
             conn.close("the broker is stopping")
         if tasks:

@@ -48,12 +48,15 @@ WRITE_SLICE = 256 * 1024  # bytes encrypted at a time (a 64 MiB frame is not enc
 REFUSAL_LOG_EVERY = 10.0
 
 
-def contexts(tls: TLS) -> tuple[ssl.SSLContext, ssl.SSLContext]:
-    """(server, client) contexts for the replication port: TLS 1.2+, ALPN, mutual when a CA is given."""
-    assert tls.cert is not None and tls.key is not None, "a broker serving TLS has --tls-cert and --tls-key"
+def contexts(tls: TLS, alpn: list[str] | None = None) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """(server, client) contexts for the data port: TLS 1.2+, ALPN (`alpn`, else replication's), mutual
+    when a CA is given. (A client needs no certificate of its own unless the port asks for one.)"""
+    protocols = alpn or [ALPN]
     client = tls.client_context()  # (our CA, else the system's; our certificate for the peers that ask)
-    client.set_alpn_protocols([ALPN])
-    return tls.server_context(ALPN), client
+    client.set_alpn_protocols(protocols)
+    if tls.cert is None or tls.key is None:
+        return client, client  # (a client's: it serves nothing)
+    return tls.server_context(protocols), client
 
 
 class _NotReplication(OSError):
@@ -61,7 +64,12 @@ class _NotReplication(OSError):
 
 
 async def dial(
-    host: str, port: int, ctx: ssl.SSLContext, protocol: Callable[[], asyncio.Protocol], timeout: float
+    host: str,
+    port: int,
+    ctx: ssl.SSLContext,
+    protocol: Callable[[], asyncio.Protocol],
+    timeout: float,
+    alpn: tuple[str, ...] = (ALPN,),
 ) -> asyncio.Protocol:
     """Connect to `host:port`, handshake (verifying its certificate for `host`), and run `protocol()`
     over the connection, all within `timeout`; OSError naming the step and cause if any fails."""
@@ -72,7 +80,8 @@ async def dial(
     try:
         try:
             async with asyncio.timeout_at(deadline):
-                _, layer = await loop.create_connection(lambda: _TLSLayer(ctx, protocol, done, host), host, port)
+                made = lambda: _TLSLayer(ctx, protocol, done, host, alpn=alpn)  # noqa: E731
+                _, layer = await loop.create_connection(made, host, port)
         except TimeoutError:
             raise OSError(f"not reachable within {timeout:g}s") from None
         async with asyncio.timeout_at(deadline):
@@ -88,8 +97,10 @@ async def dial(
 class TLSListener:
     """A TLS replication port: accepts, handshakes (bounded), then runs `protocol()` per connection."""
 
-    def __init__(self, ctx: ssl.SSLContext, protocol: Callable[[], asyncio.Protocol]) -> None:
-        self.ctx, self.protocol = ctx, protocol
+    def __init__(
+        self, ctx: ssl.SSLContext, protocol: Callable[[], asyncio.Protocol], alpn: tuple[str, ...] = (ALPN,)
+    ) -> None:
+        self.ctx, self.protocol, self.alpn = ctx, protocol, alpn
         self._server: asyncio.Server | None = None
         self._refusals = RefusalLog("replication", REFUSAL_LOG_EVERY, log)
         self._handshaking: set[_TLSLayer] = set()  # (aborted at close: none may serve after it)
@@ -102,7 +113,7 @@ class TLSListener:
         return bound
 
     def _layer(self) -> _TLSLayer:
-        layer = _TLSLayer(self.ctx, self._upper, None, refused=self._refusals.note)
+        layer = _TLSLayer(self.ctx, self._upper, None, refused=self._refusals.note, alpn=self.alpn)
         self._handshaking.add(layer)
         layer.settled = self._handshaking.discard
         return layer
@@ -131,7 +142,9 @@ class _TLSLayer(asyncio.Protocol):
         done: asyncio.Future[asyncio.Protocol] | None,  # a dialer's: the handshake's outcome
         host: str | None = None,  # a dialer's: the name the peer's certificate must carry
         refused: Callable[[Any, str], None] | None = None,  # a server's: log a refused handshake
+        alpn: tuple[str, ...] = (ALPN,),  # the protocols this end speaks
     ) -> None:
+        self._alpn = alpn
         self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._ssl = ctx.wrap_bio(self._incoming, self._outgoing, server_side=done is None, server_hostname=host)
         self._make, self._done, self._refused = protocol, done, refused
@@ -194,9 +207,9 @@ class _TLSLayer(asyncio.Protocol):
         self._flush()
         if self._timer is not None:
             self._timer.cancel()
-        if self._ssl.selected_alpn_protocol() != ALPN:  # (OpenSSL goes on without a protocol in common)
-            spoken = self._ssl.selected_alpn_protocol() or "no"
-            self._fail(_NotReplication(f"the other side speaks {spoken} ALPN, not {ALPN} (another service?)"))
+        if self._ssl.selected_alpn_protocol() not in self._alpn:  # (OpenSSL goes on without one in common)
+            spoken, wanted = self._ssl.selected_alpn_protocol() or "no", " or ".join(self._alpn)
+            self._fail(_NotReplication(f"the other side speaks {spoken} ALPN, not {wanted} (another service?)"))
             return
         assert self._raw is not None
         self._settle()

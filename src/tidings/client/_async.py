@@ -35,6 +35,7 @@ from tidings.client._base import (
     nbytes,
     registers_dict,
 )
+from tidings.client._wire import WireChannel, WireStub
 from tidings.fragment.fragment import Fragment
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.claims import Capability
@@ -62,6 +63,7 @@ DOWN_FOR = 2.0  # seconds an unreachable endpoint is avoided
 ATTEMPT_TIMEOUT = 30.0  # seconds an append of bytes may wait for its answer (plus one per MiB)
 RACES = 8  # races to the head an append_once may lose to other writers in a row before it appends anywhere
 APPEND_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Journal'].full_name}/Append"
+TRANSPORTS = ("grpc", "tidings")
 
 
 class AsyncClient:
@@ -83,6 +85,9 @@ class AsyncClient:
       for an append, a read or a fragments listing, a List's selector, everything for an Apply); None:
       no token. A refusal raises `UnauthenticatedError` or `NotAllowedError` (`PermissionDeniedError`),
       never retried.
+    * `transport` - "grpc" (the default): every call over the brokers' gRPC service; "tidings": calls to
+      a broker whose data port a Route announced go over tidings' own framing on that port (`_wire.py`:
+      the same messages, statuses and checks, less per-call cost), the others over gRPC.
 
     Usage::
 
@@ -104,8 +109,13 @@ class AsyncClient:
         fail_fast: bool = False,
         tls: TLS | None = None,
         auth: Authorizer | None = None,
+        transport: str = "grpc",
     ) -> None:
+        if transport not in TRANSPORTS:
+            raise UsageError(f"transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
         self.endpoint = endpoint
+        self.transport = transport
+        self._wires: dict[str, WireStub] = {}  # by data endpoint
         self.tls = tls
         self.auth: Authorizer = auth if auth is not None else NoAuthorizer()
         self._selectors: dict[str, pb.LabelSelector] = {}  # `name=<journal>`, by journal: built once
@@ -128,9 +138,17 @@ class AsyncClient:
 
     def stub(self, endpoint: str | None = None) -> JournalStub:
         ep = endpoint or self.endpoint
+        if self.transport == "tidings" and (data := self.routes.data_endpoints.get(ep)):
+            return self._wire(data)  # type: ignore[return-value]  # (called as a JournalStub's methods are)
         stub = self._stubs.get(ep)
         if stub is None:
             stub = self._stubs[ep] = JournalStub(self._channel(ep))  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
+        return stub
+
+    def _wire(self, data_endpoint: str) -> WireStub:
+        stub = self._wires.get(data_endpoint)
+        if stub is None:
+            stub = self._wires[data_endpoint] = WireStub(WireChannel(data_endpoint, self.tls))
         return stub
 
     def _append_whole(self, endpoint: str) -> grpc.aio.UnaryUnaryMultiCallable:
@@ -141,6 +159,8 @@ class AsyncClient:
         100 µs less CPU than a streaming one, which needs a task to consume its request iterator
         (bench/README.md).
         """
+        if self.transport == "tidings" and (data := self.routes.data_endpoints.get(endpoint)):
+            return self._wire(data).Append  # (one message: OPEN, CLOSE_SEND)
         mc = self._appends_whole.get(endpoint)
         if mc is None:
             mc = self._appends_whole[endpoint] = self._channel(endpoint).unary_unary(
@@ -186,6 +206,8 @@ class AsyncClient:
         says (a program started beside its brokers waits for them)."""
         if isinstance(err, TransportError) and err.code == grpc.StatusCode.UNAVAILABLE:
             self._down[endpoint] = time.monotonic() + DOWN_FOR
+            # (its data port too: a restarted broker listens on another; gRPC until a Route names it again)
+            self.routes.data_endpoints.pop(endpoint, None)
             if self.fail_fast and err.unreachable and not self._answered:
                 # (a TLS mismatch gRPC does not name: the probe does, in the CLI's last act, blocking)
                 why = probe(endpoint, self.tls) if "Socket closed" in str(err) else ""
@@ -206,6 +228,9 @@ class AsyncClient:
         return self.retry.forever and isinstance(err, TransportError) and err.code not in DEFINITE_CODES
 
     async def aclose(self) -> None:
+        for wire in self._wires.values():
+            await wire.channel.close()
+        self._wires.clear()
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()

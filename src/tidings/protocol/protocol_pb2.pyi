@@ -288,14 +288,16 @@ class JournalSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., replication: _Optional[int] = ..., labels: _Optional[_Union[LabelSet, _Mapping]] = ..., fragment: _Optional[_Union[JournalSpec.FragmentSpec, _Mapping]] = ..., flags: _Optional[int] = ..., max_append_rate: _Optional[int] = ..., suspend: _Optional[_Union[JournalSpec.Suspend, _Mapping]] = ...) -> None: ...
 
 class Route(_message.Message):
-    __slots__ = ("members", "primary", "endpoints")
+    __slots__ = ("members", "primary", "endpoints", "data_endpoints")
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    DATA_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     members: _containers.RepeatedCompositeFieldContainer[ProcessId]
     primary: int
     endpoints: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, members: _Optional[_Iterable[_Union[ProcessId, _Mapping]]] = ..., primary: _Optional[int] = ..., endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
+    data_endpoints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, members: _Optional[_Iterable[_Union[ProcessId, _Mapping]]] = ..., primary: _Optional[int] = ..., endpoints: _Optional[_Iterable[str]] = ..., data_endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Header(_message.Message):
     __slots__ = ("process_id", "route", "etcd")

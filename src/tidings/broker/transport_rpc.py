@@ -1,0 +1,203 @@
+"""Clients' RPCs on the broker's data port: the Journal service's methods over `transport.py`'s framing.
+
+A client connection opens with HELLO `tidings-client/1` (over TLS: ALPN `tidings-client/1`, mutual as
+the port's replication connections are) and then multiplexes calls, one stream each, numbered upwards
+by the client:
+
+- **OPEN** (client): `!BH` (method, token length), the token (its `authorization` bearer, as gRPC's
+  metadata carries it), then the call's first request message (an Append's first AppendRequest).
+- **REQUEST** (client): an Append's further AppendRequests; **CLOSE_SEND**: its end of stream.
+- **RESPONSE** (broker): a response message (one for a unary call, any number for Read and List).
+- **END** (broker): the call's status: empty for OK, else `!B` gRPC code and the details.
+- **RESET** (client): the call is cancelled (an Append then rolls back, as a cancelled gRPC call).
+
+The broker serves each call with the same `_Servicer` method gRPC calls (`service.py`), through a
+`Context` that offers what they use of grpc.aio's ServicerContext (`read`, `write`, `abort`, `code`,
+`invocation_metadata`, `peer`): one handler per RPC for both transports, so capability checks, proxying
+and every status are the same. A call's requests count towards the connection's inbound limit as
+replication's do; a response waits for the socket buffer to drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import struct
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import grpc
+from google.protobuf.message import Message
+
+from tidings.broker.frames import END, RESPONSE, StreamError, end_payload
+from tidings.protocol import protocol_pb2 as pb
+
+if TYPE_CHECKING:
+    from tidings.broker.transport import _PeerConnection
+
+log = logging.getLogger(__name__)
+
+CLIENT_HELLO = b"tidings-client/1"
+CLIENT_ALPN = "tidings-client/1"
+OPEN_HEAD = struct.Struct("!BH")  # method, token length
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """One Journal RPC as the data port serves it: its number on the wire, its servicer method, its
+    request and response types, and its shape."""
+
+    number: int
+    name: str
+    request: type[Message]
+    response: type[Message]
+    client_streaming: bool = False
+    server_streaming: bool = False
+
+
+METHODS = {
+    m.number: m
+    for m in (
+        Method(1, "Append", pb.AppendRequest, pb.AppendResponse, client_streaming=True),
+        Method(2, "Read", pb.ReadRequest, pb.ReadResponse, server_streaming=True),
+        Method(3, "List", pb.ListRequest, pb.ListResponse, server_streaming=True),
+        Method(4, "ListFragments", pb.FragmentsRequest, pb.FragmentsResponse),
+        Method(5, "Apply", pb.ApplyRequest, pb.ApplyResponse),
+        Method(6, "ListMembers", pb.MembersRequest, pb.MembersResponse),
+    )
+}
+BY_NAME = {m.name: m for m in METHODS.values()}
+
+
+class Context:
+    """What a `_Servicer` method uses of grpc.aio's ServicerContext, for one call on the data port."""
+
+    def __init__(self, call: RpcStream, token: str, peer: str) -> None:
+        self._call = call
+        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        self._peer = peer
+        self._code: grpc.StatusCode | None = None
+        self.details = ""
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def peer(self) -> str:
+        return self._peer
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    async def read(self) -> Any:
+        return await self._call.read()
+
+    async def write(self, message: Message) -> None:
+        await self._call.respond(message)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
+        self._code, self.details = code, details
+        raise grpc.aio.AbortError()
+
+
+Servicer = Any  # (service.py's _Servicer: a method per RPC, by name)
+
+
+class RpcStream:
+    """The broker's end of one client call: its requests, its responses, its END."""
+
+    def __init__(self, conn: _PeerConnection, sid: int, method: Method) -> None:
+        self.conn, self.sid, self.method = conn, sid, method
+        self.task: asyncio.Task[None] | None = None
+        self._requests: collections.deque[tuple[Message, int]] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._eof = False
+        self._inbound = 0
+        self.ended = False
+
+    # -- from the connection ------------------------------------------------------------------
+
+    def deliver(self, payload: memoryview, size: int) -> None:
+        """A request arrived (parsed here: a DecodeError closes the connection, as a replication frame's)."""
+        self._requests.append((self.method.request.FromString(payload), size))  # type: ignore[arg-type]  # parses any buffer
+        self._inbound += size
+        self.conn.delivered(size)
+        self._wake()
+
+    def end_of_stream(self) -> None:
+        self._eof = True
+        self._wake()
+
+    def reset(self) -> None:
+        """The client cancelled the call, or the connection went: the handler is cancelled."""
+        self.ended = True
+        if self.task is not None:
+            self.task.cancel()
+        self._wake()
+
+    def take_inbound(self) -> int:
+        size, self._inbound = self._inbound, 0
+        self._requests.clear()
+        return size
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    # -- for the handler ----------------------------------------------------------------------
+
+    async def read(self) -> Any:
+        """The next request, grpc.aio.EOF after the client's end of stream."""
+        while not self._requests:
+            if self._eof:
+                return grpc.aio.EOF
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        msg, size = self._requests.popleft()
+        self._inbound -= size
+        self.conn.consumed(size)
+        return msg
+
+    async def respond(self, message: Message) -> None:
+        if self.ended:
+            raise asyncio.CancelledError()  # (the call is gone: as grpc.aio's write to a cancelled call)
+        self.conn.write(self.sid, RESPONSE, message.SerializeToString())
+        await self.conn.drain()
+
+    def end(self, payload: bytes = b"") -> None:
+        if self.ended:
+            return
+        self.ended = True
+        if self.conn.closed is None:
+            self.conn.write(self.sid, END, payload)
+
+
+async def serve(servicer: Servicer, call: RpcStream, first: Message, ctx: Context) -> None:
+    """Run `call`'s method on `servicer` (the gRPC service's own handler) and END the call with its
+    outcome: OK after its responses, the code it aborted with, INTERNAL for a surprise."""
+    method = call.method
+    handler: Callable[..., Coroutine[Any, Any, Any]] = getattr(servicer, method.name)
+    try:
+        if method.client_streaming:
+            call._requests.appendleft((first, 0))  # (read first, as grpc.aio hands the first message)
+            result = await handler(None, ctx)
+        else:
+            result = await handler(first, ctx)
+        if not method.server_streaming and result is not None:
+            await call.respond(result)
+        call.end()
+    except grpc.aio.AbortError:
+        call.end(end_payload(ctx.code() or grpc.StatusCode.UNKNOWN, ctx.details))
+    except asyncio.CancelledError:
+        call.ended = True  # (reset by the client, or the connection went: nobody to answer)
+        raise
+    except Exception as exc:
+        if isinstance(exc, StreamError):  # (the connection failed under a response)
+            call.ended = True
+            return
+        log.exception("%s on the data port failed unexpectedly", method.name)
+        call.end(end_payload(grpc.StatusCode.INTERNAL, f"{method.name} failed inside the broker: {exc!r}"))
