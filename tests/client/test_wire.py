@@ -98,6 +98,23 @@ async def test_tokens_and_tls_are_checked_on_the_data_port_as_on_grpc(brokers, c
         assert await c.write_head("wire/mine") == 2
 
 
+async def test_an_appender_whose_data_port_is_gone_fails_instead_of_waiting(cluster) -> None:
+    """A Route naming a data port nothing listens on any more (a broker restarted elsewhere): opening an
+    append there fails UNAVAILABLE at once, and the client's calls to that broker go over gRPC after."""
+    from tidings.cluster.etcd import free_port
+    from tidings.protocol.status import TransportError
+
+    await cluster.create_journal("wire/e", 3)
+    async with AsyncClient(cluster.brokers[0].endpoint, transport="tidings") as c:
+        await learned(c, "wire/e")
+        for ep in list(c.routes.data_endpoints):
+            c.routes.data_endpoints[ep] = f"127.0.0.1:{free_port()}"
+        appender = c.appender("wire/e")
+        with pytest.raises(TransportError, match="UNAVAILABLE"):
+            await asyncio.wait_for(appender.open(), 20)
+        assert (await c.append("wire/e", b"over gRPC")).end == 9
+
+
 async def test_garbage_after_a_client_hello_ends_that_connection_only(cluster) -> None:
     await cluster.create_journal("wire/d", 1)
     host, port = cluster.brokers[0].replication.endpoint.rsplit(":", 1)
@@ -113,6 +130,12 @@ async def test_garbage_after_a_client_hello_ends_that_connection_only(cluster) -
         answered += chunk
     writer.close()
     assert b"no method 99" in answered
+    reader, writer = await asyncio.open_connection(host, int(port))  # an OPEN too short to say anything
+    writer.write(HEADER.pack(len(CLIENT_HELLO), 0, HELLO) + CLIENT_HELLO + HEADER.pack(1, 1, OPEN) + b"\x01")
+    await writer.drain()
+    while await asyncio.wait_for(reader.read(65536), 10):
+        pass
+    writer.close()
     async with AsyncClient(cluster.brokers[0].endpoint, transport="tidings") as c:
         await learned(c, "wire/d")
         await c.append("wire/d", b"still serving")

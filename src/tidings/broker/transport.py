@@ -675,6 +675,9 @@ class _PeerConnection(_Connection):
                 self.close(f"call {sid} opened after call {self._max_sid} (calls are numbered upwards)")
                 return
             self._max_sid = sid
+            if len(payload) < OPEN_HEAD.size or OPEN_HEAD.size + OPEN_HEAD.unpack_from(payload)[1] > len(payload):
+                self.close(f"call {sid} opened with a malformed OPEN ({len(payload)} bytes)")
+                return
             number, token_length = OPEN_HEAD.unpack_from(payload)
             method = METHODS.get(number)
             if method is None:
@@ -684,6 +687,7 @@ class _PeerConnection(_Connection):
             token = bytes(payload[OPEN_HEAD.size : start]).decode(errors="replace")
             first = method.request.FromString(payload[start:])  # type: ignore[arg-type]  # parses any buffer
             call = calls[sid] = RpcStream(self, sid, method)
+            call.accept(first, size)
             peer = self.transport.get_extra_info("peername") if self.transport is not None else None
             ctx = Context(call, token, f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "")
             call.task = self._loop.create_task(serve_call(self._server.servicer, call, first, ctx), name=method.name)
@@ -829,6 +833,7 @@ class ReplicationServer:
         self.connections: set[_PeerConnection] = set()
         self.endpoint = ""
         self._server: asyncio.Server | None = None
+        assert tls is None or (tls.cert is not None and tls.key is not None), "a broker serving TLS has a certificate"
         alpn = [transport_tls.ALPN, CLIENT_ALPN] if servicer is not None else [transport_tls.ALPN]
         self._tls = transport_tls.contexts(tls, alpn)[0] if tls is not None else None  # (a CA: mutual TLS)
         self._tls_listener: transport_tls.TLSListener | None = None

@@ -33,6 +33,7 @@ from google.protobuf.message import Message
 
 from tidings.broker.frames import END, RESPONSE, StreamError, end_payload
 from tidings.protocol import protocol_pb2 as pb
+from tidings.tasks import cancelled_under_us
 
 if TYPE_CHECKING:
     from tidings.broker.transport import _PeerConnection
@@ -118,6 +119,13 @@ class RpcStream:
 
     # -- from the connection ------------------------------------------------------------------
 
+    def accept(self, first: Message, size: int) -> None:
+        """The call's first message (an Append's is read as its first request), counted as any request."""
+        if self.method.client_streaming:
+            self._requests.appendleft((first, size))
+            self._inbound += size
+            self.conn.delivered(size)
+
     def deliver(self, payload: memoryview, size: int) -> None:
         """A request arrived (parsed here: a DecodeError closes the connection, as a replication frame's)."""
         self._requests.append((self.method.request.FromString(payload), size))  # type: ignore[arg-type]  # parses any buffer
@@ -183,8 +191,7 @@ async def serve(servicer: Servicer, call: RpcStream, first: Message, ctx: Contex
     handler: Callable[..., Coroutine[Any, Any, Any]] = getattr(servicer, method.name)
     try:
         if method.client_streaming:
-            call._requests.appendleft((first, 0))  # (read first, as grpc.aio hands the first message)
-            result = await handler(None, ctx)
+            result = await handler(None, ctx)  # (it reads the first message first: `accept` queued it)
         else:
             result = await handler(first, ctx)
         if not method.server_streaming and result is not None:
@@ -193,6 +200,11 @@ async def serve(servicer: Servicer, call: RpcStream, first: Message, ctx: Contex
     except grpc.aio.AbortError:
         call.end(end_payload(ctx.code() or grpc.StatusCode.UNKNOWN, ctx.details))
     except asyncio.CancelledError:
+        if not call.ended and cancelled_under_us():  # (grpc.aio's, from a call to a peer that went away)
+            call.end(
+                end_payload(grpc.StatusCode.UNAVAILABLE, f"{method.name} was interrupted inside the broker; retry")
+            )
+            return
         call.ended = True  # (reset by the client, or the connection went: nobody to answer)
         raise
     except Exception as exc:

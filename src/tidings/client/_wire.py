@@ -22,7 +22,19 @@ import grpc
 from google.protobuf.message import Message
 
 from tidings.broker import transport_tls
-from tidings.broker.frames import CLOSE_SEND, END, HELLO, OPEN, PING, PONG, REQUEST, RESET, RESPONSE, end_status
+from tidings.broker.frames import (
+    CLOSE_SEND,
+    END,
+    HELLO,
+    OPEN,
+    PING,
+    PONG,
+    REQUEST,
+    RESET,
+    RESPONSE,
+    StreamError,
+    end_status,
+)
 from tidings.broker.transport import CONNECT_TIMEOUT, _Connection, _split
 from tidings.broker.transport_rpc import BY_NAME, CLIENT_ALPN, CLIENT_HELLO, OPEN_HEAD, Method
 from tidings.tls import TLS
@@ -177,16 +189,29 @@ class _Call:
     # -- for the caller -----------------------------------------------------------------------
 
     async def _open(self, first: Message) -> None:
+        """Dial (or reuse) the connection and send OPEN. A failure ends the call with it (UNAVAILABLE),
+        so whoever awaits the call next hears it instead of waiting for an answer never asked for."""
         if self._cancelled:
             raise asyncio.CancelledError()
-        conn = self._conn = await self.channel.connection()
-        self._sid = conn.open(self, first, self._token)
+        try:
+            conn = self._conn = await self.channel.connection()
+            self._sid = conn.open(self, first, self._token)
+        except WireError as exc:
+            self._end(exc.code(), exc.details())
+            raise
+        except StreamError as exc:  # (the connection closed between the dial and the OPEN)
+            self._end(grpc.StatusCode.UNAVAILABLE, f"{self.channel.endpoint}: {exc}")
+            raise WireError(grpc.StatusCode.UNAVAILABLE, f"{self.channel.endpoint}: {exc}") from None
 
     def _send(self, kind: int, msg: Message | None = None) -> None:
         if self._status is not None:
             raise asyncio.InvalidStateError("the call has ended")  # (as grpc.aio's write after the end)
         assert self._conn is not None
-        self._conn.write(self._sid, kind, msg.SerializeToString() if msg is not None else b"")
+        try:
+            self._conn.write(self._sid, kind, msg.SerializeToString() if msg is not None else b"")
+        except StreamError as exc:  # (the connection broke: lost() ends the call UNAVAILABLE too)
+            self._end(grpc.StatusCode.UNAVAILABLE, f"{self.channel.endpoint}: {exc}")
+            raise asyncio.InvalidStateError("the call has ended") from None
 
     async def _next(self) -> Message | None:
         """The next response, None at a clean end; WireError at a failed end or the deadline."""
