@@ -140,3 +140,4 @@ async def test_garbage_after_a_client_hello_ends_that_connection_only(cluster) -
         await learned(c, "wire/d")
         await c.append("wire/d", b"still serving")
         assert on_the_wire(c) >= 1
+

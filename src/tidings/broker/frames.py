@@ -8,7 +8,10 @@ connection alive; OPEN starts a client's call (`transport_rpc.py`).
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import struct
+from typing import Generic, Protocol, TypeVar
 
 import grpc
 
@@ -16,6 +19,7 @@ HEADER = struct.Struct("!IIB")  # payload length, stream id, kind
 MAX_FRAME = 65 * 1024 * 1024  # a ReplicateRequest carries at most one client message (64 MiB) and a proposal
 HELLO, REQUEST, RESPONSE, CLOSE_SEND, END, RESET, PING, PONG, OPEN = range(9)
 _END_STATUS = struct.Struct("!B")
+M = TypeVar("M")
 
 
 class StreamError(Exception):
@@ -33,3 +37,74 @@ def end_status(payload: bytes) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.OK, ""
     code = next((c for c in grpc.StatusCode if c.value[0] == payload[0]), grpc.StatusCode.UNKNOWN)
     return code, payload[1:].decode(errors="replace")
+
+
+class Inbox:
+    """The receiving half both ends of a stream share: one receiver waits until the connection
+    delivers something (or the stream ends) and is woken then."""
+
+    _waiter: asyncio.Future[None] | None = None
+
+    async def _delivery(self) -> None:
+        if self._waiter is not None:
+            raise RuntimeError("recv() is already being awaited: one receiver per stream")
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+class InboundCounter(Protocol):
+    """A connection's count of bytes delivered to its streams and not yet consumed (it stops reading
+    above a limit)."""
+
+    def delivered(self, size: int) -> None: ...
+
+    def consumed(self, size: int) -> None: ...
+
+
+class Inbound(Inbox, Generic[M]):
+    """The requests a connection delivered to one stream and its handler has not taken yet, counted
+    towards the connection's inbound limit (replication's streams, clients' calls alike)."""
+
+    def __init__(self, counter: InboundCounter) -> None:
+        self._counter = counter
+        self._requests: collections.deque[tuple[M, int]] = collections.deque()
+        self._inbound = 0
+        self._eof = False
+
+    def _queue(self, msg: M, size: int, first: bool = False) -> None:
+        (self._requests.appendleft if first else self._requests.append)((msg, size))
+        self._inbound += size
+        self._counter.delivered(size)
+        self._wake()
+
+    def _end_of_stream(self) -> None:
+        self._eof = True
+        self._wake()
+
+    def take_inbound(self) -> int:
+        """Forget what is left (the handler ended); the bytes to give back to the connection."""
+        size, self._inbound = self._inbound, 0
+        self._requests.clear()
+        return size
+
+    def _check(self) -> None:
+        """Raise if the stream failed (checked before each wait)."""
+
+    async def _next_request(self) -> M | None:
+        """The next request, None after the end of stream."""
+        while not self._requests:
+            self._check()
+            if self._eof:
+                return None
+            await self._delivery()
+        msg, size = self._requests.popleft()
+        self._inbound -= size
+        self._counter.consumed(size)
+        return msg

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidings.broker import _metrics as metrics
-from tidings.broker.transport import ReplicaStream, StreamError
+from tidings.broker.frames import StreamError
+from tidings.broker.transport import ReplicaStream
 from tidings.fragment.spool import Spool
 from tidings.protocol import protocol_pb2 as pb
 

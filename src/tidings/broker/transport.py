@@ -71,11 +71,11 @@ from tidings.broker.frames import (
     REQUEST,
     RESET,
     RESPONSE,
+    Inbound,
+    Inbox,
+    StreamError,
     end_payload,
     end_status,
-)
-from tidings.broker.frames import (
-    StreamError as StreamError,
 )
 from tidings.broker.transport_rpc import CLIENT_ALPN, CLIENT_HELLO, METHODS, OPEN_HEAD, Context, RpcStream, Servicer
 from tidings.broker.transport_rpc import serve as serve_call
@@ -321,26 +321,6 @@ class _Connection(asyncio.Protocol):
         """Every KEEPALIVE_INTERVAL while open."""
 
 
-class _Inbox:
-    """The receiving half both ends of a stream share: one receiver waits until the connection
-    delivers something (or the stream ends) and is woken then."""
-
-    _waiter: asyncio.Future[None] | None = None
-
-    async def _delivery(self) -> None:
-        if self._waiter is not None:
-            raise RuntimeError("recv() is already being awaited: one receiver per stream")
-        self._waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-
 # -- the primary's side -----------------------------------------------------------------------
 
 
@@ -401,7 +381,7 @@ class _PrimaryConnection(_Connection):
             stream._ended(why)
 
 
-class MuxReplicaStream(_Inbox):
+class MuxReplicaStream(Inbox):
     """A ReplicaStream over a `_PrimaryConnection` (possibly still being dialed)."""
 
     def __init__(self, endpoint: str) -> None:
@@ -656,7 +636,7 @@ class _PeerConnection(_Connection):
                 stream = self.streams[sid] = _MuxPeerStream(self, sid)
                 stream.task = self._loop.create_task(self._server.handler(stream), name=f"replicate:{sid}")
                 stream.task.add_done_callback(functools.partial(self._served, stream))
-            stream._deliver(pb.ReplicateRequest.FromString(payload), size)  # type: ignore[arg-type]  # parses any buffer; stubs say bytes
+            stream._queue(pb.ReplicateRequest.FromString(payload), size)  # type: ignore[arg-type]  # parses any buffer; stubs say bytes
         elif kind == CLOSE_SEND:
             if (stream := self.streams.get(sid)) is not None:
                 stream._end_of_stream()
@@ -675,10 +655,11 @@ class _PeerConnection(_Connection):
                 self.close(f"call {sid} opened after call {self._max_sid} (calls are numbered upwards)")
                 return
             self._max_sid = sid
-            if len(payload) < OPEN_HEAD.size or OPEN_HEAD.size + OPEN_HEAD.unpack_from(payload)[1] > len(payload):
+            head = OPEN_HEAD.unpack_from(payload) if len(payload) >= OPEN_HEAD.size else None
+            if head is None or OPEN_HEAD.size + head[1] > len(payload):
                 self.close(f"call {sid} opened with a malformed OPEN ({len(payload)} bytes)")
                 return
-            number, token_length = OPEN_HEAD.unpack_from(payload)
+            number, token_length = head
             method = METHODS.get(number)
             if method is None:
                 self.write(sid, END, end_payload(grpc.StatusCode.UNIMPLEMENTED, f"no method {number} here"))
@@ -697,7 +678,7 @@ class _PeerConnection(_Connection):
                 known.deliver(payload, size)
         elif kind == CLOSE_SEND:
             if (known := calls.get(sid)) is not None:
-                known.end_of_stream()
+                known._end_of_stream()
         elif kind == RESET:
             if (known := calls.get(sid)) is not None:
                 known.reset()
@@ -745,16 +726,14 @@ class _PeerConnection(_Connection):
             call.reset()
 
 
-class _MuxPeerStream(_Inbox):
+class _MuxPeerStream(Inbound[pb.ReplicateRequest]):
     """A PeerStream over a `_PeerConnection`."""
 
     def __init__(self, conn: _PeerConnection, sid: int) -> None:
+        super().__init__(conn)
         self.conn = conn
         self.sid = sid
         self.task: asyncio.Task[None] | None = None
-        self._requests: collections.deque[tuple[pb.ReplicateRequest, int]] = collections.deque()
-        self._inbound = 0
-        self._eof = False
         self._error: str | None = None
         self._ended = False
 
@@ -762,32 +741,12 @@ class _MuxPeerStream(_Inbox):
     def claims(self) -> Claims | None:
         return self.conn.claims
 
-    def _deliver(self, req: pb.ReplicateRequest, size: int) -> None:
-        self._requests.append((req, size))
-        self._inbound += size
-        self.conn.delivered(size)
-        self._wake()
-
-    def _end_of_stream(self) -> None:
-        self._eof = True
-        self._wake()
-
-    def take_inbound(self) -> int:
-        size, self._inbound = self._inbound, 0
-        self._requests.clear()
-        return size
+    def _check(self) -> None:
+        if self._error is not None:
+            raise StreamError(self._error)
 
     async def recv(self) -> pb.ReplicateRequest | None:
-        while not self._requests:
-            if self._error is not None:
-                raise StreamError(self._error)
-            if self._eof:
-                return None
-            await self._delivery()
-        req, size = self._requests.popleft()
-        self._inbound -= size
-        self.conn.consumed(size)
-        return req
+        return await self._next_request()
 
     async def send(self, resp: pb.ReplicateResponse) -> None:
         if self._error is not None:
@@ -834,15 +793,14 @@ class ReplicationServer:
         self.endpoint = ""
         self._server: asyncio.Server | None = None
         assert tls is None or (tls.cert is not None and tls.key is not None), "a broker serving TLS has a certificate"
-        alpn = [transport_tls.ALPN, CLIENT_ALPN] if servicer is not None else [transport_tls.ALPN]
-        self._tls = transport_tls.contexts(tls, alpn)[0] if tls is not None else None  # (a CA: mutual TLS)
+        self._alpn = (transport_tls.ALPN, CLIENT_ALPN) if servicer is not None else (transport_tls.ALPN,)
+        self._tls = transport_tls.contexts(tls, list(self._alpn))[0] if tls is not None else None  # (a CA: mTLS)
         self._tls_listener: transport_tls.TLSListener | None = None
 
     async def start(self, listen: str) -> ReplicationServer:
         host, port = _split(listen)
         if self._tls is not None:
-            alpn = (transport_tls.ALPN, CLIENT_ALPN) if self.servicer is not None else (transport_tls.ALPN,)
-            self._tls_listener = transport_tls.TLSListener(self._tls, lambda: _PeerConnection(self), alpn)
+            self._tls_listener = transport_tls.TLSListener(self._tls, lambda: _PeerConnection(self), self._alpn)
             bound = await self._tls_listener.start(host, port)
         else:
             self._server = await asyncio.get_running_loop().create_server(

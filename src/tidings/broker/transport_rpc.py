@@ -21,7 +21,6 @@ replication's do; a response waits for the socket buffer to drain.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import struct
 from collections.abc import Callable, Coroutine
@@ -31,7 +30,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import grpc
 from google.protobuf.message import Message
 
-from tidings.broker.frames import END, RESPONSE, StreamError, end_payload
+from tidings.broker.frames import END, RESPONSE, Inbound, StreamError, end_payload
 from tidings.protocol import protocol_pb2 as pb
 from tidings.tasks import cancelled_under_us
 
@@ -105,16 +104,13 @@ class Context:
 Servicer = Any  # (service.py's _Servicer: a method per RPC, by name)
 
 
-class RpcStream:
+class RpcStream(Inbound[Message]):
     """The broker's end of one client call: its requests, its responses, its END."""
 
     def __init__(self, conn: _PeerConnection, sid: int, method: Method) -> None:
+        super().__init__(conn)
         self.conn, self.sid, self.method = conn, sid, method
         self.task: asyncio.Task[None] | None = None
-        self._requests: collections.deque[tuple[Message, int]] = collections.deque()
-        self._waiter: asyncio.Future[None] | None = None
-        self._eof = False
-        self._inbound = 0
         self.ended = False
 
     # -- from the connection ------------------------------------------------------------------
@@ -122,20 +118,11 @@ class RpcStream:
     def accept(self, first: Message, size: int) -> None:
         """The call's first message (an Append's is read as its first request), counted as any request."""
         if self.method.client_streaming:
-            self._requests.appendleft((first, size))
-            self._inbound += size
-            self.conn.delivered(size)
+            self._queue(first, size, first=True)
 
     def deliver(self, payload: memoryview, size: int) -> None:
         """A request arrived (parsed here: a DecodeError closes the connection, as a replication frame's)."""
-        self._requests.append((self.method.request.FromString(payload), size))  # type: ignore[arg-type]  # parses any buffer
-        self._inbound += size
-        self.conn.delivered(size)
-        self._wake()
-
-    def end_of_stream(self) -> None:
-        self._eof = True
-        self._wake()
+        self._queue(self.method.request.FromString(payload), size)  # type: ignore[arg-type]  # parses any buffer
 
     def reset(self) -> None:
         """The client cancelled the call, or the connection went: the handler is cancelled."""
@@ -144,31 +131,12 @@ class RpcStream:
             self.task.cancel()
         self._wake()
 
-    def take_inbound(self) -> int:
-        size, self._inbound = self._inbound, 0
-        self._requests.clear()
-        return size
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
     # -- for the handler ----------------------------------------------------------------------
 
     async def read(self) -> Any:
         """The next request, grpc.aio.EOF after the client's end of stream."""
-        while not self._requests:
-            if self._eof:
-                return grpc.aio.EOF
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        msg, size = self._requests.popleft()
-        self._inbound -= size
-        self.conn.consumed(size)
-        return msg
+        msg = await self._next_request()
+        return grpc.aio.EOF if msg is None else msg
 
     async def respond(self, message: Message) -> None:
         if self.ended:

@@ -32,6 +32,7 @@ from tidings.broker.frames import (
     REQUEST,
     RESET,
     RESPONSE,
+    Inbox,
     StreamError,
     end_status,
 )
@@ -157,7 +158,7 @@ def _token(metadata: Any) -> str:
     return ""
 
 
-class _Call:
+class _Call(Inbox):
     """One call: opened at its first request, its responses as they come, its end status."""
 
     def __init__(self, channel: WireChannel, method: Method, metadata: Any, timeout: float | None) -> None:
@@ -168,7 +169,6 @@ class _Call:
         self._sid = 0
         self._responses: collections.deque[Message] = collections.deque()
         self._status: tuple[grpc.StatusCode, str] | None = None
-        self._waiter: asyncio.Future[None] | None = None
         self._cancelled = False
 
     # -- from the connection ------------------------------------------------------------------
@@ -181,10 +181,6 @@ class _Call:
         if self._status is None:
             self._status = (code, details)
         self._wake()
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
 
     # -- for the caller -----------------------------------------------------------------------
 
@@ -223,18 +219,12 @@ class _Call:
                 raise WireError(code, details)
             if self._cancelled:
                 raise asyncio.CancelledError()
-            self._waiter = asyncio.get_running_loop().create_future()
             try:
-                if self._deadline is None:
-                    await self._waiter
-                else:
-                    async with asyncio.timeout_at(self._deadline):
-                        await self._waiter
+                async with asyncio.timeout_at(self._deadline):
+                    await self._delivery()
             except TimeoutError:
                 self.cancel()
                 raise WireError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-            finally:
-                self._waiter = None
         return self._responses.popleft()
 
     def cancel(self) -> bool:
@@ -328,49 +318,22 @@ class _StreamCall(_Call):
 
 
 class WireStub:
-    """The Journal service's calls on a broker's data port, called as a generated gRPC stub's are."""
+    """The Journal service's calls on a broker's data port, called as a generated gRPC stub's are
+    (`stub.Append(...)`, `stub.Read(...)`: any method of transport_rpc.METHODS)."""
 
     def __init__(self, channel: WireChannel) -> None:
         self.channel = channel
 
-    def _unary(self, name: str) -> Callable[..., _UnaryCall]:
-        method = BY_NAME[name]
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = BY_NAME.get(name)
+        if method is None:
+            raise AttributeError(f"the data port has no method {name!r}")
 
-        def call(request: Any = None, *, metadata: Any = None, timeout: float | None = None) -> _UnaryCall:
+        def call(request: Any = None, *, metadata: Any = None, timeout: float | None = None) -> _Call:
+            if method.server_streaming:
+                return _StreamCall(self.channel, method, request, metadata, timeout)
             if method.client_streaming and request is not None and not isinstance(request, Message):
                 return _UnaryCall(self.channel, method, None, metadata, timeout, requests=request)
             return _UnaryCall(self.channel, method, request, metadata, timeout)
 
         return call
-
-    def _stream(self, name: str) -> Callable[..., _StreamCall]:
-        method = BY_NAME[name]
-
-        def call(request: Message, *, metadata: Any = None, timeout: float | None = None) -> _StreamCall:
-            return _StreamCall(self.channel, method, request, metadata, timeout)
-
-        return call
-
-    @property
-    def Append(self) -> Callable[..., _UnaryCall]:  # (named as the stub's)
-        return self._unary("Append")
-
-    @property
-    def ListFragments(self) -> Callable[..., _UnaryCall]:
-        return self._unary("ListFragments")
-
-    @property
-    def Apply(self) -> Callable[..., _UnaryCall]:
-        return self._unary("Apply")
-
-    @property
-    def ListMembers(self) -> Callable[..., _UnaryCall]:
-        return self._unary("ListMembers")
-
-    @property
-    def Read(self) -> Callable[..., _StreamCall]:
-        return self._stream("Read")
-
-    @property
-    def List(self) -> Callable[..., _StreamCall]:
-        return self._stream("List")
