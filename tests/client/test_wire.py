@@ -141,3 +141,25 @@ async def test_garbage_after_a_client_hello_ends_that_connection_only(cluster) -
         await c.append("wire/d", b"still serving")
         assert on_the_wire(c) >= 1
 
+
+async def test_a_watch_given_up_by_its_caller_ends_on_the_broker_too(cluster) -> None:
+    """A caller that stops waiting on a watched List (its task cancelled, as a closed JournalList's is)
+    ends the call on the broker as well: no handler is left serving nobody."""
+    from tests.support.waiting import wait_until
+
+    await cluster.create_journal("wire/f", 3)
+    async with AsyncClient(cluster.brokers[0].endpoint, transport="tidings") as c:
+        await learned(c, "wire/f")
+
+        async def tail() -> None:
+            async for _ in c.watch():
+                pass
+
+        def calls() -> int:
+            return sum(len(conn.calls or {}) for b in cluster.brokers for conn in b.replication.connections)
+
+        task = asyncio.ensure_future(tail())
+        await wait_until(lambda: calls() == 1, 10)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await wait_until(lambda: calls() == 0, 10)

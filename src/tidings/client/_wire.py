@@ -225,6 +225,9 @@ class _Call(Inbox):
             except TimeoutError:
                 self.cancel()
                 raise WireError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            except asyncio.CancelledError:
+                self.cancel()  # (as grpc.aio: a caller that stops waiting ends the call on the broker too)
+                raise
         return self._responses.popleft()
 
     def cancel(self) -> bool:
@@ -309,9 +312,12 @@ class _StreamCall(_Call):
         self._request = request
 
     async def _responses_of(self) -> AsyncIterator[Message]:
-        await self._open(self._request)
-        while (resp := await self._next()) is not None:
-            yield resp
+        try:
+            await self._open(self._request)
+            while (resp := await self._next()) is not None:
+                yield resp
+        finally:
+            self.cancel()  # (an iteration left early, a List watch closed: the broker's side ends too)
 
     def __aiter__(self) -> AsyncIterator[Message]:
         return self._responses_of()

@@ -15,6 +15,9 @@ HERE = Path(__file__).resolve().parent
 SRC = HERE.parent.parent  # the folder holding the `tidings` package
 PROTOS = ["tidings/protocol/protocol.proto"]
 OUTPUTS = ["protocol_pb2.py", "protocol_pb2.pyi", "protocol_pb2_grpc.py"]
+# The grpcio the generated stub demands at import (its GRPC_GENERATED_VERSION): pyproject's floor, whatever
+# grpcio-tools generated it (a newer one would stamp its own version and refuse every older grpcio).
+GRPC_FLOOR = "1.85.1"
 
 
 def generate(out_dir: Path) -> None:
@@ -31,13 +34,14 @@ def generate(out_dir: Path) -> None:
     ]
     if protoc.main(args) != 0:
         raise SystemExit(f"protoc failed for {PROTOS}")
+    stub = out_dir / "tidings" / "protocol" / "protocol_pb2_grpc.py"
+    stub.write_text(re.sub(r"^GRPC_GENERATED_VERSION = .*$", f"GRPC_GENERATED_VERSION = '{GRPC_FLOOR}'",
+                           stub.read_text(), count=1, flags=re.M))  # fmt: skip
 
 
 # The generators' own versions, stamped into their output: a newer grpcio-tools (what a fresh install
 # gets) must not make current code look stale.
-_STAMPS = re.compile(
-    r"^# Protobuf Python Version: .*$|^GRPC_GENERATED_VERSION = .*$|ValidateProtobufRuntimeVersion\([^)]*\)", re.M
-)
+_STAMPS = re.compile(r"^# Protobuf Python Version: .*$|ValidateProtobufRuntimeVersion\([^)]*\)", re.M)
 
 
 def _unstamped(path: Path) -> str:

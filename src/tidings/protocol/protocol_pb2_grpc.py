@@ -5,7 +5,7 @@ import warnings
 
 from tidings.protocol import protocol_pb2 as tidings_dot_protocol_dot_protocol__pb2
 
-GRPC_GENERATED_VERSION = '1.85.4'
+GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
