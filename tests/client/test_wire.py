@@ -163,3 +163,150 @@ async def test_a_watch_given_up_by_its_caller_ends_on_the_broker_too(cluster) ->
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await wait_until(lambda: calls() == 0, 10)
+
+
+def broker_calls(cluster) -> list:
+    """The calls the cluster's brokers are serving on their data ports."""
+    return [call for b in cluster.brokers for conn in b.replication.connections for call in (conn.calls or {}).values()]
+
+
+async def test_a_call_waiting_its_turn_never_holds_the_connection(cluster) -> None:
+    """An append waiting for its journal's pipeline (another append holds it) takes no more than its window
+    of the connection: the holder's content is still read and commits, and the waiter's cancellation is
+    heard at once and rolls it back, although both share one connection."""
+    from tests.support.waiting import wait_until
+    from tidings.broker.frames import CALL_WINDOW
+
+    await cluster.create_journal("wire/g", 3)
+    async with AsyncClient(cluster.brokers[0].endpoint, transport="tidings") as c:
+        await learned(c, "wire/g")
+        holder = c.appender("wire/g")
+        await holder.write(b"h" * 1024)  # (it holds the journal's pipeline until it commits)
+        waiter = c.appender("wire/g")
+
+        async def flood() -> None:
+            for _ in range(40):  # 20 MiB: beyond its window and the connection's old pause limit
+                await waiter.write(b"w" * (512 * 1024))
+
+        flooding = asyncio.ensure_future(flood())
+        await wait_until(lambda: any(call._inbound >= CALL_WINDOW // 2 for call in broker_calls(cluster)), 20)
+        assert not flooding.done()  # (its window is full: it waits for room)
+        waiter.abort()
+        await asyncio.gather(flooding, return_exceptions=True)
+        tail = os.urandom(6 * 1024 * 1024)  # more than a window: read while the waiter's bytes sat there
+        await asyncio.wait_for(holder.write(tail), 30)
+        done = await asyncio.wait_for(holder.commit(), 30)
+        assert (done.begin, done.end) == (0, 1024 + len(tail))
+        assert await c.read_all("wire/g") == b"h" * 1024 + tail
+        await wait_until(lambda: not broker_calls(cluster), 10)
+
+
+async def test_a_read_nobody_iterates_buffers_only_its_window(cluster) -> None:
+    """A Read whose caller stops taking responses holds at most its window in the client, and the other
+    calls on its connection go on meanwhile."""
+    from tests.support.waiting import wait_until
+    from tidings.broker.frames import CALL_WINDOW
+
+    await cluster.create_journal("wire/h", 1)
+    async with AsyncClient(cluster.brokers[0].endpoint, transport="tidings") as c:
+        await learned(c, "wire/h")
+        content = os.urandom(12 * 1024 * 1024)
+        for at in range(0, len(content), 2 * 1024 * 1024):
+            await c.append("wire/h", content[at : at + 2 * 1024 * 1024])
+        reads = c.reader("wire/h", 0, block=False).__aiter__()
+        first = await reads.__anext__()  # (one response taken; then nobody iterates)
+        calls = lambda: [call for w in c._wires.values() if w.channel._conn for call in w.channel._conn.calls.values()]  # noqa: E731
+        await wait_until(lambda: any(call.credit.left <= 0 for call in broker_calls(cluster)), 20)
+        assert await c.append("wire/h", b"meanwhile") is not None  # (the connection still serves others)
+        held = sum(size for call in calls() for _, size in call._responses)
+        assert 0 < held <= CALL_WINDOW + 1024 * 1024  # its window (and one message over it) at most
+        rest = b"".join([chunk.content async for chunk in reads])
+        assert (first.content + rest)[: len(content)] == content
+        await reads.aclose()
+
+
+async def test_a_data_port_that_serves_no_clients_sends_calls_over_grpc(cluster) -> None:
+    """A Route announcing a data port that does not serve clients (a broker of an older version: a
+    replication port only) costs one failed attempt: the client's retry goes over gRPC to the same
+    broker, which is not taken for down, and the port is avoided after."""
+    from tidings.broker.transport import ReplicationServer
+
+    async def never(stream) -> None:
+        raise AssertionError("no replication stream expected")
+
+    old = await ReplicationServer(never).start("127.0.0.1:0")
+    try:
+        await cluster.create_journal("wire/i", 3)
+        async with AsyncClient(cluster.brokers[0].endpoint, transport="tidings") as c:
+            await learned(c, "wire/i")
+            for ep in list(c.routes.data_endpoints):
+                c.routes.data_endpoints[ep] = old.endpoint
+            assert (await c.append("wire/i", b"over gRPC")).end == 9
+            assert (await c.append("wire/i", b"again")).end == 14
+            assert old.endpoint in c._data_down and not c._down
+            assert await c.read_all("wire/i") == b"over gRPCagain"
+    finally:
+        await old.aclose()
+
+
+async def test_a_stopping_broker_finishes_its_calls_and_refuses_new_ones(cluster) -> None:
+    """While a broker stops (its grace period), the calls it serves on the data port finish and new ones are
+    refused UNAVAILABLE, as its gRPC server does: the append open on it commits, the client's next call
+    goes elsewhere."""
+    from tests.support.waiting import wait_until
+    from tidings.client._wire import WireError, WireStub
+    from tidings.protocol import protocol_pb2 as pb
+
+    await cluster.create_journal("wire/j", 3)
+    broker = cluster.brokers[0]
+    async with AsyncClient(broker.endpoint, transport="tidings") as c:
+        await learned(c, "wire/j")
+        appender = c.appender("wire/j")
+        await appender.write(b"begun before the stop")
+        stub = c.stub(broker.endpoint)
+        assert isinstance(stub, WireStub)
+        draining = asyncio.ensure_future(broker.replication.drain_calls(30))
+        await wait_until(lambda: broker.replication.stopping, 10)
+        with pytest.raises(WireError, match="stopping"):
+            await stub.ListMembers(pb.MembersRequest())
+        assert not draining.done()  # (the append is still being served)
+        done = await appender.commit()
+        assert (done.begin, done.end) == (0, len(b"begun before the stop"))
+        await asyncio.wait_for(draining, 10)  # (over once its last call ended: not the whole grace)
+        broker.replication.stopping = False
+
+
+async def test_a_connection_whose_stream_ids_are_spent_is_replaced(cluster) -> None:
+    """Stream ids are 32 bits: the call taking the last one is served, the next goes on a new connection,
+    and the old one closes once its calls are over."""
+    from tidings.client._wire import LAST_SID
+
+    await cluster.create_journal("wire/k", 1)
+    async with AsyncClient(cluster.brokers[0].endpoint, transport="tidings") as c:
+        await learned(c, "wire/k")
+        await c.append("wire/k", b"a")
+        (wire,) = c._wires.values()
+        old = wire.channel._conn
+        assert old is not None
+        old._next_sid = LAST_SID
+        await c.append("wire/k", b"b")  # (the last id)
+        assert old.closed is not None and wire.channel._conn is None
+        await c.append("wire/k", b"c")
+        assert wire.channel._conn is not None and wire.channel._conn is not old
+        assert await c.read_all("wire/k") == b"abc"
+
+
+async def test_a_data_port_now_of_another_broker_refuses_the_client(cluster) -> None:
+    """A client's HELLO names the broker its Route put at the port: another broker found there (a stale
+    endpoint) refuses the connection, and the call goes over gRPC to the broker meant."""
+    await cluster.create_journal("wire/l", 3)
+    first, second = cluster.brokers[0], cluster.brokers[1]
+    async with AsyncClient(first.endpoint, transport="tidings") as c:
+        await learned(c, "wire/l")
+        port = second.replication.endpoint
+        c.routes.data_members[port] = c.routes.data_members[first.replication.endpoint]  # (the port was the first's)
+        for ep in list(c.routes.data_endpoints):
+            c.routes.data_endpoints[ep] = port
+        assert (await c.append("wire/l", b"x")).end == 1
+        assert port in c._data_down and not c._down
+        assert not [conn for conn in second.replication.connections if conn.calls is not None]

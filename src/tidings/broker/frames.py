@@ -3,7 +3,8 @@
 
 A frame is ``!IIB`` (payload length, stream id, kind), then the payload. Kinds: HELLO opens a
 connection; REQUEST, RESPONSE, CLOSE_SEND, END and RESET carry a stream; PING and PONG keep a
-connection alive; OPEN starts a client's call (`transport_rpc.py`).
+connection alive; OPEN starts a client's call and WINDOW grants a call's sender more room
+(`transport_rpc.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import grpc
 
 HEADER = struct.Struct("!IIB")  # payload length, stream id, kind
 MAX_FRAME = 65 * 1024 * 1024  # a ReplicateRequest carries at most one client message (64 MiB) and a proposal
-HELLO, REQUEST, RESPONSE, CLOSE_SEND, END, RESET, PING, PONG, OPEN = range(9)
+HELLO, REQUEST, RESPONSE, CLOSE_SEND, END, RESET, PING, PONG, OPEN, WINDOW = range(10)
+CALL_WINDOW = 4 * 1024 * 1024  # payload bytes a call's sender may have unconsumed on the other side (each way)
+GRANT = struct.Struct("!I")  # a WINDOW's payload: the bytes consumed since the last grant
 _END_STATUS = struct.Struct("!B")
 M = TypeVar("M")
 
@@ -57,6 +60,55 @@ class Inbox:
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+
+
+class Credit:
+    """What a call's sender may still send before the other side consumes some (its window): a send
+    waits while none is left, then may overdraw it by one message (so any message fits a window)."""
+
+    __slots__ = ("_waiter", "left")
+
+    def __init__(self) -> None:
+        self.left = CALL_WINDOW
+        self._waiter: asyncio.Future[None] | None = None
+
+    def grant(self, size: int) -> None:
+        self.left += size
+        if self._waiter is not None and not self._waiter.done() and self.left > 0:
+            self._waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until there is room, or `fail()` (the sender then checks its call before sending)."""
+        if self.left > 0:
+            return
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def fail(self) -> None:
+        """The call ended: wake a waiting sender (it finds out from its call)."""
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+class Grants:
+    """The receiving side of a call's window: counts what its user consumed and says when to send a
+    WINDOW (a quarter of the window at a time, so a stream of small messages costs few frames)."""
+
+    __slots__ = ("owed",)
+
+    def __init__(self) -> None:
+        self.owed = 0
+
+    def consumed(self, size: int) -> int:
+        """Bytes to grant now (0: not yet)."""
+        self.owed += size
+        if self.owed < CALL_WINDOW // 4:
+            return 0
+        owed, self.owed = self.owed, 0
+        return owed
 
 
 class InboundCounter(Protocol):
@@ -107,4 +159,8 @@ class Inbound(Inbox, Generic[M]):
         msg, size = self._requests.popleft()
         self._inbound -= size
         self._counter.consumed(size)
+        self._taken(size)
         return msg
+
+    def _taken(self, size: int) -> None:
+        """The handler took a request of `size` bytes (a call grants its client room again)."""

@@ -190,7 +190,8 @@ class Broker(MemberProcess):
         for task in self._unassigned.values():
             task.cancel()
         held = list(self.resolver.replicas.values())  # journals we could not hand off
-        await self.server.stop(grace=1.0 if graceful else 0)
+        grace = 1.0 if graceful else 0
+        await asyncio.gather(self.server.stop(grace=grace), self.replication.drain_calls(grace))
         await self.replication.aclose()
         try:
             async with asyncio.timeout(CLOSE_TIMEOUT):

@@ -60,8 +60,10 @@ from google.protobuf.message import DecodeError
 from tidings.auth import AuthError, Authorizer, Verifier
 from tidings.broker import transport_tls
 from tidings.broker.frames import (
+    CALL_WINDOW,
     CLOSE_SEND,
     END,
+    GRANT,
     HEADER,
     HELLO,
     MAX_FRAME,
@@ -71,6 +73,7 @@ from tidings.broker.frames import (
     REQUEST,
     RESET,
     RESPONSE,
+    WINDOW,
     Inbound,
     Inbox,
     StreamError,
@@ -590,16 +593,20 @@ class _PeerConnection(_Connection):
 
     def hello(self, said: bytes, rest: str) -> None:
         """The primary's HELLO: "[BROKER|- [TOKEN]]". Refused: a token without REPLICATE (when this broker
-        has keys), or a HELLO meant for another broker. A client's HELLO opens a connection for its calls
-        (each carries its own token)."""
+        has keys), or a HELLO meant for another broker. A client's HELLO, "[BROKER]", opens a connection for
+        its calls (each carries its own token), unless it was meant for another broker."""
+        identity = self._server.identity
         if said == CLIENT_HELLO:
+            if rest and identity and rest != identity:
+                self.write(0, HELLO, CLIENT_HELLO)
+                self.refuse(f"it was meant for broker {rest}, but this is {identity} (a stale endpoint?)")
+                return
             self.calls = {}
             self.name = self.name.replace("replication from", "client calls from", 1)
             self.write(0, HELLO, CLIENT_HELLO)
             return
         target, _, token = rest.partition(" ")
         target = "" if target == "-" else target
-        identity = self._server.identity
         verifier = self._server.verifier
         if verifier is not None:
             try:
@@ -661,6 +668,9 @@ class _PeerConnection(_Connection):
                 return
             number, token_length = head
             method = METHODS.get(number)
+            if self._server.stopping:  # (as gRPC's server once stopped: the client retries another broker)
+                self.write(sid, END, end_payload(grpc.StatusCode.UNAVAILABLE, "the broker is stopping; retry"))
+                return
             if method is None:
                 self.write(sid, END, end_payload(grpc.StatusCode.UNIMPLEMENTED, f"no method {number} here"))
                 return
@@ -674,8 +684,13 @@ class _PeerConnection(_Connection):
             call.task = self._loop.create_task(serve_call(self._server.servicer, call, first, ctx), name=method.name)
             call.task.add_done_callback(lambda _: self._call_done(calls, call))
         elif kind == REQUEST:
-            if (known := calls.get(sid)) is not None:
-                known.deliver(payload, size)
+            if (known := calls.get(sid)) is not None and not known.deliver(payload, size):
+                self.close(f"call {sid} sent past its window ({CALL_WINDOW} bytes unconsumed)")
+        elif kind == WINDOW:
+            if len(payload) != GRANT.size:
+                self.close(f"call {sid}'s WINDOW has {len(payload)} bytes, not {GRANT.size}")
+            elif (known := calls.get(sid)) is not None:
+                known.credit.grant(GRANT.unpack(payload)[0])
         elif kind == CLOSE_SEND:
             if (known := calls.get(sid)) is not None:
                 known._end_of_stream()
@@ -712,7 +727,8 @@ class _PeerConnection(_Connection):
 
     def delivered(self, size: int) -> None:
         self.inbound += size
-        if self._reading and self.inbound > INBOUND_HIGH and self.transport is not None:
+        if self._reading and self.inbound > INBOUND_HIGH and self.calls is None and self.transport is not None:
+            # (a client's connection is never paused: its calls' windows bound it, and a RESET must be heard)
             self._reading = False
             self.transport.pause_reading()
 
@@ -791,6 +807,7 @@ class ReplicationServer:
         self.verifier = verifier  # (a broker with keys: a HELLO must carry a REPLICATE token)
         self.connections: set[_PeerConnection] = set()
         self.endpoint = ""
+        self.stopping = False  # (clients' new calls are refused: `drain_calls`)
         self._server: asyncio.Server | None = None
         assert tls is None or (tls.cert is not None and tls.key is not None), "a broker serving TLS has a certificate"
         self._alpn = (transport_tls.ALPN, CLIENT_ALPN) if servicer is not None else (transport_tls.ALPN,)
@@ -809,6 +826,14 @@ class ReplicationServer:
             bound = self._server.sockets[0].getsockname()[1]
         self.endpoint = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
         return self
+
+    async def drain_calls(self, grace: float) -> None:
+        """Refuse clients' new calls (UNAVAILABLE: they retry another broker) and give those being served up
+        to `grace` seconds to end, as gRPC's `server.stop(grace)` does; `aclose` then cancels the rest."""
+        self.stopping = True
+        tasks = [call.task for c in self.connections for call in (c.calls or {}).values() if call.task is not None]
+        if tasks and grace > 0:
+            await asyncio.wait(tasks, timeout=grace)
 
     async def aclose(self) -> None:
         """Stop accepting, close every connection (their handlers are cancelled) and wait for them."""

@@ -10,12 +10,21 @@ by the client:
 - **RESPONSE** (broker): a response message (one for a unary call, any number for Read and List).
 - **END** (broker): the call's status: empty for OK, else `!B` gRPC code and the details.
 - **RESET** (client): the call is cancelled (an Append then rolls back, as a cancelled gRPC call).
+- **WINDOW** (either): `!I`, bytes of the call's messages its receiver consumed: room to send more.
+
+**Flow control per call**, as HTTP/2's: each side of a call may have at most `CALL_WINDOW` bytes of
+messages unconsumed by the other (and overdraw it by one message), and gets room back by WINDOW frames
+as the other side's user consumes them. So a call whose handler or caller is slow (an append waiting for
+its journal's pipeline, a Read nobody iterates) holds only its window, never the connection: a broker
+reads a client's connection at all times, and a RESET is heard at once, behind at most the windows of
+the calls before it. A client that sends past its window is a broken client: its connection is closed.
+A connection's memory is bounded by its calls times their windows.
 
 The broker serves each call with the same `_Servicer` method gRPC calls (`service.py`), through a
 `Context` that offers what they use of grpc.aio's ServicerContext (`read`, `write`, `abort`, `code`,
 `invocation_metadata`, `peer`): one handler per RPC for both transports, so capability checks, proxying
 and every status are the same. A call's requests count towards the connection's inbound limit as
-replication's do; a response waits for the socket buffer to drain.
+a response waits for room in the call's window, then for the socket buffer to drain.
 """
 
 from __future__ import annotations
@@ -30,7 +39,18 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import grpc
 from google.protobuf.message import Message
 
-from tidings.broker.frames import END, RESPONSE, Inbound, StreamError, end_payload
+from tidings.broker.frames import (
+    CALL_WINDOW,
+    END,
+    GRANT,
+    RESPONSE,
+    WINDOW,
+    Credit,
+    Grants,
+    Inbound,
+    StreamError,
+    end_payload,
+)
 from tidings.protocol import protocol_pb2 as pb
 from tidings.tasks import cancelled_under_us
 
@@ -39,8 +59,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CLIENT_HELLO = b"tidings-client/1"
-CLIENT_ALPN = "tidings-client/1"
+CLIENT_HELLO = b"tidings-client/2"
+CLIENT_ALPN = "tidings-client/2"
 OPEN_HEAD = struct.Struct("!BH")  # method, token length
 
 
@@ -112,6 +132,8 @@ class RpcStream(Inbound[Message]):
         self.conn, self.sid, self.method = conn, sid, method
         self.task: asyncio.Task[None] | None = None
         self.ended = False
+        self.credit = Credit()  # room in the client's window for our responses
+        self._grants = Grants()  # what the handler consumed of the client's requests, to give back
 
     # -- from the connection ------------------------------------------------------------------
 
@@ -120,16 +142,25 @@ class RpcStream(Inbound[Message]):
         if self.method.client_streaming:
             self._queue(first, size, first=True)
 
-    def deliver(self, payload: memoryview, size: int) -> None:
-        """A request arrived (parsed here: a DecodeError closes the connection, as a replication frame's)."""
+    def deliver(self, payload: memoryview, size: int) -> bool:
+        """A request arrived (parsed here: a DecodeError closes the connection, as a replication frame's);
+        false if the client had no room left to send it (the connection is then closed)."""
+        if self._inbound + self._grants.owed >= CALL_WINDOW:
+            return False
         self._queue(self.method.request.FromString(payload), size)  # type: ignore[arg-type]  # parses any buffer
+        return True
 
     def reset(self) -> None:
         """The client cancelled the call, or the connection went: the handler is cancelled."""
         self.ended = True
         if self.task is not None:
             self.task.cancel()
+        self.credit.fail()
         self._wake()
+
+    def _taken(self, size: int) -> None:
+        if (room := self._grants.consumed(size)) and not self.ended and self.conn.closed is None:
+            self.conn.write(self.sid, WINDOW, GRANT.pack(room))
 
     # -- for the handler ----------------------------------------------------------------------
 
@@ -139,9 +170,14 @@ class RpcStream(Inbound[Message]):
         return grpc.aio.EOF if msg is None else msg
 
     async def respond(self, message: Message) -> None:
+        """Send a response once the client's window has room (and then its socket buffer)."""
+        while not self.ended and self.credit.left <= 0:
+            await self.credit.wait()
         if self.ended:
             raise asyncio.CancelledError()  # (the call is gone: as grpc.aio's write to a cancelled call)
-        self.conn.write(self.sid, RESPONSE, message.SerializeToString())
+        payload = message.SerializeToString()
+        self.credit.left -= len(payload)
+        self.conn.write(self.sid, RESPONSE, payload)
         await self.conn.drain()
 
     def end(self, payload: bytes = b"") -> None:

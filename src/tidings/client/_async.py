@@ -60,6 +60,7 @@ __all__ = ["Appender", "AsyncClient", "Reader"]
 log = logging.getLogger(__name__)
 
 DOWN_FOR = 2.0  # seconds an unreachable endpoint is avoided
+DATA_PORT_DOWN_FOR = 30.0  # seconds a broker's failed data port is avoided (its calls go over gRPC meanwhile)
 ATTEMPT_TIMEOUT = 30.0  # seconds an append of bytes may wait for its answer (plus one per MiB)
 RACES = 8  # races to the head an append_once may lose to other writers in a row before it appends anywhere
 APPEND_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Journal'].full_name}/Append"
@@ -115,7 +116,8 @@ class AsyncClient:
             raise UsageError(f"transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
         self.endpoint = endpoint
         self.transport = transport
-        self._wires: dict[str, WireStub] = {}  # by data endpoint
+        self._wires: dict[tuple[str, str], WireStub] = {}  # by data endpoint and the broker meant there
+        self._data_down: dict[str, float] = {}  # data endpoint -> until when gRPC serves its broker instead
         self.tls = tls
         self.auth: Authorizer = auth if auth is not None else NoAuthorizer()
         self._selectors: dict[str, pb.LabelSelector] = {}  # `name=<journal>`, by journal: built once
@@ -138,17 +140,31 @@ class AsyncClient:
 
     def stub(self, endpoint: str | None = None) -> JournalStub:
         ep = endpoint or self.endpoint
-        if self.transport == "tidings" and (data := self.routes.data_endpoints.get(ep)):
+        if data := self._data_port(ep):
             return self._wire(data)  # type: ignore[return-value]  # (called as a JournalStub's methods are)
         stub = self._stubs.get(ep)
         if stub is None:
             stub = self._stubs[ep] = JournalStub(self._channel(ep))  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
         return stub
 
+    def _data_port(self, endpoint: str) -> str:
+        """The data port of the broker at `endpoint` to call it on ("": over gRPC): with transport "tidings",
+        the one its Route announced, unless that failed under a call lately."""
+        if self.transport != "tidings" or not (data := self.routes.data_endpoints.get(endpoint)):
+            return ""
+        if (until := self._data_down.get(data)) is not None:
+            if until > time.monotonic():
+                return ""
+            del self._data_down[data]
+        return data
+
     def _wire(self, data_endpoint: str) -> WireStub:
-        stub = self._wires.get(data_endpoint)
+        """Calls to the data port `data_endpoint`, of the broker the Routes say is there (a connection
+        reaching another, a stale port, is refused and the client goes over gRPC meanwhile)."""
+        key = (data_endpoint, self.routes.data_members.get(data_endpoint, ""))
+        stub = self._wires.get(key)
         if stub is None:
-            stub = self._wires[data_endpoint] = WireStub(WireChannel(data_endpoint, self.tls))
+            stub = self._wires[key] = WireStub(WireChannel(data_endpoint, self.tls, member=key[1]))
         return stub
 
     def _append_whole(self, endpoint: str) -> grpc.aio.UnaryUnaryMultiCallable:
@@ -159,7 +175,7 @@ class AsyncClient:
         100 µs less CPU than a streaming one, which needs a task to consume its request iterator
         (bench/README.md).
         """
-        if self.transport == "tidings" and (data := self.routes.data_endpoints.get(endpoint)):
+        if data := self._data_port(endpoint):
             return self._wire(data).Append  # (one message: OPEN, CLOSE_SEND)
         mc = self._appends_whole.get(endpoint)
         if mc is None:
@@ -203,8 +219,16 @@ class AsyncClient:
         A `fail_fast` client (the CLI's) that no broker has answered yet raises at once a failure to
         reach one: retrying a journal that moved is right, retrying an address where nothing ever
         answered (a wrong --broker) only makes its user wait. Other clients retry as their policy
-        says (a program started beside its brokers waits for them)."""
-        if isinstance(err, TransportError) and err.code == grpc.StatusCode.UNAVAILABLE:
+        says (a program started beside its brokers waits for them).
+
+        A broker's data port that failed under a call (refused, lost, not serving clients: an older
+        broker, an address only brokers reach) is avoided for DATA_PORT_DOWN_FOR, its broker called over
+        gRPC meanwhile; the broker itself is not taken for down by it."""
+        if isinstance(err, TransportError) and err.data_port:
+            log.info("%s's data port %s failed (%s); calling it over gRPC for %.0fs", endpoint, err.data_port,
+                     err, DATA_PORT_DOWN_FOR)  # fmt: skip
+            self._data_down[err.data_port] = time.monotonic() + DATA_PORT_DOWN_FOR
+        elif isinstance(err, TransportError) and err.code == grpc.StatusCode.UNAVAILABLE:
             self._down[endpoint] = time.monotonic() + DOWN_FOR
             # (its data port too: a restarted broker listens on another; gRPC until a Route names it again)
             self.routes.data_endpoints.pop(endpoint, None)

@@ -186,6 +186,7 @@ class RouteCache:
         self._routes: dict[str, tuple[int, pb.Route]] = {}
         self.endpoints: dict[str, None] = {default: None}  # every broker heard of, in order: fallbacks
         self.data_endpoints: dict[str, str] = {}  # a broker's data port, by its gRPC endpoint (Routes say)
+        self.data_members: dict[str, str] = {}  # the broker ("zone/suffix") a data port belongs to, by the port
 
     def update(self, journal: str, header: pb.Header) -> None:
         """Learn `journal`'s Route from a response Header, unless a newer one is already known."""
@@ -195,9 +196,10 @@ class RouteCache:
             return
         route = header.route
         self.endpoints.update(dict.fromkeys(ep for ep in route.endpoints if ep))
-        for ep, data in zip(route.endpoints, route.data_endpoints, strict=False):
+        for ep, data, member in zip(route.endpoints, route.data_endpoints, route.members, strict=False):
             if ep and data:
                 self.data_endpoints[ep] = data
+                self.data_members[data] = f"{member.zone}/{member.suffix}"
         if route.members and all(route.endpoints):
             self._routes[journal] = (rev, route)
         else:

@@ -6,7 +6,9 @@ metadata=)` iterated, `stub.List(...)`, `stub.Append(requests, metadata=, timeou
 to), and fails as grpc.aio does, with a `grpc.RpcError` carrying a code and details (`WireError`), so
 the client maps both transports' failures in one place (`map_grpc_error`). A connection that cannot
 be made or breaks fails its calls UNAVAILABLE; a deadline ends a call DEADLINE_EXCEEDED and resets it
-on the broker (an Append is rolled back, as a cancelled gRPC call's); `cancel()` resets it too.
+on the broker (an Append is rolled back, as a cancelled gRPC call's); `cancel()` resets it too. A
+call sends while the broker's window for it has room and grants the broker room as its caller takes
+responses (`transport_rpc.py`: flow control per call), so an unread Read buffers at most its window here.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import asyncio
 import collections
 import contextlib
 import ssl
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Generator
 from typing import Any, cast
 
 import grpc
@@ -25,6 +27,7 @@ from tidings.broker import transport_tls
 from tidings.broker.frames import (
     CLOSE_SEND,
     END,
+    GRANT,
     HELLO,
     OPEN,
     PING,
@@ -32,6 +35,9 @@ from tidings.broker.frames import (
     REQUEST,
     RESET,
     RESPONSE,
+    WINDOW,
+    Credit,
+    Grants,
     Inbox,
     StreamError,
     end_status,
@@ -44,11 +50,13 @@ __all__ = ["WireChannel", "WireError", "WireStub"]
 
 
 class WireError(grpc.RpcError):  # type: ignore[misc]  # (grpc is untyped: RpcError is Any to mypy)
-    """A call on the data port failed: what grpc.aio's AioRpcError gives (`code()`, `details()`)."""
+    """A call on the data port failed: what grpc.aio's AioRpcError gives (`code()`, `details()`);
+    `data_port`: the port, when the connection failed under the call (not an answer of the broker's)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, data_port: str = "") -> None:
         super().__init__(f"{code.name}: {details}")
         self._code, self._details = code, details
+        self.data_port = data_port
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -57,42 +65,64 @@ class WireError(grpc.RpcError):  # type: ignore[misc]  # (grpc is untyped: RpcEr
         return self._details
 
 
+LAST_SID = 0xFFFFFFFF  # a frame's stream id is 32 bits: a connection that used them all is replaced
+
+
 class _ClientConnection(_Connection):
-    """A connection to a broker's data port carrying this client's calls."""
+    """A connection to a broker's data port carrying this client's calls (numbered upwards: after the
+    last number, new calls go on a new connection and this one closes when its calls are over)."""
 
     hellos = (CLIENT_HELLO,)
 
-    def __init__(self, endpoint: str, forget: Callable[[_ClientConnection], None]) -> None:
+    def __init__(self, endpoint: str, member: str, forget: Callable[[_ClientConnection], None]) -> None:
         super().__init__(f"calls to {endpoint}")
         self.endpoint = endpoint
+        self.member = member
         self.calls: dict[int, _Call] = {}
         self._next_sid = 1
         self._forget = forget
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self.write(0, HELLO, CLIENT_HELLO)
+        self.write(0, HELLO, CLIENT_HELLO + b" " + self.member.encode() if self.member else CLIENT_HELLO)
 
     def open(self, call: _Call, first: Message, token: str) -> int:
+        """Send `call`'s OPEN (its first message spends its window); its stream id."""
         sid = self._next_sid
         self._next_sid += 1
+        if sid == LAST_SID:
+            self._forget(self)  # (the channel dials another for the next call)
         self.calls[sid] = call
         encoded = token.encode()
-        self.write(sid, OPEN, OPEN_HEAD.pack(call.method.number, len(encoded)) + encoded + first.SerializeToString())
+        payload = OPEN_HEAD.pack(call.method.number, len(encoded)) + encoded + first.SerializeToString()
+        self.write(sid, OPEN, payload)
+        call._credit.left -= len(payload)
         return sid
 
     def frame(self, sid: int, kind: int, payload: memoryview, size: int) -> None:
         if kind == RESPONSE:
             if (call := self.calls.get(sid)) is not None:
-                call._deliver(call.method.response.FromString(payload))  # type: ignore[arg-type]  # parses any buffer
+                call._deliver(call.method.response.FromString(payload), size)  # type: ignore[arg-type]  # parses any buffer
+        elif kind == WINDOW:
+            if len(payload) != GRANT.size:
+                self.close(f"the broker sent a WINDOW of {len(payload)} bytes")
+            elif (call := self.calls.get(sid)) is not None:
+                call._credit.grant(GRANT.unpack(payload)[0])
         elif kind == END and sid == 0:
             code, details = end_status(bytes(payload))
             self.close(f"the broker refused the connection: {code.name}: {details}")
         elif kind == END:
-            if (call := self.calls.pop(sid, None)) is not None:
+            if (call := self.calls.get(sid)) is not None:
+                self.over(sid)
                 call._end(*end_status(bytes(payload)))
         elif kind not in (PONG, HELLO):
             self.close(f"the broker sent a frame of unknown kind {kind}")
+
+    def over(self, sid: int) -> None:
+        """Call `sid` ended (answered or reset)."""
+        self.calls.pop(sid, None)
+        if not self.calls and self._next_sid > LAST_SID:
+            self.close("its stream ids are spent", flush=True)
 
     def tick(self) -> None:
         self.write(0, PING)
@@ -101,29 +131,41 @@ class _ClientConnection(_Connection):
         self._forget(self)
         calls, self.calls = self.calls, {}
         for call in calls.values():
-            call._end(grpc.StatusCode.UNAVAILABLE, f"{self.endpoint}: {why}")
+            call._end(grpc.StatusCode.UNAVAILABLE, f"{self.endpoint}: {why}", self.endpoint)
 
 
 class WireChannel:
     """Calls to one broker's data port at `endpoint`, over one connection dialed on first use (again
-    after it broke), with `tls` when the client has it."""
+    after it broke), with `tls` when the client has it. `member` ("zone/suffix"): the broker meant; another
+    found there (a stale endpoint) refuses the connection."""
 
-    def __init__(self, endpoint: str, tls: TLS | None = None) -> None:
+    def __init__(self, endpoint: str, tls: TLS | None = None, member: str = "") -> None:
         self.endpoint = endpoint
+        self.member = member
         self._tls: ssl.SSLContext | None = transport_tls.contexts(tls, [CLIENT_ALPN])[1] if tls is not None else None
         self._conn: _ClientConnection | None = None
         self._dialing: asyncio.Future[_ClientConnection] | None = None
+        self._closed = False
 
     async def connection(self) -> _ClientConnection:
+        if self._closed:
+            raise WireError(grpc.StatusCode.UNAVAILABLE, f"{self.endpoint}: the client was closed")
         if self._conn is not None and self._conn.closed is None:
             return self._conn
         if self._dialing is None or self._dialing.done():
             self._dialing = asyncio.ensure_future(self._dial())
-        return await asyncio.shield(self._dialing)
+        dialing = self._dialing
+        try:
+            return await asyncio.shield(dialing)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if dialing.cancelled() and self._closed and not (task is not None and task.cancelling()):
+                raise WireError(grpc.StatusCode.UNAVAILABLE, f"{self.endpoint}: the client was closed") from None
+            raise  # (our caller was cancelled)
 
     async def _dial(self) -> _ClientConnection:
         def made() -> _ClientConnection:
-            return _ClientConnection(self.endpoint, self._forget)
+            return _ClientConnection(self.endpoint, self.member, self._forget)
 
         try:
             host, port = _split(self.endpoint)
@@ -134,9 +176,10 @@ class WireChannel:
                     _, conn = await asyncio.get_running_loop().create_connection(made, host, port)
         except TimeoutError:
             why = f"{self.endpoint}: not reachable within {CONNECT_TIMEOUT:g}s"
-            raise WireError(grpc.StatusCode.UNAVAILABLE, why) from None
+            raise WireError(grpc.StatusCode.UNAVAILABLE, why, self.endpoint) from None
         except (OSError, ValueError) as exc:
-            raise WireError(grpc.StatusCode.UNAVAILABLE, f"{self.endpoint}: {exc or type(exc).__name__}") from None
+            why = f"{self.endpoint}: {exc or type(exc).__name__}"
+            raise WireError(grpc.StatusCode.UNAVAILABLE, why, self.endpoint) from None
         self._conn = cast(_ClientConnection, conn)
         return self._conn
 
@@ -145,6 +188,7 @@ class WireChannel:
             self._conn = None
 
     async def close(self) -> None:
+        self._closed = True
         if self._dialing is not None:
             self._dialing.cancel()
         if self._conn is not None:
@@ -167,19 +211,22 @@ class _Call(Inbox):
         self._deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         self._conn: _ClientConnection | None = None
         self._sid = 0
-        self._responses: collections.deque[Message] = collections.deque()
-        self._status: tuple[grpc.StatusCode, str] | None = None
+        self._responses: collections.deque[tuple[Message, int]] = collections.deque()
+        self._status: tuple[grpc.StatusCode, str, str] | None = None  # code, details, the failed data port
         self._cancelled = False
+        self._credit = Credit()  # room in the broker's window for our requests
+        self._grants = Grants()  # what our caller took of the responses, to give back
 
     # -- from the connection ------------------------------------------------------------------
 
-    def _deliver(self, msg: Message) -> None:
-        self._responses.append(msg)
+    def _deliver(self, msg: Message, size: int) -> None:
+        self._responses.append((msg, size))
         self._wake()
 
-    def _end(self, code: grpc.StatusCode, details: str) -> None:
+    def _end(self, code: grpc.StatusCode, details: str, data_port: str = "") -> None:
         if self._status is None:
-            self._status = (code, details)
+            self._status = (code, details, data_port)
+        self._credit.fail()
         self._wake()
 
     # -- for the caller -----------------------------------------------------------------------
@@ -193,42 +240,68 @@ class _Call(Inbox):
             conn = self._conn = await self.channel.connection()
             self._sid = conn.open(self, first, self._token)
         except WireError as exc:
-            self._end(exc.code(), exc.details())
+            self._end(exc.code(), exc.details(), exc.data_port)
             raise
         except StreamError as exc:  # (the connection closed between the dial and the OPEN)
-            self._end(grpc.StatusCode.UNAVAILABLE, f"{self.channel.endpoint}: {exc}")
-            raise WireError(grpc.StatusCode.UNAVAILABLE, f"{self.channel.endpoint}: {exc}") from None
+            why = f"{self.channel.endpoint}: {exc}"
+            self._end(grpc.StatusCode.UNAVAILABLE, why, self.channel.endpoint)
+            raise WireError(grpc.StatusCode.UNAVAILABLE, why, self.channel.endpoint) from None
 
-    def _send(self, kind: int, msg: Message | None = None) -> None:
+    def _send(self, kind: int, payload: bytes = b"") -> None:
         if self._status is not None:
             raise asyncio.InvalidStateError("the call has ended")  # (as grpc.aio's write after the end)
         assert self._conn is not None
         try:
-            self._conn.write(self._sid, kind, msg.SerializeToString() if msg is not None else b"")
+            self._conn.write(self._sid, kind, payload)
         except StreamError as exc:  # (the connection broke: lost() ends the call UNAVAILABLE too)
-            self._end(grpc.StatusCode.UNAVAILABLE, f"{self.channel.endpoint}: {exc}")
+            self._end(grpc.StatusCode.UNAVAILABLE, f"{self.channel.endpoint}: {exc}", self.channel.endpoint)
             raise asyncio.InvalidStateError("the call has ended") from None
+
+    async def _send_request(self, msg: Message) -> None:
+        """Send a further request once the broker's window has room, then wait for the socket buffer (both
+        under the deadline). An ended call sends nothing: its answer follows."""
+        while self._credit.left <= 0 and self._status is None and not self._cancelled:
+            await self._waiting(self._credit.wait())
+        if self._cancelled:
+            raise asyncio.CancelledError()
+        if self._status is not None:
+            return
+        payload = msg.SerializeToString()
+        self._credit.left -= len(payload)
+        self._send(REQUEST, payload)
+        if self._conn is not None:
+            with contextlib.suppress(StreamError):  # (a broken connection ends the call: _next says how)
+                await self._waiting(self._conn.drain())
+
+    async def _waiting(self, step: Coroutine[Any, Any, None]) -> None:
+        """Await `step` until the call's deadline (then DEADLINE_EXCEEDED); a deadline or a caller that
+        stops waiting resets the call on the broker, as grpc.aio's do."""
+        try:
+            async with asyncio.timeout_at(self._deadline):
+                await step
+        except TimeoutError:
+            self.cancel()
+            raise WireError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
 
     async def _next(self) -> Message | None:
         """The next response, None at a clean end; WireError at a failed end or the deadline."""
         while not self._responses:
             if self._status is not None:
-                code, details = self._status
+                code, details, data_port = self._status
                 if code == grpc.StatusCode.OK:
                     return None
-                raise WireError(code, details)
+                raise WireError(code, details, data_port)
             if self._cancelled:
                 raise asyncio.CancelledError()
-            try:
-                async with asyncio.timeout_at(self._deadline):
-                    await self._delivery()
-            except TimeoutError:
-                self.cancel()
-                raise WireError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-            except asyncio.CancelledError:
-                self.cancel()  # (as grpc.aio: a caller that stops waiting ends the call on the broker too)
-                raise
-        return self._responses.popleft()
+            await self._waiting(self._delivery())
+        msg, size = self._responses.popleft()
+        if (room := self._grants.consumed(size)) and self._status is None and self._conn is not None:
+            with contextlib.suppress(StreamError):  # (a broken connection ends the call: the next _next says so)
+                self._conn.write(self._sid, WINDOW, GRANT.pack(room))
+        return msg
 
     def cancel(self) -> bool:
         """Reset the call on the broker (an Append rolls back); false if it had already ended."""
@@ -237,7 +310,8 @@ class _Call(Inbox):
         self._cancelled = True
         if self._conn is not None and self._sid and self._conn.closed is None:
             self._conn.write(self._sid, RESET)
-            self._conn.calls.pop(self._sid, None)
+            self._conn.over(self._sid)
+        self._credit.fail()
         self._wake()
         return True
 
@@ -258,7 +332,7 @@ class _UnaryCall(_Call):
                 await self._stream(self._requests)
             elif self._request is not None:
                 await self._open(self._request)
-                if self.method.client_streaming:
+                if self.method.client_streaming and self._status is None:
                     self._send(CLOSE_SEND)
         resp = await self._next()
         if resp is None:
@@ -276,15 +350,9 @@ class _UnaryCall(_Call):
                 await self._open(msg)
                 opened = True
             else:
-                self._send(REQUEST, msg)
-                await self._drain()
+                await self._send_request(msg)
         if opened and self._status is None:
             self._send(CLOSE_SEND)
-
-    async def _drain(self) -> None:
-        if self._conn is not None:
-            with contextlib.suppress(Exception):  # (a broken connection ends the call: _next says how)
-                await self._conn.drain()
 
     def __await__(self) -> Generator[Any, None, Message]:
         return self._run().__await__()
@@ -295,8 +363,9 @@ class _UnaryCall(_Call):
         if self._sid == 0:
             await self._open(msg)
         else:
-            self._send(REQUEST, msg)
-            await self._drain()
+            if self._status is not None:
+                raise asyncio.InvalidStateError("the call has ended")  # (as grpc.aio's write after the end)
+            await self._send_request(msg)
 
     async def done_writing(self) -> None:
         if self._sid and self._status is None:

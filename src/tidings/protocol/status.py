@@ -169,6 +169,7 @@ class TransportError(TidingsError):
         self.code = code
         self.retriable = retriable
         self.unreachable = unreachable  # no server answered at all (refused, unresolved, not gRPC)
+        self.data_port = ""  # the broker's data port, when it was the connection to it that failed (client/_wire.py)
 
 
 class UnauthenticatedError(TransportError):
@@ -251,7 +252,9 @@ def map_grpc_error(err: grpc.RpcError, target: str = "", role: str = "broker") -
     if name == "PERMISSION_DENIED":  # (one line: NOT_ALLOWED from HOST:PORT: token lacks the APPEND capability ...)
         return PermissionDeniedError(f"{status_name(pb.NOT_ALLOWED)}{where}: {details}", details, code)
     unreachable = name == "UNAVAILABLE" and details.startswith(_UNREACHABLE)
-    return TransportError(msg, code, retriable=name in _RETRIABLE_CODES, unreachable=unreachable)
+    mapped = TransportError(msg, code, retriable=name in _RETRIABLE_CODES, unreachable=unreachable)
+    mapped.data_port = getattr(err, "data_port", "")
+    return mapped
 
 
 class ValidationError(TidingsError, ValueError):
