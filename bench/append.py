@@ -430,8 +430,9 @@ async def tls_slices(slices: int) -> None:
         for n in up
     }
     mb = {n: row["pipelined_64k_mb_per_s"] for n, row in rows.items()}
+    transport = os.environ.get("TIDINGS_TRANSPORT") or "tidings"  # (the clients' default; bench/README.md)
     for n, row in rows.items():
-        emit({"test": "tls_slices", "config": n, "replicas": 3, "slices": slices, **row})
+        emit({"test": "tls_slices", "config": n, "transport": transport, "replicas": 3, "slices": slices, **row})
     for n in list(up)[1:]:
         emit(
             {
@@ -441,6 +442,7 @@ async def tls_slices(slices: int) -> None:
                 "mb_cost_pct_median_of_slices": round(
                     statistics.median(1 - t / p for p, t in zip(mbs[base], mbs[n], strict=True)) * 100, 1
                 ),
+                "transport": transport,
                 "seq_extra_us": rows[n]["seq_1k_median_us"] - rows[base]["seq_1k_median_us"],
                 "budget": "tls+tokens: at most 15% of R=3 64 KiB MB/s, at most +100 us of the R=3 1 KiB median",
             }

@@ -12,6 +12,7 @@ import asyncio
 import builtins
 import hashlib
 import logging
+import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, ClassVar
@@ -65,6 +66,7 @@ ATTEMPT_TIMEOUT = 30.0  # seconds an append of bytes may wait for its answer (pl
 RACES = 8  # races to the head an append_once may lose to other writers in a row before it appends anywhere
 APPEND_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Journal'].full_name}/Append"
 TRANSPORTS = ("grpc", "tidings")
+TRANSPORT_VARIABLE = "TIDINGS_TRANSPORT"  # the default transport of every client in a process (the CLI's too)
 
 
 class AsyncClient:
@@ -86,9 +88,11 @@ class AsyncClient:
       for an append, a read or a fragments listing, a List's selector, everything for an Apply); None:
       no token. A refusal raises `UnauthenticatedError` or `NotAllowedError` (`PermissionDeniedError`),
       never retried.
-    * `transport` - "grpc" (the default): every call over the brokers' gRPC service; "tidings": calls to
-      a broker whose data port a Route announced go over tidings' own framing on that port (`_wire.py`:
-      the same messages, statuses and checks, less per-call cost), the others over gRPC.
+    * `transport` - "tidings" (the default): calls to a broker whose data port a Route announced go over
+      tidings' own framing on that port (`_wire.py`: the same messages, statuses and checks, a third of
+      gRPC's cost per call), the others (and any whose data port failed lately) over gRPC; "grpc": every
+      call over the brokers' gRPC service, the public, language-neutral interface. None: the
+      TIDINGS_TRANSPORT variable's, else "tidings".
 
     Usage::
 
@@ -110,8 +114,12 @@ class AsyncClient:
         fail_fast: bool = False,
         tls: TLS | None = None,
         auth: Authorizer | None = None,
-        transport: str = "grpc",
+        transport: str | None = None,
     ) -> None:
+        if transport is None:
+            transport = os.environ.get(TRANSPORT_VARIABLE) or "tidings"
+            if transport not in TRANSPORTS:
+                raise UsageError(f"{TRANSPORT_VARIABLE}={transport!r} is not one of {', '.join(TRANSPORTS)}: fix it")
         if transport not in TRANSPORTS:
             raise UsageError(f"transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
         self.endpoint = endpoint

@@ -92,10 +92,11 @@ class Client:
         zone: str | None = None,
         tls: TLS | None = None,
         auth: Authorizer | None = None,
+        transport: str | None = None,
     ) -> None:
         self.endpoint = endpoint
         self._loop = LoopThread()
-        self.aio = AsyncClient(endpoint, retries, zone=zone, tls=tls, auth=auth)
+        self.aio = AsyncClient(endpoint, retries, zone=zone, tls=tls, auth=auth, transport=transport)
 
     def run(self, coro: Awaitable[T]) -> T:
         """Run a coroutine of `self.aio` (or anything else) on the client's loop and return its result."""
