@@ -13,7 +13,7 @@ import pytest
 from tests.support.auth import token
 from tidings.auth import BearerAuthorizer, KeySet, generate_key
 from tidings.broker.frames import HEADER, HELLO, OPEN
-from tidings.broker.transport_rpc import CLIENT_HELLO, OPEN_HEAD
+from tidings.broker.transport_rpc import JOURNAL, OPEN_HEAD
 from tidings.client import AsyncClient
 from tidings.protocol.claims import Capability
 from tidings.protocol.status import JournalNotFoundError, PermissionDeniedError
@@ -119,7 +119,7 @@ async def test_garbage_after_a_client_hello_ends_that_connection_only(cluster) -
     await cluster.create_journal("wire/d", 1)
     host, port = cluster.brokers[0].replication.endpoint.rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(HEADER.pack(len(CLIENT_HELLO), 0, HELLO) + CLIENT_HELLO)
+    writer.write(HEADER.pack(len(JOURNAL.hello), 0, HELLO) + JOURNAL.hello)
     unknown = OPEN_HEAD.pack(99, 0)
     writer.write(HEADER.pack(len(unknown), 1, OPEN) + unknown)  # an unknown method: UNIMPLEMENTED, served on
     bad = OPEN_HEAD.pack(1, 0) + b"\xff\xff\xff"
@@ -131,7 +131,7 @@ async def test_garbage_after_a_client_hello_ends_that_connection_only(cluster) -
     writer.close()
     assert b"no method 99" in answered
     reader, writer = await asyncio.open_connection(host, int(port))  # an OPEN too short to say anything
-    writer.write(HEADER.pack(len(CLIENT_HELLO), 0, HELLO) + CLIENT_HELLO + HEADER.pack(1, 1, OPEN) + b"\x01")
+    writer.write(HEADER.pack(len(JOURNAL.hello), 0, HELLO) + JOURNAL.hello + HEADER.pack(1, 1, OPEN) + b"\x01")
     await writer.drain()
     while await asyncio.wait_for(reader.read(65536), 10):
         pass
@@ -175,7 +175,7 @@ async def test_a_call_waiting_its_turn_never_holds_the_connection(cluster) -> No
     of the connection: the holder's content is still read and commits, and the waiter's cancellation is
     heard at once and rolls it back, although both share one connection."""
     from tests.support.waiting import wait_until
-    from tidings.broker.frames import CALL_WINDOW
+    from tidings.broker.frames import INITIAL_WINDOW
 
     await cluster.create_journal("wire/g", 3)
     async with AsyncClient(cluster.brokers[0].endpoint, transport="tidings") as c:
@@ -189,8 +189,10 @@ async def test_a_call_waiting_its_turn_never_holds_the_connection(cluster) -> No
                 await waiter.write(b"w" * (512 * 1024))
 
         flooding = asyncio.ensure_future(flood())
-        await wait_until(lambda: any(call._inbound >= CALL_WINDOW // 2 for call in broker_calls(cluster)), 20)
+        await wait_until(lambda: any(call._grants.room <= 0 for call in broker_calls(cluster)), 20)
         assert not flooding.done()  # (its window is full: it waits for room)
+        held = max(call._inbound for call in broker_calls(cluster))
+        assert held <= INITIAL_WINDOW + 512 * 1024  # (a waiting call's window stays the initial one, and a message)
         waiter.abort()
         await asyncio.gather(flooding, return_exceptions=True)
         tail = os.urandom(6 * 1024 * 1024)  # more than a window: read while the waiter's bytes sat there
@@ -215,11 +217,16 @@ async def test_a_read_nobody_iterates_buffers_only_its_window(cluster) -> None:
             await c.append("wire/h", content[at : at + 2 * 1024 * 1024])
         reads = c.reader("wire/h", 0, block=False).__aiter__()
         first = await reads.__anext__()  # (one response taken; then nobody iterates)
-        calls = lambda: [call for w in c._wires.values() if w.channel._conn for call in w.channel._conn.calls.values()]  # noqa: E731
-        await wait_until(lambda: any(call.credit.left <= 0 for call in broker_calls(cluster)), 20)
+        def held() -> int:
+            conns = [w.channel._conn for w in c._wires.values() if w.channel._conn]
+            return sum(size for conn in conns for call in conn.calls.values() for _, size in call._responses)
+
+        def stalled() -> bool:  # (the broker has no room left to send, and what it sent waits here)
+            return held() > 0 and any(call.credit.left <= 0 for call in broker_calls(cluster))
+
+        await wait_until(stalled, 20)
         assert await c.append("wire/h", b"meanwhile") is not None  # (the connection still serves others)
-        held = sum(size for call in calls() for _, size in call._responses)
-        assert 0 < held <= CALL_WINDOW + 1024 * 1024  # its window (and one message over it) at most
+        assert 0 < held() <= CALL_WINDOW + 1024 * 1024  # its window (and one message over it) at most
         rest = b"".join([chunk.content async for chunk in reads])
         assert (first.content + rest)[: len(content)] == content
         await reads.aclose()
@@ -310,3 +317,108 @@ async def test_a_data_port_now_of_another_broker_refuses_the_client(cluster) -> 
         assert (await c.append("wire/l", b"x")).end == 1
         assert port in c._data_down and not c._down
         assert not [conn for conn in second.replication.connections if conn.calls is not None]
+
+
+async def test_an_append_whose_deadline_passes_while_its_content_waits_never_commits(cluster) -> None:
+    """The deadline covers the whole call, the wait for its content too: an append whose content source
+    stalls past it fails DEADLINE_EXCEEDED at the deadline and rolls back, whatever the source does after
+    (as over gRPC)."""
+    from tidings.protocol.status import TransportError
+
+    await cluster.create_journal("wire/m", 1)
+    async with AsyncClient(cluster.brokers[0].endpoint, transport="tidings") as c:
+        await learned(c, "wire/m")
+        resume = asyncio.Event()
+
+        async def late():
+            yield b"a" * 10
+            await resume.wait()  # (the content source stalls: past the deadline)
+            yield b"b" * 10
+
+        with pytest.raises(TransportError, match="DEADLINE_EXCEEDED"):
+            await asyncio.wait_for(c.append("wire/m", late(), timeout=1.0), 20)
+        resume.set()
+        barrier = await c.append("wire/m", b"")  # (through the journal's pipeline: after anything of the above)
+        assert barrier.end == 0 and await c.read_all("wire/m") == b""
+
+
+async def test_an_appender_aborted_while_dialing_never_opens(cluster, monkeypatch) -> None:
+    """abort() while the connection is still being dialed: the append is never opened on the broker (it
+    would hold its journal's pipeline), and the next append goes through at once."""
+    from tests.support.waiting import wait_until
+    from tidings.client._wire import WireChannel
+
+    await cluster.create_journal("wire/n", 1)
+    async with AsyncClient(cluster.brokers[0].endpoint, transport="tidings") as c:
+        await learned(c, "wire/n")
+        for w in c._wires.values():
+            if w.channel._conn is not None:
+                w.channel._conn.close("the test dials again")
+        dial, gate, dialing = WireChannel._dial, asyncio.Event(), asyncio.Event()
+
+        async def held(self):
+            dialing.set()
+            await gate.wait()
+            return await dial(self)
+
+        monkeypatch.setattr(WireChannel, "_dial", held)
+        appender = c.appender("wire/n")
+        opening = asyncio.ensure_future(appender.open())
+        await asyncio.wait_for(dialing.wait(), 10)
+        appender.abort()
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):  # (as an aborted gRPC call's write raises)
+            await opening
+        monkeypatch.setattr(WireChannel, "_dial", dial)
+        assert not broker_calls(cluster)
+        assert (await asyncio.wait_for(c.append("wire/n", b"next"), 5)).end == 4
+        await wait_until(lambda: not broker_calls(cluster), 10)
+
+
+async def test_a_client_cannot_make_a_broker_hold_more_than_its_windows(cluster) -> None:
+    """Requests to a call that takes one (a List watch) close the connection; a request over the service's
+    limit is refused RESOURCE_EXHAUSTED; more than MAX_CALLS calls at once close the connection. The
+    broker goes on serving others."""
+    from tidings.broker.frames import END, REQUEST, end_status
+    from tidings.broker.transport_rpc import MAX_CALLS
+    from tidings.protocol import protocol_pb2 as pb
+
+    await cluster.create_journal("wire/o", 1)
+    host, port = cluster.brokers[0].replication.endpoint.rsplit(":", 1)
+
+    async def connect():
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(HEADER.pack(len(JOURNAL.hello), 0, HELLO) + JOURNAL.hello)
+        return reader, writer
+
+    async def closed(reader) -> bytes:
+        answered = b""
+        while chunk := await asyncio.wait_for(reader.read(1 << 20), 10):
+            answered += chunk
+        return answered
+
+    watch = OPEN_HEAD.pack(3, 0) + pb.ListRequest(watch=True).SerializeToString()
+    reader, writer = await connect()
+    writer.write(HEADER.pack(len(watch), 1, OPEN) + watch + HEADER.pack(4, 1, REQUEST) + b"\x00" * 4)
+    await closed(reader)  # (a request to a List: the connection ends)
+    writer.close()
+
+    reader, writer = await connect()
+    big = OPEN_HEAD.pack(6, 0) + b"\x7a\x80\x80\x80\x05" + b"\x00" * (10 << 20)  # (a 10 MiB unknown field)
+    writer.write(HEADER.pack(len(big), 1, OPEN) + big)
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readexactly(HEADER.size), 10)
+    while HEADER.unpack(head)[2] != END:  # (past the HELLO)
+        await asyncio.wait_for(reader.readexactly(HEADER.unpack(head)[0]), 10)
+        head = await asyncio.wait_for(reader.readexactly(HEADER.size), 10)
+    length, sid, _ = HEADER.unpack(head)
+    code, details = end_status(await reader.readexactly(length))
+    assert (sid, code.name) == (1, "RESOURCE_EXHAUSTED") and "over the limit" in details
+    for sid in range(2, MAX_CALLS + 3):
+        writer.write(HEADER.pack(len(watch), sid, OPEN) + watch)
+    await closed(reader)  # (beyond MAX_CALLS at once: the connection ends)
+    writer.close()
+
+    async with AsyncClient(cluster.brokers[0].endpoint, transport="tidings") as c:
+        await learned(c, "wire/o")
+        assert (await c.append("wire/o", b"served")).end == 6

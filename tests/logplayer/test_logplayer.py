@@ -434,3 +434,27 @@ async def test_a_returning_target_gets_a_transactional_entry_at_the_current_inde
     expected = await rig.wait_delivered()
     assert span.begin in expected["t1"]
     await publisher.service.aclose()
+
+
+async def test_deliveries_go_over_the_transport_the_client_chose(rig: Rig, client_transport: str) -> None:
+    """Over targets' data ports by default (learned from their GetLastAck answers), over gRPC when the
+    client says so: either way every entry once, in order."""
+    await rig.start_targets()
+    rig.start_player()
+    await rig.append(range(10))
+    await rig.wait_delivered()
+    on_data_ports = {t: any(conn.calls for conn in s._data.connections) for t, s in rig.servers.items()}
+    assert on_data_ports == dict.fromkeys(rig.servers, client_transport == "tidings")
+
+
+async def test_a_target_whose_data_port_fails_is_delivered_to_over_grpc(rig: Rig) -> None:
+    """A data port that refuses (here: a GetLastAck answer naming a port nothing listens on) costs one
+    connection attempt: the link delivers over gRPC, and nothing is lost or repeated."""
+    await rig.start_targets()
+    rig.servers["t1"]._data.servicer.data_port = free_port()
+    rig.client.transport = "tidings"
+    player = rig.start_player()
+    await rig.append(range(20))
+    await rig.wait_delivered()
+    assert player.links["t1"]._data_down_until > 0 and not player.links["t1"].data_endpoint
+    assert player.links["t0"].data_endpoint and player.links["t0"]._data_down_until == 0

@@ -19,7 +19,8 @@ import grpc
 HEADER = struct.Struct("!IIB")  # payload length, stream id, kind
 MAX_FRAME = 65 * 1024 * 1024  # a ReplicateRequest carries at most one client message (64 MiB) and a proposal
 HELLO, REQUEST, RESPONSE, CLOSE_SEND, END, RESET, PING, PONG, OPEN, WINDOW = range(10)
-CALL_WINDOW = 4 * 1024 * 1024  # payload bytes a call's sender may have unconsumed on the other side (each way)
+INITIAL_WINDOW = 64 * 1024  # payload bytes a call's sender may first have unconsumed on the other side (each way)
+CALL_WINDOW = 1024 * 1024  # what a window grows to while its receiver consumes (a waiting call holds the initial one)
 GRANT = struct.Struct("!I")  # a WINDOW's payload: the bytes consumed since the last grant
 _END_STATUS = struct.Struct("!B")
 M = TypeVar("M")
@@ -69,7 +70,7 @@ class Credit:
     __slots__ = ("_waiter", "left")
 
     def __init__(self) -> None:
-        self.left = CALL_WINDOW
+        self.left = INITIAL_WINDOW
         self._waiter: asyncio.Future[None] | None = None
 
     def grant(self, size: int) -> None:
@@ -81,6 +82,8 @@ class Credit:
         """Until there is room, or `fail()` (the sender then checks its call before sending)."""
         if self.left > 0:
             return
+        if self._waiter is not None:
+            raise RuntimeError("a call's requests are being sent by another task: one sender per call")
         self._waiter = asyncio.get_running_loop().create_future()
         try:
             await self._waiter
@@ -95,20 +98,36 @@ class Credit:
 
 class Grants:
     """The receiving side of a call's window: counts what its user consumed and says when to send a
-    WINDOW (a quarter of the window at a time, so a stream of small messages costs few frames)."""
+    WINDOW (a quarter of the window at a time, so a stream of small messages costs few frames). The
+    window starts at INITIAL_WINDOW and doubles with each grant up to CALL_WINDOW, as HTTP/2's grows:
+    a call that waits (an append queued behind another) holds little, one being served streams."""
 
-    __slots__ = ("owed",)
+    __slots__ = ("owed", "room", "window")
 
     def __init__(self) -> None:
-        self.owed = 0
+        self.owed = 0  # consumed, not granted yet
+        self.window = INITIAL_WINDOW
+        self.room = INITIAL_WINDOW  # what the sender may still send, as far as the grants sent say
+
+    def received(self, size: int) -> bool:
+        """A message of `size` bytes arrived; false if its sender had no room left to send it."""
+        if self.room <= 0:
+            return False
+        self.room -= size
+        return True
 
     def consumed(self, size: int) -> int:
         """Bytes to grant now (0: not yet)."""
         self.owed += size
-        if self.owed < CALL_WINDOW // 4:
+        if self.owed < self.window // 4:
             return 0
-        owed, self.owed = self.owed, 0
-        return owed
+        grant, self.owed = self.owed, 0
+        if self.window < CALL_WINDOW:
+            grow = min(self.window, CALL_WINDOW - self.window)
+            self.window += grow
+            grant += grow
+        self.room += grant
+        return grant
 
 
 class InboundCounter(Protocol):

@@ -60,7 +60,6 @@ from google.protobuf.message import DecodeError
 from tidings.auth import AuthError, Authorizer, Verifier
 from tidings.broker import transport_tls
 from tidings.broker.frames import (
-    CALL_WINDOW,
     CLOSE_SEND,
     END,
     GRANT,
@@ -80,7 +79,7 @@ from tidings.broker.frames import (
     end_payload,
     end_status,
 )
-from tidings.broker.transport_rpc import CLIENT_ALPN, CLIENT_HELLO, METHODS, OPEN_HEAD, Context, RpcStream, Servicer
+from tidings.broker.transport_rpc import JOURNAL, MAX_CALLS, OPEN_HEAD, Context, RpcStream, Service, Servicer
 from tidings.broker.transport_rpc import serve as serve_call
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.claims import Capability, Claims
@@ -95,6 +94,7 @@ KEEPALIVE_TIMEOUT = 10.0  # seconds of silence after which a connection is dropp
 IDLE_CLOSE = 60.0  # seconds a primary keeps a connection without streams
 INBOUND_HIGH = 16 * 1024 * 1024  # unconsumed bytes at which a peer's connection stops reading
 INBOUND_LOW = 4 * 1024 * 1024
+CLIENT_INBOUND_HIGH = 256 * 1024 * 1024  # a client's connection: far above what its calls' windows hold
 WRITE_HIGH = 4 * 1024 * 1024  # socket buffer bytes at which drain() waits
 CONNECT_TIMEOUT = 5.0
 
@@ -300,7 +300,7 @@ class _Connection(asyncio.Protocol):
 
     def _tick(self) -> None:
         silent = self._loop.time() - self._last_heard
-        if silent > KEEPALIVE_TIMEOUT:
+        if silent > KEEPALIVE_TIMEOUT and self.hearing():
             log.warning("%s: nothing heard for %.0fs; dropping the connection", self.name, silent)
             self.close(f"nothing heard for {silent:.0f}s")
             return
@@ -322,6 +322,10 @@ class _Connection(asyncio.Protocol):
 
     def tick(self) -> None:
         """Every KEEPALIVE_INTERVAL while open."""
+
+    def hearing(self) -> bool:
+        """Whether this side reads the connection now (one paused by us is not silent: it is unheard)."""
+        return True
 
 
 # -- the primary's side -----------------------------------------------------------------------
@@ -583,8 +587,7 @@ class _PeerConnection(_Connection):
         self.quiet = False  # (its closing is logged elsewhere)
         self.claims: Claims | None = None  # (its HELLO's, when this broker has keys)
         self.calls: dict[int, RpcStream] | None = None  # a client's connection: its calls (transport_rpc.py)
-        if server.servicer is not None:
-            self.hellos = (HELLO_PAYLOAD, CLIENT_HELLO)
+        self.hellos = server.hellos
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -596,14 +599,14 @@ class _PeerConnection(_Connection):
         has keys), or a HELLO meant for another broker. A client's HELLO, "[BROKER]", opens a connection for
         its calls (each carries its own token), unless it was meant for another broker."""
         identity = self._server.identity
-        if said == CLIENT_HELLO:
+        if said == self._server.service.hello:
             if rest and identity and rest != identity:
-                self.write(0, HELLO, CLIENT_HELLO)
+                self.write(0, HELLO, said)
                 self.refuse(f"it was meant for broker {rest}, but this is {identity} (a stale endpoint?)")
                 return
             self.calls = {}
             self.name = self.name.replace("replication from", "client calls from", 1)
-            self.write(0, HELLO, CLIENT_HELLO)
+            self.write(0, HELLO, said)
             return
         target, _, token = rest.partition(" ")
         target = "" if target == "-" else target
@@ -641,7 +644,9 @@ class _PeerConnection(_Connection):
                     return  # a stream we already ended
                 self._max_sid = sid
                 stream = self.streams[sid] = _MuxPeerStream(self, sid)
-                stream.task = self._loop.create_task(self._server.handler(stream), name=f"replicate:{sid}")
+                handler = self._server.handler
+                assert handler is not None  # (a port without one accepts no replication HELLO)
+                stream.task = self._loop.create_task(handler(stream), name=f"replicate:{sid}")
                 stream.task.add_done_callback(functools.partial(self._served, stream))
             stream._queue(pb.ReplicateRequest.FromString(payload), size)  # type: ignore[arg-type]  # parses any buffer; stubs say bytes
         elif kind == CLOSE_SEND:
@@ -667,9 +672,15 @@ class _PeerConnection(_Connection):
                 self.close(f"call {sid} opened with a malformed OPEN ({len(payload)} bytes)")
                 return
             number, token_length = head
-            method = METHODS.get(number)
+            method = self._server.service.methods.get(number)
             if self._server.stopping:  # (as gRPC's server once stopped: the client retries another broker)
                 self.write(sid, END, end_payload(grpc.StatusCode.UNAVAILABLE, "the broker is stopping; retry"))
+                return
+            if len(calls) >= MAX_CALLS:
+                self.close(f"call {sid} opened beyond {MAX_CALLS} calls at once")
+                return
+            if size > self._server.service.max_request:
+                self._too_large(sid, size)
                 return
             if method is None:
                 self.write(sid, END, end_payload(grpc.StatusCode.UNIMPLEMENTED, f"no method {number} here"))
@@ -684,8 +695,13 @@ class _PeerConnection(_Connection):
             call.task = self._loop.create_task(serve_call(self._server.servicer, call, first, ctx), name=method.name)
             call.task.add_done_callback(lambda _: self._call_done(calls, call))
         elif kind == REQUEST:
-            if (known := calls.get(sid)) is not None and not known.deliver(payload, size):
-                self.close(f"call {sid} sent past its window ({CALL_WINDOW} bytes unconsumed)")
+            if (known := calls.get(sid)) is None:
+                return
+            if size > self._server.service.max_request:
+                known.reset()
+                self._too_large(sid, size)
+            elif not known.deliver(payload, size):
+                self.close(f"call {sid} sent a request past its window, or to a {known.method.name} (which takes one)")
         elif kind == WINDOW:
             if len(payload) != GRANT.size:
                 self.close(f"call {sid}'s WINDOW has {len(payload)} bytes, not {GRANT.size}")
@@ -701,6 +717,11 @@ class _PeerConnection(_Connection):
             self.write(0, PONG)
         else:
             self.close(f"the client sent a frame of unknown kind {kind}")
+
+    def _too_large(self, sid: int, size: int) -> None:
+        limit = self._server.service.max_request
+        why = f"a request of {size} bytes is over the limit of {limit}: send smaller messages"
+        self.write(sid, END, end_payload(grpc.StatusCode.RESOURCE_EXHAUSTED, why))
 
     def _call_done(self, calls: dict[int, RpcStream], call: RpcStream) -> None:
         self.consumed(call.take_inbound())
@@ -721,16 +742,41 @@ class _PeerConnection(_Connection):
 
     def consumed(self, size: int) -> None:
         self.inbound -= size
-        if not self._reading and self.inbound < INBOUND_LOW and self.transport is not None and self.closed is None:
-            self._reading = True
-            self.transport.resume_reading()
+        self._update_reading()
 
     def delivered(self, size: int) -> None:
         self.inbound += size
-        if self._reading and self.inbound > INBOUND_HIGH and self.calls is None and self.transport is not None:
-            # (a client's connection is never paused: its calls' windows bound it, and a RESET must be heard)
+        self._update_reading()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        """Read while the streams hold under their limit of unconsumed bytes (a client's connection: a
+        far higher one, as its calls' windows bound it and a RESET must be heard), and a client's while
+        it reads what it is sent (one that does not would have us buffer our answers to it)."""
+        if self.transport is None or self.closed is not None:
+            return
+        if self.calls is None:
+            stop, go = self.inbound > INBOUND_HIGH, self.inbound < INBOUND_LOW
+        else:
+            stop = self.inbound > CLIENT_INBOUND_HIGH or self._paused
+            go = not stop
+        if self._reading and stop:
             self._reading = False
             self.transport.pause_reading()
+        elif not self._reading and go:
+            self._reading = True
+            self._last_heard = self._loop.time()  # (not heard while we did not listen)
+            self.transport.resume_reading()
+
+    def hearing(self) -> bool:
+        return self._reading
 
     def lost(self, why: str) -> None:
         self._server.connections.discard(self)
@@ -791,18 +837,25 @@ class _MuxPeerStream(Inbound[pb.ReplicateRequest]):
 
 
 class ReplicationServer:
-    """A broker's replication port: accepts primaries' connections and serves their streams."""
+    """A broker's replication port: accepts primaries' connections and serves their streams, and with a
+    `servicer` clients' calls of its `service` too (transport_rpc.py). A LogPlayer target's data port is
+    one without a replication `handler`: the Target service's calls only."""
 
     def __init__(
         self,
-        handler: Handler,
+        handler: Handler | None,
         identity: str = "",
         tls: TLS | None = None,
         verifier: Verifier | None = None,
         servicer: Servicer | None = None,
+        service: Service = JOURNAL,
     ) -> None:
+        assert handler is not None or servicer is not None, "a port serves replication, calls, or both"
         self.handler = handler
         self.servicer = servicer  # (the Journal service's: clients' calls are served too; transport_rpc.py)
+        self.service = service
+        replication = (HELLO_PAYLOAD,) if handler is not None else ()
+        self.hellos = replication + ((service.hello,) if servicer is not None else ())
         self.identity = identity  # "zone/suffix": a primary that means another broker is refused
         self.verifier = verifier  # (a broker with keys: a HELLO must carry a REPLICATE token)
         self.connections: set[_PeerConnection] = set()
@@ -810,7 +863,9 @@ class ReplicationServer:
         self.stopping = False  # (clients' new calls are refused: `drain_calls`)
         self._server: asyncio.Server | None = None
         assert tls is None or (tls.cert is not None and tls.key is not None), "a broker serving TLS has a certificate"
-        self._alpn = (transport_tls.ALPN, CLIENT_ALPN) if servicer is not None else (transport_tls.ALPN,)
+        self._alpn = ((transport_tls.ALPN,) if handler is not None else ()) + (
+            (service.alpn,) if servicer is not None else ()
+        )
         self._tls = transport_tls.contexts(tls, list(self._alpn))[0] if tls is not None else None  # (a CA: mTLS)
         self._tls_listener: transport_tls.TLSListener | None = None
 

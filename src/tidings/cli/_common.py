@@ -273,7 +273,8 @@ _TLS_OPTIONS = {
 
 
 # --auth-token/--auth-token-file: every command that dials brokers as a client has them (`secured`
-# with `token`); `client_auth` reads them. Secret: no default shown, never echoed.
+# with `token`); `client_auth` reads them. Secret: no default shown, never echoed. And --transport: how
+# the process's clients call brokers (and a LogPlayer its targets), set for every client it makes.
 _TOKEN_FLAGS: dict[str, Any] = {}
 _TOKEN_OPTIONS: dict[str, Any] = {
     "auth_token": Annotated[
@@ -293,6 +294,16 @@ _TOKEN_OPTIONS: dict[str, Any] = {
             envvar="TIDINGS_AUTH_TOKEN_FILE",
             show_default=False,
             help="A file holding the token (as --auth-token).",
+        ),
+    ],
+    "transport": Annotated[
+        str | None,
+        typer.Option(
+            "--transport",
+            envvar="TIDINGS_TRANSPORT",
+            show_default=False,
+            help="How to call brokers (and targets): 'tidings' (the default: their data ports, falling back to "
+            "gRPC) or 'grpc'.",
         ),
     ],
 }
@@ -315,6 +326,15 @@ _ETCD_OPTIONS: dict[str, Any] = {
          "the etcd user's password."),
     )
 }  # fmt: skip
+
+
+def _use_transport(transport: str) -> None:
+    """--transport: every client this process makes uses it (AsyncClient's default is TIDINGS_TRANSPORT's)."""
+    from tidings.client._async import TRANSPORT_VARIABLE, TRANSPORTS
+
+    if transport not in TRANSPORTS:
+        usage(f"--transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
+    os.environ[TRANSPORT_VARIABLE] = transport
 
 
 def secured(command: Callable[..., T], token: bool = True) -> Callable[..., T]:
@@ -340,6 +360,8 @@ def secured(command: Callable[..., T], token: bool = True) -> Callable[..., T]:
             _TLS_FLAGS[name] = kwargs.pop(name)
         for name in _TOKEN_OPTIONS if token else ():
             _TOKEN_FLAGS[name] = kwargs.pop(name)
+        if transport := _TOKEN_FLAGS.pop("transport", None):
+            _use_transport(transport)
         for name in etcd:
             _ETCD_FLAGS[name] = kwargs.pop(name)
         return command(*args, **kwargs)

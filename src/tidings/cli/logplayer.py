@@ -87,6 +87,15 @@ def target_serve(
             callback=check_endpoint("--listen", any_port=True),
         ),
     ] = "127.0.0.1:7000",
+    data_listen: Annotated[
+        str,
+        typer.Option(
+            envvar="TIDINGS_DATA_LISTEN",
+            help="HOST:PORT of the data port: the Target service over tidings' own framing, which LogPlayers "
+            "deliver over (default: --listen's host, any free port; its GetLastAck answers name the port).",
+            callback=check_endpoint("--data-listen", optional=True, any_port=True),
+        ),
+    ] = "",
     apply: Annotated[
         str, typer.Option(envvar="TIDINGS_APPLY", help="module:function applying an entry (default: key-values).")
     ] = "",
@@ -114,7 +123,7 @@ def target_serve(
     tls, keyset = server_tls(f"tidings target {id}"), auth_keys(keys, keys_file)
     check_metrics_tls(f"tidings target {id}", metrics, metrics_tls, tls)
     server = TargetServer(id, db, listen, apply=fn, log_applied=log_applied, metrics_listen=metrics or None,
-                          metrics_tls=metrics_tls, tls=tls, auth_keys=keyset)  # fmt: skip
+                          metrics_tls=metrics_tls, tls=tls, auth_keys=keyset, data_listen=data_listen)  # fmt: skip
     serve_until_signalled(server.start, f"target {id}", 10.0)
 
 

@@ -172,6 +172,8 @@ class AsyncClient:
         key = (data_endpoint, self.routes.data_members.get(data_endpoint, ""))
         stub = self._wires.get(key)
         if stub is None:
+            for old in [k for k in self._wires if k[0] == data_endpoint]:  # (the port's former broker's)
+                self._wires.pop(old).channel.shut()
             stub = self._wires[key] = WireStub(WireChannel(data_endpoint, self.tls, member=key[1]))
         return stub
 

@@ -43,7 +43,7 @@ from tidings.broker.frames import (
     end_status,
 )
 from tidings.broker.transport import CONNECT_TIMEOUT, _Connection, _split
-from tidings.broker.transport_rpc import BY_NAME, CLIENT_ALPN, CLIENT_HELLO, OPEN_HEAD, Method
+from tidings.broker.transport_rpc import JOURNAL, MAX_CALLS, OPEN_HEAD, Method, Service
 from tidings.tls import TLS
 
 __all__ = ["WireChannel", "WireError", "WireStub"]
@@ -72,19 +72,22 @@ class _ClientConnection(_Connection):
     """A connection to a broker's data port carrying this client's calls (numbered upwards: after the
     last number, new calls go on a new connection and this one closes when its calls are over)."""
 
-    hellos = (CLIENT_HELLO,)
-
-    def __init__(self, endpoint: str, member: str, forget: Callable[[_ClientConnection], None]) -> None:
+    def __init__(
+        self, endpoint: str, member: str, forget: Callable[[_ClientConnection], None], service: Service = JOURNAL
+    ) -> None:
         super().__init__(f"calls to {endpoint}")
         self.endpoint = endpoint
         self.member = member
+        self.hellos = (service.hello,)
         self.calls: dict[int, _Call] = {}
+        self._slots: collections.deque[asyncio.Future[None]] = collections.deque()  # calls waiting for one
         self._next_sid = 1
         self._forget = forget
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self.write(0, HELLO, CLIENT_HELLO + b" " + self.member.encode() if self.member else CLIENT_HELLO)
+        hello = self.hellos[0]
+        self.write(0, HELLO, hello + b" " + self.member.encode() if self.member else hello)
 
     def open(self, call: _Call, first: Message, token: str) -> int:
         """Send `call`'s OPEN (its first message spends its window); its stream id."""
@@ -121,8 +124,21 @@ class _ClientConnection(_Connection):
     def over(self, sid: int) -> None:
         """Call `sid` ended (answered or reset)."""
         self.calls.pop(sid, None)
+        self._free_slot()
         if not self.calls and self._next_sid > LAST_SID:
             self.close("its stream ids are spent", flush=True)
+
+    async def slot_freed(self) -> None:
+        """Until one of MAX_CALLS calls ends (or the connection does)."""
+        fut = self._loop.create_future()
+        self._slots.append(fut)
+        await fut
+
+    def _free_slot(self) -> None:
+        while self._slots:
+            if not (fut := self._slots.popleft()).done():
+                fut.set_result(None)
+                return
 
     def tick(self) -> None:
         self.write(0, PING)
@@ -132,17 +148,22 @@ class _ClientConnection(_Connection):
         calls, self.calls = self.calls, {}
         for call in calls.values():
             call._end(grpc.StatusCode.UNAVAILABLE, f"{self.endpoint}: {why}", self.endpoint)
+        for fut in self._slots:
+            if not fut.done():
+                fut.set_result(None)
 
 
 class WireChannel:
     """Calls to one broker's data port at `endpoint`, over one connection dialed on first use (again
     after it broke), with `tls` when the client has it. `member` ("zone/suffix"): the broker meant; another
-    found there (a stale endpoint) refuses the connection."""
+    found there (a stale endpoint) refuses the connection. `service`: whose calls (a broker's Journal, a
+    LogPlayer target's Target)."""
 
-    def __init__(self, endpoint: str, tls: TLS | None = None, member: str = "") -> None:
+    def __init__(self, endpoint: str, tls: TLS | None = None, member: str = "", service: Service = JOURNAL) -> None:
         self.endpoint = endpoint
         self.member = member
-        self._tls: ssl.SSLContext | None = transport_tls.contexts(tls, [CLIENT_ALPN])[1] if tls is not None else None
+        self.service = service
+        self._tls: ssl.SSLContext | None = transport_tls.contexts(tls, [service.alpn])[1] if tls is not None else None
         self._conn: _ClientConnection | None = None
         self._dialing: asyncio.Future[_ClientConnection] | None = None
         self._closed = False
@@ -165,12 +186,13 @@ class WireChannel:
 
     async def _dial(self) -> _ClientConnection:
         def made() -> _ClientConnection:
-            return _ClientConnection(self.endpoint, self.member, self._forget)
+            return _ClientConnection(self.endpoint, self.member, self._forget, self.service)
 
         try:
             host, port = _split(self.endpoint)
             if self._tls is not None:
-                conn = await transport_tls.dial(host, port, self._tls, made, CONNECT_TIMEOUT, alpn=(CLIENT_ALPN,))
+                alpn = (self.service.alpn,)
+                conn = await transport_tls.dial(host, port, self._tls, made, CONNECT_TIMEOUT, alpn=alpn)
             else:
                 async with asyncio.timeout(CONNECT_TIMEOUT):
                     _, conn = await asyncio.get_running_loop().create_connection(made, host, port)
@@ -188,6 +210,10 @@ class WireChannel:
             self._conn = None
 
     async def close(self) -> None:
+        self.shut()
+
+    def shut(self) -> None:
+        """Close now: the connection's calls and any waiting for its dial fail UNAVAILABLE."""
         self._closed = True
         if self._dialing is not None:
             self._dialing.cancel()
@@ -237,7 +263,16 @@ class _Call(Inbox):
         if self._cancelled:
             raise asyncio.CancelledError()
         try:
-            conn = self._conn = await self.channel.connection()
+            while True:
+                conn = await self.channel.connection()
+                if len(conn.calls) < MAX_CALLS:
+                    break
+                await conn.slot_freed()  # (as many calls as the broker serves on one connection: wait for one to end)
+            if self._cancelled:  # (cancelled, or its deadline passed, while dialing: never opened)
+                raise asyncio.CancelledError()
+            if self._status is not None:
+                raise WireError(*self._status)
+            self._conn = conn
             self._sid = conn.open(self, first, self._token)
         except WireError as exc:
             self._end(exc.code(), exc.details(), exc.data_port)
@@ -257,6 +292,13 @@ class _Call(Inbox):
             self._end(grpc.StatusCode.UNAVAILABLE, f"{self.channel.endpoint}: {exc}", self.channel.endpoint)
             raise asyncio.InvalidStateError("the call has ended") from None
 
+    def _expired(self) -> bool:
+        """The deadline passed: the call is reset (nothing more is sent) and DEADLINE_EXCEEDED raised."""
+        if self._deadline is None or asyncio.get_running_loop().time() < self._deadline:
+            return False
+        self.cancel()
+        raise WireError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
     async def _send_request(self, msg: Message) -> None:
         """Send a further request once the broker's window has room, then wait for the socket buffer (both
         under the deadline). An ended call sends nothing: its answer follows."""
@@ -266,6 +308,7 @@ class _Call(Inbox):
             raise asyncio.CancelledError()
         if self._status is not None:
             return
+        self._expired()
         payload = msg.SerializeToString()
         self._credit.left -= len(payload)
         self._send(REQUEST, payload)
@@ -329,11 +372,32 @@ class _UnaryCall(_Call):
         if not self._started:
             self._started = True
             if self._requests is not None:
-                await self._stream(self._requests)
-            elif self._request is not None:
-                await self._open(self._request)
-                if self.method.client_streaming and self._status is None:
+                return await self._streamed(self._requests)
+            if self._request is not None:
+                await self._waiting(self._open(self._request))
+                if self.method.client_streaming and self._status is None and not self._expired():
                     self._send(CLOSE_SEND)
+        return await self._answer()
+
+    async def _streamed(self, requests: AsyncIterable[Message]) -> Message:
+        """Send `requests` from a task of their own while waiting for the answer, as grpc.aio does: the
+        deadline and an early answer (a refusal) end the call even while the iterable has nothing to
+        give; an iterable that raises cancels the call and its exception is raised here."""
+        sender = asyncio.ensure_future(self._stream(requests))
+        answer = asyncio.ensure_future(self._answer())
+        try:
+            await asyncio.wait([sender, answer], return_when=asyncio.FIRST_COMPLETED)
+            if sender.done() and not sender.cancelled() and (exc := sender.exception()) is not None:
+                if not isinstance(exc, WireError | asyncio.InvalidStateError):  # (the iterable's own failure)
+                    self.cancel()
+                    raise exc
+            return await answer
+        finally:
+            for task in (sender, answer):
+                task.cancel()
+            await asyncio.gather(sender, answer, return_exceptions=True)
+
+    async def _answer(self) -> Message:
         resp = await self._next()
         if resp is None:
             raise WireError(
@@ -347,11 +411,11 @@ class _UnaryCall(_Call):
             if self._status is not None:
                 return  # (answered early: its answer follows)
             if not opened:
-                await self._open(msg)
+                await self._waiting(self._open(msg))
                 opened = True
             else:
                 await self._send_request(msg)
-        if opened and self._status is None:
+        if opened and self._status is None and not self._expired():
             self._send(CLOSE_SEND)
 
     def __await__(self) -> Generator[Any, None, Message]:
@@ -392,19 +456,57 @@ class _StreamCall(_Call):
         return self._responses_of()
 
 
+class _BidiCall(_Call):
+    """A call streaming both ways (Deliver), used as grpc.aio's StreamStreamCall: `write`, `read` (EOF at
+    the end), `done_writing`, `code`, `details`, `cancel`."""
+
+    def __init__(self, channel: WireChannel, method: Method, metadata: Any, timeout: float | None) -> None:
+        super().__init__(channel, method, metadata, timeout)
+
+    async def write(self, msg: Message) -> None:
+        """Send a request (the first opens the call); InvalidStateError once the call ended."""
+        if self._sid == 0:
+            await self._open(msg)
+            return
+        if self._status is not None:
+            raise asyncio.InvalidStateError("the call has ended")  # (as grpc.aio's write after the end)
+        await self._send_request(msg)
+
+    async def done_writing(self) -> None:
+        if self._sid and self._status is None:
+            self._send(CLOSE_SEND)
+
+    async def read(self) -> Any:
+        """The next response, grpc.aio.EOF after a clean end; WireError after a failed one."""
+        msg = await self._next()
+        return grpc.aio.EOF if msg is None else msg
+
+    async def code(self) -> grpc.StatusCode:
+        while self._status is None:
+            await self._waiting(self._delivery())
+        return self._status[0]
+
+    async def details(self) -> str:
+        await self.code()
+        assert self._status is not None
+        return self._status[1]
+
+
 class WireStub:
-    """The Journal service's calls on a broker's data port, called as a generated gRPC stub's are
-    (`stub.Append(...)`, `stub.Read(...)`: any method of transport_rpc.METHODS)."""
+    """A service's calls on a data port, called as a generated gRPC stub's are (`stub.Append(...)`,
+    `stub.Read(...)`, `stub.Deliver(...)`: any method of the channel's `transport_rpc.Service`)."""
 
     def __init__(self, channel: WireChannel) -> None:
         self.channel = channel
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
-        method = BY_NAME.get(name)
+        method = self.channel.service.by_name.get(name)
         if method is None:
             raise AttributeError(f"the data port has no method {name!r}")
 
         def call(request: Any = None, *, metadata: Any = None, timeout: float | None = None) -> _Call:
+            if method.server_streaming and method.client_streaming:
+                return _BidiCall(self.channel, method, metadata, timeout)
             if method.server_streaming:
                 return _StreamCall(self.channel, method, request, metadata, timeout)
             if method.client_streaming and request is not None and not isinstance(request, Message):

@@ -44,7 +44,7 @@ from tidings.auth.authorizer import Authorizer, NoAuthorizer
 from tidings.client import AsyncClient
 from tidings.logplayer.dispatcher import NOTHING, Dispatcher
 from tidings.logplayer.fetcher import Checkpoints, MainFetcher, recover
-from tidings.logplayer.stream import CHANNEL_OPTIONS, TargetLink
+from tidings.logplayer.stream import CHANNEL_OPTIONS, TargetLink, data_endpoint
 from tidings.logplayer.wal import Targets
 from tidings.message.sequencer import Checkpoint
 from tidings.protocol import protocol_pb2 as pb
@@ -185,6 +185,7 @@ class LogPlayer:
         log.info("LogPlayer %s: WAL %s, %d targets, epoch %d, resuming after index %d", self.name, self.wal,
                  len(self.targets.ids), self.epoch, state.position)  # fmt: skip
         for t in self.targets.targets:
+            answer = answers[t.id]
             opening = pb.DeliverRequest(
                 open=pb.DeliverRequest.Open(target=t.id, player=self.name, epoch=self.epoch, nonce=nonce, wal=self.wal)
             )
@@ -197,6 +198,8 @@ class LogPlayer:
                 ack_timeout=self.ack_timeout,
                 tls=self.client.tls,  # (one TLS per process: the brokers' and the targets' alike)
                 auth=self.client.auth,  # (and one authorizer: its keys, or its token)
+                transport=self.client.transport,  # (and one transport)
+                data_endpoint=data_endpoint(t.endpoint, answer) if isinstance(answer, pb.LastAckResponse) else "",
             )
         tasks = [asyncio.create_task(link.run(), name=f"link:{tid}") for tid, link in self.links.items()]
         try:

@@ -19,18 +19,29 @@ before the queue is suspended, so no task of a dead connection touches the queue
 link reconnects with backoff. TARGET_FENCED stops the LogPlayer (a newer one holds the target).
 Each connection's stream carries a token from `auth` (APPEND on `target=<id>`): a keyed authorizer signs
 a current one at each reconnection, so a stream the target ends at its token's expiry comes back.
+
+With `transport` "tidings" (the client's default) a connection is the target's data port (tidings'
+framing: `broker/transport_rpc.py`'s TARGET service; the same messages, fencing and statuses, a
+fraction of gRPC's cost per batch), learned from its GetLastAck answer (the LogPlayer's start asks
+every target; a link that has none asks again over gRPC before connecting); a data port that fails
+(refused, lost, another target's) is avoided for DATA_PORT_DOWN_FOR and the link delivers over gRPC
+meanwhile. Either way one connection, one writer and one reader per link, as the model checks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 
 from tidings.auth.authorizer import Authorizer, NoAuthorizer
+from tidings.broker.transport_rpc import TARGET
+from tidings.client._wire import WireChannel, WireError, WireStub
 from tidings.logplayer.dispatcher import Dispatcher
 from tidings.logplayer.target_queue import QueueState, TargetQueue
 from tidings.logplayer.wal import Target
@@ -59,6 +70,9 @@ CHANNEL_OPTIONS = [
 ]
 
 
+DATA_PORT_DOWN_FOR = 30.0  # seconds a target's failed data port is avoided (gRPC meanwhile)
+
+
 class LinkFailed(TidingsError):
     """This connection to the target is done for; the link reconnects."""
 
@@ -78,8 +92,13 @@ class TargetLink:
         backoff: tuple[float, float] = (0.05, 2.0),
         tls: TLS | None = None,
         auth: Authorizer | None = None,
+        transport: str = "tidings",
+        data_endpoint: str = "",
     ) -> None:
         self.target = target
+        self.transport = transport
+        self.data_endpoint = data_endpoint  # the target's data port ("": not known, or avoided)
+        self._data_down_until = 0.0
         self.tls = tls
         self.auth: Authorizer = auth if auth is not None else NoAuthorizer()
         self._selector = name_selector(target.id, "target")  # (what its token covers)
@@ -106,6 +125,12 @@ class TargetLink:
         while True:
             try:
                 await self._connection()
+            except WireError as exc:
+                self.last_error = _describe(exc)
+                if exc.data_port:
+                    log.info("target %s: its data port %s failed (%s); delivering over gRPC for %.0fs", self.id,
+                             exc.data_port, self.last_error, DATA_PORT_DOWN_FOR)  # fmt: skip
+                    self.data_endpoint, self._data_down_until = "", time.monotonic() + DATA_PORT_DOWN_FOR
             except (LinkFailed, grpc.aio.AioRpcError, asyncio.InvalidStateError, OSError, TimeoutError) as exc:
                 self.last_error = _describe(exc)
             except TargetFencedError:
@@ -140,10 +165,36 @@ class TargetLink:
         self.up = False
         self.room.set()  # (a recovery waiting for room sees its term go stale)
 
-    async def _connection(self) -> None:
+    @contextlib.asynccontextmanager
+    async def _deliver_call(self) -> AsyncIterator[Any]:
+        """A Deliver call on this connection: over the target's data port when there is one to use (asked
+        for over gRPC when not known), else over gRPC."""
+        metadata = self.auth.metadata(Capability.APPEND, self._selector)  # (a current token per connection)
+        wanted = self.transport == "tidings" and time.monotonic() >= self._data_down_until
+        if wanted and not self.data_endpoint:
+            with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
+                self.data_endpoint = await self._ask_data_endpoint()
+        if wanted and self.data_endpoint:
+            channel = WireChannel(self.data_endpoint, self.tls, member=self.id, service=TARGET)
+            try:
+                yield WireStub(channel).Deliver(metadata=metadata)
+            finally:
+                await channel.close()
+            return
+        async with tls_channel(self.target.endpoint, self.tls, CHANNEL_OPTIONS) as grpc_channel:
+            yield pb_grpc.TargetStub(grpc_channel).Deliver(metadata=metadata)  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
+
+    async def _ask_data_endpoint(self) -> str:
+        """The target's data port, from a GetLastAck over gRPC ("": it has none)."""
         async with tls_channel(self.target.endpoint, self.tls, CHANNEL_OPTIONS) as channel:
-            metadata = self.auth.metadata(Capability.APPEND, self._selector)  # (a current token per connection)
-            call = pb_grpc.TargetStub(channel).Deliver(metadata=metadata)  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
+            metadata = self.auth.metadata(Capability.READ, self._selector)
+            req = pb.LastAckRequest(target=self.id)
+            stub = pb_grpc.TargetStub(channel)  # type: ignore[no-untyped-call]  # generated gRPC stub, untyped
+            resp: pb.LastAckResponse = await stub.GetLastAck(req, timeout=self.ack_timeout, metadata=metadata)
+        return data_endpoint(self.target.endpoint, resp)
+
+    async def _connection(self) -> None:
+        async with self._deliver_call() as call:
             try:
                 await asyncio.wait_for(self._open(call), self.ack_timeout)
                 tasks = [
@@ -238,8 +289,15 @@ class TargetLink:
                 raise LinkFailed(f"no acknowledgement for {self.ack_timeout:g}s")
 
 
+def data_endpoint(endpoint: str, answer: pb.LastAckResponse) -> str:
+    """The data port a target's GetLastAck `answer` names, on the host of the `endpoint` it came from."""
+    if answer.status != pb.OK or not answer.data_port:
+        return ""
+    return f"{endpoint.rpartition(':')[0]}:{answer.data_port}"
+
+
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
+    if isinstance(exc, grpc.aio.AioRpcError | WireError):
         return f"{exc.code().name}: {exc.details()}"
     if isinstance(exc, TimeoutError):
         return "no answer to Open in time"

@@ -20,7 +20,12 @@ connection (inside the transaction) and each `pb.TargetEntry`; `apply_key_values
   batch; it must follow what the target applied (`prev_index`) with increasing indices, else
   WRONG_TARGET_INDEX (the LogPlayer reconnects and recovers the target: a target is never asked
   to trust a gap or a repeat). Each applied batch is answered with its last index.
-* `GetLastAck`: the last applied index and the newest epoch (a LogPlayer's start, `targets status`).
+* `GetLastAck`: the last applied index and the newest epoch (a LogPlayer's start, `targets status`),
+  and the target's data port.
+
+Both are served over gRPC on `listen` and over tidings' own framing on a data port (the same host, any
+free port: `broker/transport_rpc.py`'s TARGET service, the same `TargetService` methods, TLS and
+tokens), which GetLastAck answers name and a LogPlayer delivers over by default (`stream.py`).
 
 Statuses come back in responses; a non-OK one ends the stream. A user's apply function that
 raises rolls its batch back and ends the stream with gRPC INTERNAL (logged with the entry's
@@ -49,6 +54,8 @@ import grpc
 from prometheus_client import Counter, Gauge
 
 from tidings.auth import AuthError, KeySet, NoVerifier, Verifier, expires_at, verifier_of
+from tidings.broker.transport import ReplicationServer
+from tidings.broker.transport_rpc import TARGET
 from tidings.logplayer.dispatcher import NOTHING
 from tidings.logplayer.stream import MESSAGE_OPTIONS
 from tidings.member.serving import listen_grpc, metrics_tls, serve_metrics, stop_metrics
@@ -184,6 +191,7 @@ class TargetService(pb_grpc.TargetServicer):
     def __init__(self, target: str, store: TargetStore, verifier: Verifier | NoVerifier | None = None) -> None:
         self.target = target
         self.store = store
+        self.data_port = 0  # (GetLastAck names it: TargetServer sets it once its data port listens)
         self.verifier: Verifier | NoVerifier = verifier if verifier is not None else NoVerifier()
         self._labels = target_labels(target)
         self._applying = asyncio.Lock()  # one apply at a time; an Open waits for the one in progress
@@ -284,7 +292,9 @@ class TargetService(pb_grpc.TargetServicer):
         claims = await self.verifier.verify(context, _READ, "GetLastAck")
         if (missing := self._not_found(request.target, claims, this=("",))) is not None:  # ('': whichever it serves)
             return pb.LastAckResponse(status=pb.TARGET_NOT_FOUND, detail=missing)
-        return pb.LastAckResponse(status=pb.OK, last_applied=self.store.last_applied, epoch=self.store.fence[0])
+        return pb.LastAckResponse(
+            status=pb.OK, last_applied=self.store.last_applied, epoch=self.store.fence[0], data_port=self.data_port
+        )
 
 
 def load_apply(ref: str) -> ApplyFn:
@@ -319,8 +329,10 @@ class TargetServer:
         metrics_tls: bool = False,
         tls: TLS | None = None,
         auth_keys: KeySet | None = None,
+        data_listen: str = "",
     ) -> None:
         self.tls = tls
+        self.data_listen = data_listen  # (HOST:PORT of the data port; "": `listen`'s host, any free port)
         self.verifier = verifier_of(auth_keys, "target")
         self.target = target
         self.db = db
@@ -333,6 +345,8 @@ class TargetServer:
         self.endpoint = ""
         self.metrics_endpoint = ""
         self.store: TargetStore | None = None
+        self.data_endpoint = ""  # the Target service over tidings' framing (the same host as `endpoint`)
+        self._data: ReplicationServer | None = None
         self._server: grpc.aio.Server | None = None
         self._metrics: Any = None
 
@@ -341,13 +355,24 @@ class TargetServer:
             self.store = await asyncio.to_thread(TargetStore, self.db, self.apply, log_applied=self.log_applied)
             undo.callback(self.store.close)
             self._server = grpc.aio.server(options=MESSAGE_OPTIONS)  # (a batch of one 64 MiB entry fits)
-            pb_grpc.add_TargetServicer_to_server(  # type: ignore[no-untyped-call]  # generated gRPC code, untyped
-                TargetService(self.target, self.store, self.verifier), self._server
-            )
+            service = TargetService(self.target, self.store, self.verifier)
+            pb_grpc.add_TargetServicer_to_server(service, self._server)  # type: ignore[no-untyped-call]  # generated gRPC code, untyped
             self.endpoint = listen_grpc(self._server, self.listen, f"target {self.target}", self.tls)
             host, port = self.endpoint.rsplit(":", 1)
             await self._server.start()
             undo.push_async_callback(self._server.stop, 0)
+            self._data = ReplicationServer(None, self.target, self.tls, servicer=service, service=TARGET)
+            data_listen = self.data_listen or f"{host}:0"
+            try:
+                await self._data.start(data_listen)
+            except OSError as err:
+                raise UsageError(
+                    f"target {self.target} cannot listen on {data_listen} for its data port ({err}); "
+                    "pass another --data-listen"
+                ) from None
+            undo.push_async_callback(self._data.aclose)
+            service.data_port = int(self._data.endpoint.rsplit(":", 1)[1])
+            self.data_endpoint = f"{host}:{service.data_port}"
             if self.metrics_listen:
                 who = f"target {self.target}"
                 self._metrics, self.metrics_endpoint = serve_metrics(
@@ -359,8 +384,13 @@ class TargetServer:
         return self
 
     async def stop(self, graceful: bool = True) -> None:
-        if self._server is not None:
-            await self._server.stop(1.0 if graceful else 0)
+        grace = 1.0 if graceful else 0
+        stopping = [self._server.stop(grace)] if self._server is not None else []
+        if self._data is not None:
+            stopping.append(self._data.drain_calls(grace))
+        await asyncio.gather(*stopping)
+        if self._data is not None:
+            await self._data.aclose()
         stop_metrics(self._metrics)
         if self.store is not None:
             self.store.close()

@@ -881,13 +881,15 @@ class LastAckRequest(_message.Message):
     def __init__(self, target: _Optional[str] = ...) -> None: ...
 
 class LastAckResponse(_message.Message):
-    __slots__ = ("status", "last_applied", "epoch", "detail")
+    __slots__ = ("status", "last_applied", "epoch", "detail", "data_port")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     LAST_APPLIED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     status: Status
     last_applied: int
     epoch: int
     detail: str
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., last_applied: _Optional[int] = ..., epoch: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+    data_port: int
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., last_applied: _Optional[int] = ..., epoch: _Optional[int] = ..., detail: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
