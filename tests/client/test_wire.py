@@ -217,6 +217,7 @@ async def test_a_read_nobody_iterates_buffers_only_its_window(cluster) -> None:
             await c.append("wire/h", content[at : at + 2 * 1024 * 1024])
         reads = c.reader("wire/h", 0, block=False).__aiter__()
         first = await reads.__anext__()  # (one response taken; then nobody iterates)
+
         def held() -> int:
             conns = [w.channel._conn for w in c._wires.values() if w.channel._conn]
             return sum(size for conn in conns for call in conn.calls.values() for _, size in call._responses)
