@@ -156,7 +156,7 @@ async def test_a_watch_given_up_by_its_caller_ends_on_the_broker_too(cluster) ->
                 pass
 
         def calls() -> int:
-            return sum(len(conn.calls or {}) for b in cluster.brokers for conn in b.replication.connections)
+            return sum(len(conn.served()) for b in cluster.brokers for conn in b.replication.connections)
 
         task = asyncio.ensure_future(tail())
         await wait_until(lambda: calls() == 1, 10)
@@ -167,7 +167,7 @@ async def test_a_watch_given_up_by_its_caller_ends_on_the_broker_too(cluster) ->
 
 def broker_calls(cluster) -> list:
     """The calls the cluster's brokers are serving on their data ports."""
-    return [call for b in cluster.brokers for conn in b.replication.connections for call in (conn.calls or {}).values()]
+    return [call for b in cluster.brokers for conn in b.replication.connections for call in conn.served()]
 
 
 async def test_a_call_waiting_its_turn_never_holds_the_connection(cluster) -> None:
@@ -423,3 +423,71 @@ async def test_a_client_cannot_make_a_broker_hold_more_than_its_windows(cluster)
     async with AsyncClient(cluster.brokers[0].endpoint, transport="tidings") as c:
         await learned(c, "wire/o")
         assert (await c.append("wire/o", b"served")).end == 6
+
+
+async def test_calls_beyond_max_calls_wait_for_a_slot_under_their_deadline(cluster) -> None:
+    """A client keeps at most MAX_CALLS calls on a connection: one more waits for a slot (within its
+    deadline), and a slot freed by a reset call is taken at once without the broker counting the reset
+    call still (it would close the connection)."""
+    from tidings.broker.transport_rpc import MAX_CALLS
+    from tidings.client._wire import WireError, WireStub
+    from tidings.protocol import protocol_pb2 as pb
+
+    await cluster.create_journal("wire/p", 1)
+    async with AsyncClient(cluster.brokers[0].endpoint, transport="tidings") as c:
+        await learned(c, "wire/p")
+        stub = c.stub(cluster.brokers[0].endpoint)
+        assert isinstance(stub, WireStub)
+        watches = [stub.List(pb.ListRequest(watch=True)).__aiter__() for _ in range(MAX_CALLS)]
+        await asyncio.gather(*(w.__anext__() for w in watches))  # (all open: each had its first answer)
+        with pytest.raises(WireError, match="DEADLINE_EXCEEDED"):
+            await stub.ListMembers(pb.MembersRequest(), timeout=0.5)
+        await watches[0].aclose()  # (RESET: its slot is free)
+        another = stub.List(pb.ListRequest(watch=True)).__aiter__()
+        await asyncio.wait_for(another.__anext__(), 10)
+        conn = stub.channel._conn
+        assert conn is not None and conn.closed is None and len(conn.calls) == MAX_CALLS
+        for w in [*watches[1:], another]:
+            await w.aclose()
+        assert (await c.append("wire/p", b"x")).end == 1
+
+
+async def test_a_data_port_that_never_says_hello_sends_calls_over_grpc(cluster) -> None:
+    """A data port that accepts connections and says nothing (another service now on the port) is given
+    up after CONNECT_TIMEOUT: the call goes over gRPC."""
+    silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    try:
+        await cluster.create_journal("wire/q", 1)
+        async with AsyncClient(cluster.brokers[0].endpoint, transport="tidings") as c:
+            await learned(c, "wire/q")
+            for ep in list(c.routes.data_endpoints):
+                c.routes.data_endpoints[ep] = f"127.0.0.1:{port}"
+            assert (await asyncio.wait_for(c.append("wire/q", b"over gRPC"), 30)).end == 9
+            assert f"127.0.0.1:{port}" in c._data_down
+    finally:
+        silent.close()
+
+
+async def test_a_client_that_reads_nothing_it_is_sent_is_dropped(cluster, monkeypatch) -> None:
+    """A client that sends and never reads (a frozen process, or a flood of PINGs) stops being read once
+    what the broker has to send it piles up, and its connection is dropped after CLIENT_STALL."""
+    from tests.support.waiting import wait_until
+    from tidings.broker import transport
+    from tidings.broker.frames import PING
+
+    monkeypatch.setattr(transport, "CLIENT_STALL", 0.5)
+    broker = cluster.brokers[0]
+    host, port = broker.replication.endpoint.rsplit(":", 1)
+    before = set(broker.replication.connections)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(HEADER.pack(len(JOURNAL.hello), 0, HELLO) + JOURNAL.hello)
+    ping = HEADER.pack(0, 0, PING)
+    for _ in range(40):
+        writer.write(ping * 50_000)  # (2M PINGs: their PONGs are far over the broker's write buffer)
+    flooding = asyncio.ensure_future(writer.drain())
+    mine = await wait_until(lambda: [c for c in broker.replication.connections if c not in before], 10)
+    await wait_until(lambda: mine[0].closed is not None, 20)
+    assert "read nothing" in mine[0].closed
+    await asyncio.gather(flooding, return_exceptions=True)  # (reset by the broker)
+    writer.close()

@@ -458,3 +458,19 @@ async def test_a_target_whose_data_port_fails_is_delivered_to_over_grpc(rig: Rig
     await rig.wait_delivered()
     assert player.links["t1"]._data_down_until > 0 and not player.links["t1"].data_endpoint
     assert player.links["t0"].data_endpoint and player.links["t0"]._data_down_until == 0
+
+
+async def test_a_target_whose_data_port_never_answers_is_delivered_to_over_grpc(rig: Rig) -> None:
+    """A data port that takes connections and says nothing (a firewall's drop looks the same to a link
+    that waits for the Open's answer): the link gives the port up and delivers over gRPC."""
+    silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    try:
+        await rig.start_targets()
+        rig.servers["t2"]._data.servicer.data_port = silent.sockets[0].getsockname()[1]
+        rig.client.transport = "tidings"
+        player = rig.start_player()
+        await rig.append(range(20))
+        await rig.wait_delivered()
+        assert player.links["t2"]._data_down_until > 0 and not player.links["t2"].data_endpoint
+    finally:
+        silent.close()

@@ -95,6 +95,7 @@ IDLE_CLOSE = 60.0  # seconds a primary keeps a connection without streams
 INBOUND_HIGH = 16 * 1024 * 1024  # unconsumed bytes at which a peer's connection stops reading
 INBOUND_LOW = 4 * 1024 * 1024
 CLIENT_INBOUND_HIGH = 256 * 1024 * 1024  # a client's connection: far above what its calls' windows hold
+CLIENT_STALL = 60.0  # seconds a client may leave what it was sent unread before its connection is dropped
 WRITE_HIGH = 4 * 1024 * 1024  # socket buffer bytes at which drain() waits
 CONNECT_TIMEOUT = 5.0
 
@@ -587,6 +588,8 @@ class _PeerConnection(_Connection):
         self.quiet = False  # (its closing is logged elsewhere)
         self.claims: Claims | None = None  # (its HELLO's, when this broker has keys)
         self.calls: dict[int, RpcStream] | None = None  # a client's connection: its calls (transport_rpc.py)
+        self.resetting: set[RpcStream] = set()  # calls the client reset whose handlers have not ended yet
+        self._writes_paused_at = 0.0
         self.hellos = server.hellos
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -698,7 +701,7 @@ class _PeerConnection(_Connection):
             if (known := calls.get(sid)) is None:
                 return
             if size > self._server.service.max_request:
-                known.reset()
+                self._reset_call(calls, known)
                 self._too_large(sid, size)
             elif not known.deliver(payload, size):
                 self.close(f"call {sid} sent a request past its window, or to a {known.method.name} (which takes one)")
@@ -712,11 +715,22 @@ class _PeerConnection(_Connection):
                 known._end_of_stream()
         elif kind == RESET:
             if (known := calls.get(sid)) is not None:
-                known.reset()
+                self._reset_call(calls, known)
         elif kind == PING:
             self.write(0, PONG)
         else:
             self.close(f"the client sent a frame of unknown kind {kind}")
+
+    def served(self) -> list[RpcStream]:
+        """The client's calls whose handlers have not ended (reset ones too)."""
+        return [*(self.calls or {}).values(), *self.resetting]
+
+    def _reset_call(self, calls: dict[int, RpcStream], call: RpcStream) -> None:
+        """Cancel a call's handler; the call stops counting towards MAX_CALLS at once (the client counts it
+        gone as it sends RESET), its handler towards what a stop waits for until it ends."""
+        calls.pop(call.sid, None)
+        self.resetting.add(call)
+        call.reset()
 
     def _too_large(self, sid: int, size: int) -> None:
         limit = self._server.service.max_request
@@ -725,7 +739,9 @@ class _PeerConnection(_Connection):
 
     def _call_done(self, calls: dict[int, RpcStream], call: RpcStream) -> None:
         self.consumed(call.take_inbound())
-        calls.pop(call.sid, None)
+        if calls.get(call.sid) is call:
+            del calls[call.sid]
+        self.resetting.discard(call)
 
     def _served(self, stream: _MuxPeerStream, task: asyncio.Task[None]) -> None:
         """A stream's handler ended: END it and forget it. A done-callback, not a `finally`: a handler
@@ -750,6 +766,7 @@ class _PeerConnection(_Connection):
 
     def pause_writing(self) -> None:
         super().pause_writing()
+        self._writes_paused_at = self._loop.time()
         self._update_reading()
 
     def resume_writing(self) -> None:
@@ -778,13 +795,19 @@ class _PeerConnection(_Connection):
     def hearing(self) -> bool:
         return self._reading
 
+    def tick(self) -> None:
+        """A client that has read nothing we sent for CLIENT_STALL seconds is frozen (a stopped process):
+        its connection is dropped, as a silent one would be (we do not hear it while it does not read)."""
+        if self.calls is not None and self._paused and self._loop.time() - self._writes_paused_at > CLIENT_STALL:
+            self.close(f"the client read nothing of what it was sent for {CLIENT_STALL:g}s")
+
     def lost(self, why: str) -> None:
         self._server.connections.discard(self)
         if not self.quiet and not why.startswith(("connection", "the broker is stopping")):
             log.warning("%s: %s; closed it", self.name, why)
         for stream in list(self.streams.values()):
             stream._reset(why)
-        for call in list((self.calls or {}).values()):
+        for call in self.served():
             call.reset()
 
 
@@ -886,7 +909,7 @@ class ReplicationServer:
         """Refuse clients' new calls (UNAVAILABLE: they retry another broker) and give those being served up
         to `grace` seconds to end, as gRPC's `server.stop(grace)` does; `aclose` then cancels the rest."""
         self.stopping = True
-        tasks = [call.task for c in self.connections for call in (c.calls or {}).values() if call.task is not None]
+        tasks = [call.task for c in self.connections for call in c.served() if call.task is not None]
         if tasks and grace > 0:
             await asyncio.wait(tasks, timeout=grace)
 
@@ -897,7 +920,7 @@ class ReplicationServer:
         if self._tls_listener is not None:
             self._tls_listener.close()
         tasks = [s.task for c in self.connections for s in c.streams.values() if s.task is not None]
-        tasks += [call.task for c in self.connections for call in (c.calls or {}).values() if call.task is not None]
+        tasks += [call.task for c in self.connections for call in c.served() if call.task is not None]
         for conn in list(self.connections):
             conn.close("the broker is stopping")
         if tasks:

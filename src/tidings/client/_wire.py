@@ -46,7 +46,7 @@ from tidings.broker.transport import CONNECT_TIMEOUT, _Connection, _split
 from tidings.broker.transport_rpc import JOURNAL, MAX_CALLS, OPEN_HEAD, Method, Service
 from tidings.tls import TLS
 
-__all__ = ["WireChannel", "WireError", "WireStub"]
+__all__ = ["WireCall", "WireChannel", "WireError", "WireStub"]
 
 
 class WireError(grpc.RpcError):  # type: ignore[misc]  # (grpc is untyped: RpcError is Any to mypy)
@@ -86,6 +86,7 @@ class _ClientConnection(_Connection):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        self._loop.call_later(CONNECT_TIMEOUT, self._check_hello)
         hello = self.hellos[0]
         self.write(0, HELLO, hello + b" " + self.member.encode() if self.member else hello)
 
@@ -121,6 +122,14 @@ class _ClientConnection(_Connection):
         elif kind not in (PONG, HELLO):
             self.close(f"the broker sent a frame of unknown kind {kind}")
 
+    def _check_hello(self) -> None:
+        if not self._hello:
+            self.close(f"no HELLO within {CONNECT_TIMEOUT:g}s of connecting: not a tidings data port?")
+
+    def answered(self) -> bool:
+        """The other side said HELLO (it is a tidings data port serving these calls)."""
+        return self._hello
+
     def over(self, sid: int) -> None:
         """Call `sid` ended (answered or reset)."""
         self.calls.pop(sid, None)
@@ -132,7 +141,12 @@ class _ClientConnection(_Connection):
         """Until one of MAX_CALLS calls ends (or the connection does)."""
         fut = self._loop.create_future()
         self._slots.append(fut)
-        await fut
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self._free_slot()  # (woken, then cancelled before taking the slot: the next waiter takes it)
+            raise
 
     def _free_slot(self) -> None:
         while self._slots:
@@ -293,21 +307,27 @@ class _Call(Inbox):
             raise asyncio.InvalidStateError("the call has ended") from None
 
     def _expired(self) -> bool:
-        """The deadline passed: the call is reset (nothing more is sent) and DEADLINE_EXCEEDED raised."""
+        """False before the deadline; after it, the call is reset and DEADLINE_EXCEEDED raised."""
         if self._deadline is None or asyncio.get_running_loop().time() < self._deadline:
             return False
+        raise self._deadline_passed()
+
+    def _deadline_passed(self) -> WireError:
+        """Reset the call and end it DEADLINE_EXCEEDED (whoever awaits it hears that, not a cancellation)."""
         self.cancel()
-        raise WireError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        if self._status is None:
+            self._status = (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", "")
+        return WireError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
     async def _send_request(self, msg: Message) -> None:
         """Send a further request once the broker's window has room, then wait for the socket buffer (both
         under the deadline). An ended call sends nothing: its answer follows."""
         while self._credit.left <= 0 and self._status is None and not self._cancelled:
             await self._waiting(self._credit.wait())
-        if self._cancelled:
-            raise asyncio.CancelledError()
         if self._status is not None:
             return
+        if self._cancelled:
+            raise asyncio.CancelledError()
         self._expired()
         payload = msg.SerializeToString()
         self._credit.left -= len(payload)
@@ -323,8 +343,7 @@ class _Call(Inbox):
             async with asyncio.timeout_at(self._deadline):
                 await step
         except TimeoutError:
-            self.cancel()
-            raise WireError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            raise self._deadline_passed() from None
         except asyncio.CancelledError:
             self.cancel()
             raise
@@ -345,6 +364,10 @@ class _Call(Inbox):
             with contextlib.suppress(StreamError):  # (a broken connection ends the call: the next _next says so)
                 self._conn.write(self._sid, WINDOW, GRANT.pack(room))
         return msg
+
+    def reached(self) -> bool:
+        """The call's connection reached a tidings data port (its HELLO was heard)."""
+        return self._conn is not None and self._conn.answered()
 
     def cancel(self) -> bool:
         """Reset the call on the broker (an Append rolls back); false if it had already ended."""
@@ -425,7 +448,7 @@ class _UnaryCall(_Call):
         """Send a request of a client stream (the first opens the call)."""
         self._started = True
         if self._sid == 0:
-            await self._open(msg)
+            await self._waiting(self._open(msg))
         else:
             if self._status is not None:
                 raise asyncio.InvalidStateError("the call has ended")  # (as grpc.aio's write after the end)
@@ -446,7 +469,7 @@ class _StreamCall(_Call):
 
     async def _responses_of(self) -> AsyncIterator[Message]:
         try:
-            await self._open(self._request)
+            await self._waiting(self._open(self._request))
             while (resp := await self._next()) is not None:
                 yield resp
         finally:
@@ -466,7 +489,7 @@ class _BidiCall(_Call):
     async def write(self, msg: Message) -> None:
         """Send a request (the first opens the call); InvalidStateError once the call ended."""
         if self._sid == 0:
-            await self._open(msg)
+            await self._waiting(self._open(msg))
             return
         if self._status is not None:
             raise asyncio.InvalidStateError("the call has ended")  # (as grpc.aio's write after the end)
@@ -482,14 +505,21 @@ class _BidiCall(_Call):
         return grpc.aio.EOF if msg is None else msg
 
     async def code(self) -> grpc.StatusCode:
+        """How the call ended (waiting for its end; CANCELLED once cancelled here)."""
         while self._status is None:
+            if self._cancelled:
+                return grpc.StatusCode.CANCELLED
             await self._waiting(self._delivery())
         return self._status[0]
 
     async def details(self) -> str:
-        await self.code()
+        if await self.code() == grpc.StatusCode.CANCELLED and self._status is None:
+            return "Locally cancelled"
         assert self._status is not None
         return self._status[1]
+
+
+WireCall = _Call  # (what WireStub's methods return)
 
 
 class WireStub:

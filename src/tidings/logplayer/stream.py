@@ -41,7 +41,7 @@ import grpc
 
 from tidings.auth.authorizer import Authorizer, NoAuthorizer
 from tidings.broker.transport_rpc import TARGET
-from tidings.client._wire import WireChannel, WireError, WireStub
+from tidings.client._wire import WireCall, WireChannel, WireError, WireStub
 from tidings.logplayer.dispatcher import Dispatcher
 from tidings.logplayer.target_queue import QueueState, TargetQueue
 from tidings.logplayer.wal import Target
@@ -196,7 +196,13 @@ class TargetLink:
     async def _connection(self) -> None:
         async with self._deliver_call() as call:
             try:
-                await asyncio.wait_for(self._open(call), self.ack_timeout)
+                try:
+                    await asyncio.wait_for(self._open(call), self.ack_timeout)
+                except TimeoutError:
+                    if isinstance(call, WireCall) and not call.reached():  # (a data port dropped by a firewall, say)
+                        why = f"{self.data_endpoint}: no tidings data port answered within {self.ack_timeout:g}s"
+                        raise WireError(grpc.StatusCode.UNAVAILABLE, why, self.data_endpoint) from None
+                    raise
                 tasks = [
                     asyncio.create_task(self._write(call), name=f"write:{self.id}"),
                     asyncio.create_task(self._read(call), name=f"read:{self.id}"),
