@@ -480,7 +480,7 @@ async def test_a_client_that_reads_nothing_it_is_sent_is_dropped(cluster, monkey
     broker = cluster.brokers[0]
     host, port = broker.replication.endpoint.rsplit(":", 1)
     before = set(broker.replication.connections)
-    reader, writer = await asyncio.open_connection(host, int(port))
+    _reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(HEADER.pack(len(JOURNAL.hello), 0, HELLO) + JOURNAL.hello)
     ping = HEADER.pack(0, 0, PING)
     for _ in range(40):
