@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -265,8 +266,8 @@ async def test_a_store_that_fails_after_its_first_listing_refuses_appends_until_
         with pytest.raises(FragmentStoreUnhealthyError):
             await asyncio.wait_for(c.append(j, b"refused"), 30)
 
-        folder.unlink()
-        (tmp_path / "outage-aside").rename(folder)
+        folder.unlink()  # (the persister, retrying, may make the folder again at once: merge into it)
+        shutil.copytree(tmp_path / "outage-aside", folder, dirs_exist_ok=True)
         await wait_until(lambda: replica.store_error is None, timeout=30)
         after = await asyncio.wait_for(c.append(j, b"after"), 30)
     assert after.begin == first.end

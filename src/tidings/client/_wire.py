@@ -365,6 +365,20 @@ class _Call(Inbox):
                 self._conn.write(self._sid, WINDOW, GRANT.pack(room))
         return msg
 
+    async def write(self, msg: Message) -> None:
+        """Send a request of a client stream (the first opens the call); InvalidStateError once it ended,
+        as grpc.aio's write after the end."""
+        if self._sid == 0:
+            await self._waiting(self._open(msg))
+            return
+        if self._status is not None:
+            raise asyncio.InvalidStateError("the call has ended")
+        await self._send_request(msg)
+
+    async def done_writing(self) -> None:
+        if self._sid and self._status is None:
+            self._send(CLOSE_SEND)
+
     def reached(self) -> bool:
         """The call's connection reached a tidings data port (its HELLO was heard)."""
         return self._conn is not None and self._conn.answered()
@@ -445,18 +459,8 @@ class _UnaryCall(_Call):
         return self._run().__await__()
 
     async def write(self, msg: Message) -> None:
-        """Send a request of a client stream (the first opens the call)."""
         self._started = True
-        if self._sid == 0:
-            await self._waiting(self._open(msg))
-        else:
-            if self._status is not None:
-                raise asyncio.InvalidStateError("the call has ended")  # (as grpc.aio's write after the end)
-            await self._send_request(msg)
-
-    async def done_writing(self) -> None:
-        if self._sid and self._status is None:
-            self._send(CLOSE_SEND)
+        await super().write(msg)
 
 
 class _StreamCall(_Call):
@@ -485,19 +489,6 @@ class _BidiCall(_Call):
 
     def __init__(self, channel: WireChannel, method: Method, metadata: Any, timeout: float | None) -> None:
         super().__init__(channel, method, metadata, timeout)
-
-    async def write(self, msg: Message) -> None:
-        """Send a request (the first opens the call); InvalidStateError once the call ended."""
-        if self._sid == 0:
-            await self._waiting(self._open(msg))
-            return
-        if self._status is not None:
-            raise asyncio.InvalidStateError("the call has ended")  # (as grpc.aio's write after the end)
-        await self._send_request(msg)
-
-    async def done_writing(self) -> None:
-        if self._sid and self._status is None:
-            self._send(CLOSE_SEND)
 
     async def read(self) -> Any:
         """The next response, grpc.aio.EOF after a clean end; WireError after a failed one."""
