@@ -5,4 +5,4 @@ from tests.support.transports import client_transport, over_both_transports
 
 __all__ = ["client_transport"]
 
-pytest_generate_tests = over_both_transports(lambda module: not module.endswith("test_wire"))
+pytest_generate_tests = over_both_transports(lambda module, _: not module.endswith("test_wire"))
