@@ -51,7 +51,7 @@ class Inbox:
 
     async def _delivery(self) -> None:
         if self._waiter is not None:
-            raise RuntimeError("recv() is already being awaited: one receiver per stream")
+            raise RuntimeError("already awaited by another task: one receiver (or sender) per stream at a time")
         self._waiter = asyncio.get_running_loop().create_future()
         try:
             await self._waiter
@@ -63,37 +63,26 @@ class Inbox:
             self._waiter.set_result(None)
 
 
-class Credit:
+class Credit(Inbox):
     """What a call's sender may still send before the other side consumes some (its window): a send
     waits while none is left, then may overdraw it by one message (so any message fits a window)."""
 
-    __slots__ = ("_waiter", "left")
-
     def __init__(self) -> None:
         self.left = INITIAL_WINDOW
-        self._waiter: asyncio.Future[None] | None = None
 
     def grant(self, size: int) -> None:
         self.left += size
-        if self._waiter is not None and not self._waiter.done() and self.left > 0:
-            self._waiter.set_result(None)
+        if self.left > 0:
+            self._wake()
 
     async def wait(self) -> None:
         """Until there is room, or `fail()` (the sender then checks its call before sending)."""
-        if self.left > 0:
-            return
-        if self._waiter is not None:
-            raise RuntimeError("a call's requests are being sent by another task: one sender per call")
-        self._waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
+        if self.left <= 0:
+            await self._delivery()
 
     def fail(self) -> None:
         """The call ended: wake a waiting sender (it finds out from its call)."""
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        self._wake()
 
 
 class Grants:

@@ -877,8 +877,10 @@ class ReplicationServer:
         self.handler = handler
         self.servicer = servicer  # (the Journal service's: clients' calls are served too; transport_rpc.py)
         self.service = service
-        replication = (HELLO_PAYLOAD,) if handler is not None else ()
-        self.hellos = replication + ((service.hello,) if servicer is not None else ())
+        protocols = [(HELLO_PAYLOAD, transport_tls.ALPN)] if handler is not None else []
+        protocols += [(service.hello, service.alpn)] if servicer is not None else []
+        self.hellos = tuple(hello for hello, _ in protocols)  # (what a connection's HELLO may say)
+        self._alpn = tuple(alpn for _, alpn in protocols)
         self.identity = identity  # "zone/suffix": a primary that means another broker is refused
         self.verifier = verifier  # (a broker with keys: a HELLO must carry a REPLICATE token)
         self.connections: set[_PeerConnection] = set()
@@ -886,9 +888,6 @@ class ReplicationServer:
         self.stopping = False  # (clients' new calls are refused: `drain_calls`)
         self._server: asyncio.Server | None = None
         assert tls is None or (tls.cert is not None and tls.key is not None), "a broker serving TLS has a certificate"
-        self._alpn = ((transport_tls.ALPN,) if handler is not None else ()) + (
-            (service.alpn,) if servicer is not None else ()
-        )
         self._tls = transport_tls.contexts(tls, list(self._alpn))[0] if tls is not None else None  # (a CA: mTLS)
         self._tls_listener: transport_tls.TLSListener | None = None
 

@@ -18,7 +18,7 @@ import collections
 import contextlib
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Generator
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import grpc
 from google.protobuf.message import Message
@@ -47,6 +47,8 @@ from tidings.broker.transport_rpc import JOURNAL, MAX_CALLS, OPEN_HEAD, Method, 
 from tidings.tls import TLS
 
 __all__ = ["WireCall", "WireChannel", "WireError", "WireStub"]
+
+T = TypeVar("T")
 
 
 class WireError(grpc.RpcError):  # type: ignore[misc]  # (grpc is untyped: RpcError is Any to mypy)
@@ -182,6 +184,13 @@ class WireChannel:
         self._dialing: asyncio.Future[_ClientConnection] | None = None
         self._closed = False
 
+    def ready(self) -> _ClientConnection | None:
+        """The connection, if it is up and has room for another call (else `connection()` waits)."""
+        conn = self._conn
+        if conn is None or conn.closed is not None or self._closed or len(conn.calls) >= MAX_CALLS:
+            return None
+        return conn
+
     async def connection(self) -> _ClientConnection:
         if self._closed:
             raise WireError(grpc.StatusCode.UNAVAILABLE, f"{self.endpoint}: the client was closed")
@@ -277,11 +286,9 @@ class _Call(Inbox):
         if self._cancelled:
             raise asyncio.CancelledError()
         try:
-            while True:
-                conn = await self.channel.connection()
-                if len(conn.calls) < MAX_CALLS:
-                    break
-                await conn.slot_freed()  # (as many calls as the broker serves on one connection: wait for one to end)
+            conn = self.channel.ready()  # (the usual case: no wait, no timer)
+            if conn is None:
+                conn = await self._waiting(self._connection())
             if self._cancelled:  # (cancelled, or its deadline passed, while dialing: never opened)
                 raise asyncio.CancelledError()
             if self._status is not None:
@@ -295,6 +302,14 @@ class _Call(Inbox):
             why = f"{self.channel.endpoint}: {exc}"
             self._end(grpc.StatusCode.UNAVAILABLE, why, self.channel.endpoint)
             raise WireError(grpc.StatusCode.UNAVAILABLE, why, self.channel.endpoint) from None
+
+    async def _connection(self) -> _ClientConnection:
+        """The channel's connection, dialed if need be, once it has room for another call."""
+        while True:
+            conn = await self.channel.connection()
+            if len(conn.calls) < MAX_CALLS:
+                return conn
+            await conn.slot_freed()  # (as many calls as the broker serves on one connection: wait for one to end)
 
     def _send(self, kind: int, payload: bytes = b"") -> None:
         if self._status is not None:
@@ -336,12 +351,12 @@ class _Call(Inbox):
             with contextlib.suppress(StreamError):  # (a broken connection ends the call: _next says how)
                 await self._waiting(self._conn.drain())
 
-    async def _waiting(self, step: Coroutine[Any, Any, None]) -> None:
+    async def _waiting(self, step: Coroutine[Any, Any, T]) -> T:
         """Await `step` until the call's deadline (then DEADLINE_EXCEEDED); a deadline or a caller that
         stops waiting resets the call on the broker, as grpc.aio's do."""
         try:
             async with asyncio.timeout_at(self._deadline):
-                await step
+                return await step
         except TimeoutError:
             raise self._deadline_passed() from None
         except asyncio.CancelledError:
@@ -369,7 +384,7 @@ class _Call(Inbox):
         """Send a request of a client stream (the first opens the call); InvalidStateError once it ended,
         as grpc.aio's write after the end."""
         if self._sid == 0:
-            await self._waiting(self._open(msg))
+            await self._open(msg)
             return
         if self._status is not None:
             raise asyncio.InvalidStateError("the call has ended")
@@ -411,7 +426,7 @@ class _UnaryCall(_Call):
             if self._requests is not None:
                 return await self._streamed(self._requests)
             if self._request is not None:
-                await self._waiting(self._open(self._request))
+                await self._open(self._request)
                 if self.method.client_streaming and self._status is None and not self._expired():
                     self._send(CLOSE_SEND)
         return await self._answer()
@@ -448,7 +463,7 @@ class _UnaryCall(_Call):
             if self._status is not None:
                 return  # (answered early: its answer follows)
             if not opened:
-                await self._waiting(self._open(msg))
+                await self._open(msg)
                 opened = True
             else:
                 await self._send_request(msg)
@@ -473,7 +488,7 @@ class _StreamCall(_Call):
 
     async def _responses_of(self) -> AsyncIterator[Message]:
         try:
-            await self._waiting(self._open(self._request))
+            await self._open(self._request)
             while (resp := await self._next()) is not None:
                 yield resp
         finally:
