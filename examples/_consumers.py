@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -29,8 +30,10 @@ def arguments(doc: str, prefix: str) -> argparse.ArgumentParser:
     ap.add_argument(
         "--cluster-root", default="/tidings/cluster", help="the brokers' root in etcd (`cluster up`'s by default)"
     )
-    ap.add_argument(
-        "--prefix", default=f"examples/{prefix}-{int(time.time())}", help="of the journals and shards (new)"
+    ap.add_argument(  # (unique: two runs in one second, as the README's, must not share journals)
+        "--prefix",
+        default=f"examples/{prefix}-{int(time.time())}-{secrets.token_hex(2)}",
+        help="of the journals and shards (new: a run's journals are its own)",
     )
     ap.add_argument("--parts", type=int, default=2)
     ap.add_argument("--replication", type=int, default=1)
@@ -141,21 +144,19 @@ def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 async def create(broker: str, consumer: str, journals: list, shards: list) -> None:
-    """Create the journals and shards (specs) that do not exist yet."""
+    """Create the journals and shards (specs). A journal that exists already is refused (SystemExit): an
+    earlier run's messages in it would be consumed again, and its verifier count them."""
     from tidings.client import AsyncClient
     from tidings.consumer.client import ShardClient
     from tidings.protocol import protocol_pb2 as pb
 
     async with AsyncClient(broker) as c:
         have = {j.spec.name for j in (await c.list()).journals}
-        new = [s for s in journals if s.name not in have]
-        if new:
-            await c.apply([pb.ApplyRequest.Change(upsert=s) for s in new])
+        if taken := sorted(s.name for s in journals if s.name in have):
+            raise SystemExit(f"journal {taken[0]} exists already (an earlier run's): give a new --prefix")
+        await c.apply([pb.ApplyRequest.Change(upsert=s) for s in journals])
     async with ShardClient(consumer) as sc:
-        have = {s.spec.id for s in (await sc.list()).shards}
-        new_shards = [s for s in shards if s.id not in have]
-        if new_shards:
-            await sc.apply([pb.ShardApplyRequest.Change(upsert=s) for s in new_shards])
+        await sc.apply([pb.ShardApplyRequest.Change(upsert=s) for s in shards])
 
 
 async def failures(consumer: str, prefix: str) -> list[str]:

@@ -1,8 +1,9 @@
 """What the examples' applications check (tests/test_readme.py runs the examples themselves, as the
 README shows them, against `tidings cluster up`): the stream-sum check is not vacuous (a chunk
 published twice fails its shard, with a reason naming the stream), a WordCount shard whose spec
-lacks a label it needs fails at its start naming the label, and the recorded word count (stores in
-recovery logs, hot standbys, a consumer per data dir) counts exactly through the loss of a consumer."""
+lacks a label it needs fails at its start naming the label, the recorded word count (stores in
+recovery logs, hot standbys, a consumer per data dir) counts exactly through the loss of a consumer,
+and a run never consumes an earlier run's journals (its prefix is new, or it refuses to start)."""
 
 from __future__ import annotations
 
@@ -69,3 +70,20 @@ async def test_the_recorded_wordcount_counts_exactly_through_a_killed_consumer(c
     r = await asyncio.to_thread(subprocess.run, cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     assert "killed a consumer (kill -9)" in r.stdout and "counted exactly once" in r.stdout, r.stdout
+
+
+async def test_a_run_refuses_a_prefix_whose_journals_exist(cluster) -> None:
+    """Journals left by an earlier run (the same --prefix) would be consumed again and fail the verifier:
+    the example refuses them in one line instead, and the default prefix differs from run to run."""
+    from examples._consumers import arguments
+
+    prefix = f"taken-{uuid.uuid4().hex[:8]}"
+    await cluster.create_journal(f"{prefix}/chunks/part-1", 1)
+    cmd = [sys.executable, "-m", "examples.stream_sum", "--etcd", cluster.etcd_endpoint,
+           "--broker", cluster.brokers[0].endpoint, "--prefix", prefix]  # fmt: skip
+    r = await asyncio.to_thread(subprocess.run, cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"journal {prefix}/chunks/part-1 exists already (an earlier run's): give a new --prefix" in r.stderr
+    assert "producers published" not in r.stdout
+    defaults = {arguments("", "sum").parse_args([]).prefix for _ in range(20)}
+    assert len(defaults) == 20

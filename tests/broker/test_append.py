@@ -178,7 +178,7 @@ async def test_peer_refuses_wrong_sha1_and_offset(cluster) -> None:
             pipeline.shutdown()  # gives the spool back and ends the peers' streams
         peer_spool_frag = peer.resolver.replicas["it/mismatch"]
         await wait_until(lambda: not peer_spool_frag.spool_slot.empty(), 10)
-        current = peer_spool_frag.spool_slot._queue[0].fragment  # type: ignore[attr-defined]
+        current = peer_spool_frag.spool_slot.peek().fragment
         async with replicate_to(peer) as call:
             await call.write(pb.ReplicateRequest(header=header, proposal=current.to_proto(), acknowledge=True))
             assert (await call.read()).status == pb.OK
@@ -289,7 +289,7 @@ async def test_an_unacknowledged_proposal_that_does_not_apply_ends_the_stream(cl
         peer = peers_of(cluster, j)[0]
         peer_replica = peer.resolver.replicas[j]
         await wait_until(lambda: peer_replica.spool_slot.full(), 10)
-        current = peer_replica.spool_slot._queue[0].fragment  # type: ignore[attr-defined]
+        current = peer_replica.spool_slot.peek().fragment
         async with replicate_to(peer) as call:
             header = peer.resolver.header(route)
             await call.write(pb.ReplicateRequest(header=header, proposal=current.to_proto(), acknowledge=True))

@@ -174,8 +174,8 @@ async def test_a_peer_failing_mid_append_rolls_the_append_back_everywhere(cluste
     victim = peers_of(cluster, j)[0]
     survivor = peers_of(cluster, j)[1]
     slot = primary.resolver.replicas[j].pipeline_slot
-    await wait_until(lambda: slot.full() and slot._queue[0] is not None, 10)  # type: ignore[attr-defined]
-    pipeline = slot._queue[0]  # type: ignore[attr-defined]  # the synchronized pipeline our append will take
+    await wait_until(lambda: slot.full() and slot.peek() is not None, 10)
+    pipeline = slot.peek()  # the synchronized pipeline our append will take
     call = JournalStub(primary.channel(primary.endpoint)).Append()
     await call.write(pb.AppendRequest(journal=j))
     await call.write(pb.AppendRequest(content=b"doomed-1|"))

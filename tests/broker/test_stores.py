@@ -185,10 +185,10 @@ async def test_a_listing_that_covers_the_live_spool_never_deletes_it(cluster) ->
         for b in cluster.brokers:
             live = b.resolver.replicas[j]
             spool = (
-                live.spool_slot._queue[0]
+                live.spool_slot.peek()
                 if live.spool_slot.full()
-                else primary_of(cluster, j).resolver.replicas[j].pipeline_slot._queue[0].spool
-            )  # type: ignore[attr-defined]
+                else primary_of(cluster, j).resolver.replicas[j].pipeline_slot.peek().spool
+            )
             if spool.file is not None:
                 assert spool.file.path.exists(), f"{b.process_id.suffix}: the live spool file was deleted"
         third = await c.append(j, b" world")

@@ -491,3 +491,20 @@ async def test_a_client_that_reads_nothing_it_is_sent_is_dropped(cluster, monkey
     assert "read nothing" in mine[0].closed
     await asyncio.gather(flooding, return_exceptions=True)  # (reset by the broker)
     writer.close()
+
+
+def test_a_served_call_may_send_a_whole_window_after_its_first_grant() -> None:
+    """Once a call's receiver consumes (its append holds the pipeline), the sender has the whole call
+    window: a 1 MiB append's four 256 KiB chunks follow the first without waiting for a round trip each."""
+    from tidings.broker.frames import CALL_WINDOW, Credit, Grants
+
+    credit, grants = Credit(), Grants()
+    chunk = 256 * 1024
+    assert grants.received(chunk)  # the first chunk (a message may overdraw the initial window)
+    credit.left -= chunk
+    credit.grant(grants.consumed(chunk))  # the handler took it: one WINDOW back
+    for _ in range(3):
+        assert credit.left > 0, "the sender would wait a round trip for this chunk"
+        assert grants.received(chunk)
+        credit.left -= chunk
+    assert credit.left == grants.room == CALL_WINDOW - 3 * chunk  # (both ends agree on the room left)

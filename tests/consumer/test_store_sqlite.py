@@ -133,14 +133,20 @@ async def test_a_successor_takes_over_once_a_paused_zombie_dies(cluster, tmp_pat
     words = ["apple", "banana", "cherry"] * 20
     await produce(cluster, words)
     path = tmp_path / "wc-0.db"
-    zombie = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", ZOMBIE, cluster.brokers[0].endpoint, str(path), stdout=asyncio.subprocess.PIPE
-    )
+    errors = tmp_path / "zombie.err"
+    with errors.open("wb") as err:
+        zombie = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", ZOMBIE, cluster.brokers[0].endpoint, str(path), stdout=asyncio.subprocess.PIPE,
+            stderr=err,
+        )  # fmt: skip
     stop = asyncio.Event()
     successor: asyncio.Future | None = None
     try:
         assert zombie.stdout is not None
-        assert await asyncio.wait_for(zombie.stdout.readline(), 60) == b"consumed 30\n"
+        line = await asyncio.wait_for(zombie.stdout.readline(), 60)
+        if line != b"consumed 30\n":  # (what it said, and how it ended, if it did)
+            await asyncio.wait([asyncio.ensure_future(zombie.wait())], timeout=5)
+            raise AssertionError(f"zombie said {line!r}, exit {zombie.returncode}: {errors.read_text()[-3000:]}")
         async with cluster.client() as c:
             successor = asyncio.ensure_future(serve_primary(c, spec(), WordCount(path), stop))
             try:

@@ -20,7 +20,7 @@ HEADER = struct.Struct("!IIB")  # payload length, stream id, kind
 MAX_FRAME = 65 * 1024 * 1024  # a ReplicateRequest carries at most one client message (64 MiB) and a proposal
 HELLO, REQUEST, RESPONSE, CLOSE_SEND, END, RESET, PING, PONG, OPEN, WINDOW = range(10)
 INITIAL_WINDOW = 64 * 1024  # payload bytes a call's sender may first have unconsumed on the other side (each way)
-CALL_WINDOW = 1024 * 1024  # what a window grows to while its receiver consumes (a waiting call holds the initial one)
+CALL_WINDOW = 1024 * 1024  # what a window opens to once its receiver consumes (a waiting call holds the initial one)
 GRANT = struct.Struct("!I")  # a WINDOW's payload: the bytes consumed since the last grant
 _END_STATUS = struct.Struct("!B")
 M = TypeVar("M")
@@ -88,8 +88,10 @@ class Credit(Inbox):
 class Grants:
     """The receiving side of a call's window: counts what its user consumed and says when to send a
     WINDOW (a quarter of the window at a time, so a stream of small messages costs few frames). The
-    window starts at INITIAL_WINDOW and doubles with each grant up to CALL_WINDOW, as HTTP/2's grows:
-    a call that waits (an append queued behind another) holds little, one being served streams."""
+    window starts at INITIAL_WINDOW and opens to CALL_WINDOW with the first grant: a call that waits
+    (an append queued behind another) holds little, one being served streams. (Doubling per grant
+    made a 1 MiB append, sent in 256 KiB chunks, wait a round trip per chunk while it held its
+    journal's pipeline.)"""
 
     __slots__ = ("owed", "room", "window")
 
@@ -112,9 +114,8 @@ class Grants:
             return 0
         grant, self.owed = self.owed, 0
         if self.window < CALL_WINDOW:
-            grow = min(self.window, CALL_WINDOW - self.window)
-            self.window += grow
-            grant += grow
+            grant += CALL_WINDOW - self.window
+            self.window = CALL_WINDOW
         self.room += grant
         return grant
 

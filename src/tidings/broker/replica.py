@@ -1,9 +1,10 @@
 """Replica: one broker's share of one journal (its Spool, Pipeline, fragment index and daemons).
 
-Ownership follows Gazette's one-slot channels: `spool_slot` and `pipeline_slot` are
-``asyncio.Queue(maxsize=1)`` filled at construction (the pipeline slot with ``None``: none built
-yet). ``await slot.get()`` acquires; ``slot.put_nowait(x)`` in a ``finally`` releases. Release is
-synchronous so cancellation cannot interrupt it, and a double release raises ``QueueFull``.
+Ownership follows Gazette's one-slot channels: `spool_slot` and `pipeline_slot` are `Slot`s
+filled at construction (the pipeline slot with ``None``: none built yet). ``await slot.get()``
+acquires; ``slot.put_nowait(x)`` in a ``finally`` releases. Release is synchronous so cancellation
+cannot interrupt it, and a double release raises ``QueueFull``. As a Go channel, a release hands the
+token to the longest waiter: appends to a journal take its pipeline in the order they asked for it.
 A Replicate RPC (peer side) owns the spool for its stream's life; on the primary, the Pipeline
 owns the spool and an AppendFSM owns the pipeline's send side. A pipeline's shutdown returns
 the spool synchronously, so no exception or cancellation can leak either token
@@ -22,13 +23,14 @@ replicas and stores; then they join the index (and are persisted) or are dropped
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import shutil
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from tidings.broker import _metrics as metrics
 from tidings.broker.flow import AppendFlow
@@ -113,9 +115,9 @@ class Replica:
         self._spool = Spool(journal, self.directory, observer=self)
         self._spool.journal_revision = journal_revision
         # The spool enters its slot only once recovered (`_recover`): nobody may take it before.
-        self.spool_slot: asyncio.Queue[Spool] = asyncio.Queue(maxsize=1)
+        self.spool_slot: Slot[Spool] = Slot()
         self._spool_released = False
-        self.pipeline_slot: asyncio.Queue[Pipeline | None] = asyncio.Queue(maxsize=1)
+        self.pipeline_slot: Slot[Pipeline | None] = Slot()
         self.pipeline_slot.put_nowait(None)
         self.closed = asyncio.Event()
         self.route_changed = asyncio.Event()  # set (and replaced) whenever the route or spec changes
@@ -470,7 +472,68 @@ async def cancel_and_wait(*futures: asyncio.Future[Any]) -> None:
         await asyncio.wait(futures)
 
 
-async def acquire(slot: asyncio.Queue[Any], *cancel_on: asyncio.Event) -> tuple[bool, Any]:
+T = TypeVar("T")
+
+
+class Slot(Generic[T]):
+    """An ownership token's one-slot channel. A release hands the token straight to the longest waiter,
+    as a Go channel's send does, so nobody barges: asyncio.Queue keeps a released item until its woken
+    getter runs, and a `get_nowait` in between takes it and sends that getter to the back of the line
+    (appends to a busy journal waited for its pipeline behind any number of newer ones)."""
+
+    def __init__(self) -> None:
+        self._held = False
+        self._token: T | None = None
+        self._getters: collections.deque[asyncio.Future[T]] = collections.deque()
+
+    def empty(self) -> bool:
+        return not self._held
+
+    def full(self) -> bool:
+        return self._held
+
+    def put_nowait(self, token: T) -> None:
+        """Release: to the longest waiter, else into the slot (QueueFull if it holds a token already)."""
+        if self._held:
+            raise asyncio.QueueFull
+        while self._getters:
+            getter = self._getters.popleft()
+            if not getter.done():
+                getter.set_result(token)
+                return
+        self._held, self._token = True, token
+
+    def peek(self) -> T:
+        """The token in the slot, left there (for tests and probes; QueueEmpty if it is held)."""
+        if not self._held:
+            raise asyncio.QueueEmpty
+        return self._token  # type: ignore[return-value]  # (held: set by put_nowait)
+
+    def get_nowait(self) -> T:
+        if not self._held:
+            raise asyncio.QueueEmpty
+        token, self._held, self._token = self._token, False, None
+        return token  # type: ignore[return-value]  # (held: set by put_nowait)
+
+    async def get(self) -> T:
+        """Acquire, after those already waiting. A getter cancelled once handed the token passes it on."""
+        if self._held:
+            return self.get_nowait()
+        getter: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._getters.append(getter)
+        try:
+            return await getter
+        except BaseException:
+            if getter.done() and not getter.cancelled():
+                self.put_nowait(getter.result())
+            else:
+                getter.cancel()
+                with contextlib.suppress(ValueError):
+                    self._getters.remove(getter)
+            raise
+
+
+async def acquire(slot: Slot[Any], *cancel_on: asyncio.Event) -> tuple[bool, Any]:
     """Take the token from `slot` -> (True, token), or (False, None) if one of `cancel_on` fires first.
 
     If the get finished concurrently with a cancellation we still own the token, so it is put

@@ -16,7 +16,7 @@ stream each, numbered upwards by the client:
 
 **Flow control per call**, as HTTP/2's: each side of a call may have at most its window of message bytes
 unconsumed by the other (and overdraw it by one message), and gets room back by WINDOW frames as the
-other side's user consumes them; a window starts at `INITIAL_WINDOW` and grows to `CALL_WINDOW` while
+other side's user consumes them; a window starts at `INITIAL_WINDOW` and opens to `CALL_WINDOW` once
 consumed (`frames.Grants`). So a call whose handler or caller is slow (an append waiting for its
 journal's pipeline, a Read nobody iterates) holds only its window, never the connection: a broker reads
 a client's connection while it holds under CLIENT_INBOUND_HIGH unconsumed (thousands of waiting calls)

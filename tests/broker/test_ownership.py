@@ -1,0 +1,70 @@
+"""A replica's ownership tokens (its pipeline, its spool) pass in the order they were asked for, and
+are never lost: a release goes to the longest waiter even when a newcomer asks in between, a waiter
+cancelled after being handed the token passes it on, and a double release is refused."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.support.waiting import wait_until
+from tidings.broker.replica import Slot, acquire
+
+
+async def test_a_release_goes_to_the_longest_waiter_not_to_a_newcomer() -> None:
+    slot: Slot[str] = Slot()
+    slot.put_nowait("pipeline")
+    token = slot.get_nowait()
+    order: list[str] = []
+
+    async def take(name: str) -> None:
+        ok, got = await acquire(slot, asyncio.Event())
+        assert ok
+        order.append(name)
+        await asyncio.sleep(0)  # (holds it over a loop iteration, as an append streaming its content)
+        slot.put_nowait(got)
+
+    waiters = [asyncio.create_task(take(f"waiter-{i}")) for i in range(3)]
+    await wait_until(lambda: len(slot._getters) == 3, 5)
+    newcomer = asyncio.create_task(take("newcomer"))  # runs before the woken waiter does
+    slot.put_nowait(token)  # released: the first waiter's, though it has not run yet
+    assert slot.empty()
+    await asyncio.wait_for(asyncio.gather(*waiters, newcomer), 5)
+    assert order == ["waiter-0", "waiter-1", "waiter-2", "newcomer"]
+    assert slot.full()
+
+
+async def test_a_waiter_cancelled_after_the_hand_off_passes_the_token_on() -> None:
+    slot: Slot[int] = Slot()
+    first = asyncio.create_task(slot.get())
+    second = asyncio.create_task(slot.get())
+    await wait_until(lambda: len(slot._getters) == 2, 5)
+    slot.put_nowait(7)  # handed to `first`...
+    first.cancel()  # ...which is cancelled before it runs
+    assert await asyncio.wait_for(second, 5) == 7
+    assert first.cancelled()
+    assert slot.empty()
+
+
+async def test_acquire_gives_up_when_its_event_fires_and_leaves_the_token() -> None:
+    slot: Slot[int] = Slot()
+    slot.put_nowait(1)
+    held = slot.get_nowait()
+    moved = asyncio.Event()
+    waiting = asyncio.create_task(acquire(slot, moved))
+    await wait_until(lambda: len(slot._getters) == 1, 5)
+    moved.set()
+    assert await asyncio.wait_for(waiting, 5) == (False, None)
+    slot.put_nowait(held)
+    assert slot.get_nowait() == 1
+
+
+async def test_a_double_release_is_refused() -> None:
+    slot: Slot[None] = Slot()
+    slot.put_nowait(None)
+    with pytest.raises(asyncio.QueueFull):
+        slot.put_nowait(None)
+    assert slot.get_nowait() is None
+    with pytest.raises(asyncio.QueueEmpty):
+        slot.get_nowait()
