@@ -68,3 +68,38 @@ async def test_a_double_release_is_refused() -> None:
     assert slot.get_nowait() is None
     with pytest.raises(asyncio.QueueEmpty):
         slot.get_nowait()
+
+
+async def test_one_who_asked_first_goes_first_even_if_the_release_comes_before_it_waits() -> None:
+    slot: Slot[str] = Slot()
+    slot.put_nowait("pipeline")
+    token = slot.get_nowait()
+    order: list[str] = []
+
+    async def take(name: str) -> None:
+        ok, got = await acquire(slot, asyncio.Event())
+        assert ok
+        order.append(name)
+        await asyncio.sleep(0)
+        slot.put_nowait(got)
+
+    async def release() -> None:
+        slot.put_nowait(token)
+
+    first = asyncio.ensure_future(take("first"))  # asks, then...
+    released = asyncio.ensure_future(release())  # ...the holder releases in the same loop iteration...
+    second = asyncio.ensure_future(take("second"))  # ...and another asks
+    await asyncio.wait_for(asyncio.gather(first, released, second), 5)
+    assert order == ["first", "second"]
+
+
+async def test_a_double_release_is_refused_while_someone_waits() -> None:
+    slot: Slot[int] = Slot()
+    waiter = asyncio.ensure_future(slot.get())
+    await wait_until(lambda: len(slot._getters) == 1, 5)
+    slot.put_nowait(1)  # handed to the waiter, which has not run yet
+    with pytest.raises(asyncio.QueueFull):
+        slot.put_nowait(1)  # (a holder releasing twice would give two owners one pipeline)
+    assert await asyncio.wait_for(waiter, 5) == 1
+    slot.put_nowait(1)  # (its owner's release)
+    assert slot.full()

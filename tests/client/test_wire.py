@@ -273,6 +273,7 @@ async def test_a_stopping_broker_finishes_its_calls_and_refuses_new_ones(cluster
         await appender.write(b"begun before the stop")
         stub = c.stub(broker.endpoint)
         assert isinstance(stub, WireStub)
+        await wait_until(lambda: [call for conn in broker.replication.connections for call in conn.served()], 10)
         draining = asyncio.ensure_future(broker.replication.drain_calls(30))
         await wait_until(lambda: broker.replication.stopping, 10)
         with pytest.raises(WireError, match="stopping"):

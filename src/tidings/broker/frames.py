@@ -91,7 +91,8 @@ class Grants:
     window starts at INITIAL_WINDOW and opens to CALL_WINDOW with the first grant: a call that waits
     (an append queued behind another) holds little, one being served streams. (Doubling per grant
     made a 1 MiB append, sent in 256 KiB chunks, wait a round trip per chunk while it held its
-    journal's pipeline.)"""
+    journal's pipeline.) An append a non-primary broker proxies is consumed before the primary serves
+    it, so it holds up to CALL_WINDOW there while it waits: CLIENT_INBOUND_HIGH bounds them all."""
 
     __slots__ = ("owed", "room", "window")
 

@@ -479,12 +479,15 @@ class Slot(Generic[T]):
     """An ownership token's one-slot channel. A release hands the token straight to the longest waiter,
     as a Go channel's send does, so nobody barges: asyncio.Queue keeps a released item until its woken
     getter runs, and a `get_nowait` in between takes it and sends that getter to the back of the line
-    (appends to a busy journal waited for its pipeline behind any number of newer ones)."""
+    (appends to a busy journal waited for its pipeline behind any number of newer ones). A waiter joins
+    the line synchronously (`wait_turn`), and a second release before the first one's receiver took the
+    token raises QueueFull, as a full slot's does."""
 
     def __init__(self) -> None:
         self._held = False
         self._token: T | None = None
         self._getters: collections.deque[asyncio.Future[T]] = collections.deque()
+        self._handed: asyncio.Future[T] | None = None  # given the token, its waiter not resumed yet
 
     def empty(self) -> bool:
         return not self._held
@@ -494,12 +497,13 @@ class Slot(Generic[T]):
 
     def put_nowait(self, token: T) -> None:
         """Release: to the longest waiter, else into the slot (QueueFull if it holds a token already)."""
-        if self._held:
+        if self._held or self._handed is not None:
             raise asyncio.QueueFull
         while self._getters:
             getter = self._getters.popleft()
             if not getter.done():
                 getter.set_result(token)
+                self._handed = getter
                 return
         self._held, self._token = True, token
 
@@ -515,52 +519,61 @@ class Slot(Generic[T]):
         token, self._held, self._token = self._token, False, None
         return token  # type: ignore[return-value]  # (held: set by put_nowait)
 
+    def wait_turn(self) -> asyncio.Future[T]:
+        """Join the line (now, not at a task's first step): the future gets the token in turn; then
+        `took(it)`, or `give_up(it)` to leave the line (passing on a token it was handed meanwhile)."""
+        getter: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._getters.append(getter)
+        return getter
+
+    def took(self, getter: asyncio.Future[T]) -> T:
+        """The token `getter` was handed: its waiter holds it now."""
+        if self._handed is getter:
+            self._handed = None
+        return getter.result()
+
+    def give_up(self, getter: asyncio.Future[T]) -> None:
+        if getter.done() and not getter.cancelled():
+            self.put_nowait(self.took(getter))
+            return
+        getter.cancel()
+        with contextlib.suppress(ValueError):
+            self._getters.remove(getter)
+
     async def get(self) -> T:
         """Acquire, after those already waiting. A getter cancelled once handed the token passes it on."""
         if self._held:
             return self.get_nowait()
-        getter: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._getters.append(getter)
+        getter = self.wait_turn()
         try:
-            return await getter
+            await getter
         except BaseException:
-            if getter.done() and not getter.cancelled():
-                self.put_nowait(getter.result())
-            else:
-                getter.cancel()
-                with contextlib.suppress(ValueError):
-                    self._getters.remove(getter)
+            self.give_up(getter)
             raise
+        return self.took(getter)
 
 
 async def acquire(slot: Slot[Any], *cancel_on: asyncio.Event) -> tuple[bool, Any]:
     """Take the token from `slot` -> (True, token), or (False, None) if one of `cancel_on` fires first.
 
-    If the get finished concurrently with a cancellation we still own the token, so it is put
-    back before returning None or re-raising (STYLE.md, "Ownership tokens").
+    If the token came concurrently with a cancellation we still own it, so it is passed on before
+    returning None or re-raising (STYLE.md, "Ownership tokens").
     """
     if any(ev.is_set() for ev in cancel_on):
         return False, None
-    if not slot.empty():  # fast path: uncontended, no tasks needed
+    if not slot.empty():  # fast path: uncontended (a token in the slot means nobody waits for it)
         return True, slot.get_nowait()
-    getter = asyncio.ensure_future(slot.get())
+    getter = slot.wait_turn()
     waiters = [asyncio.ensure_future(ev.wait()) for ev in cancel_on]
     try:
         await asyncio.wait([getter, *waiters], return_when=asyncio.FIRST_COMPLETED)
-        if not getter.done():
-            await cancel_and_wait(getter)
     except BaseException:
-        getter.cancel()
-        if getter.done() and not getter.cancelled():
-            slot.put_nowait(getter.result())
+        slot.give_up(getter)
         raise
     finally:
         for w in waiters:
             w.cancel()
-    if getter.cancelled():
+    if not getter.done() or any(ev.is_set() for ev in cancel_on):
+        slot.give_up(getter)
         return False, None
-    token = getter.result()
-    if any(ev.is_set() for ev in cancel_on):
-        slot.put_nowait(token)
-        return False, None
-    return True, token
+    return True, slot.took(getter)
