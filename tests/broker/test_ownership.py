@@ -12,22 +12,29 @@ from tests.support.waiting import wait_until
 from tidings.broker.replica import Slot, acquire
 
 
+def held_token(slot: Slot[str]) -> str:
+    """A token taken from a fresh slot: its holder releases it later."""
+    slot.put_nowait("pipeline")
+    return slot.get_nowait()
+
+
+async def take_in_turn(slot: Slot[str], name: str, order: list[str]) -> None:
+    """Acquire as an append does, note the turn, hold the token over a loop iteration (as an append
+    streaming its content), release."""
+    ok, got = await acquire(slot, asyncio.Event())
+    assert ok
+    order.append(name)
+    await asyncio.sleep(0)
+    slot.put_nowait(got)
+
+
 async def test_a_release_goes_to_the_longest_waiter_not_to_a_newcomer() -> None:
     slot: Slot[str] = Slot()
-    slot.put_nowait("pipeline")
-    token = slot.get_nowait()
+    token = held_token(slot)
     order: list[str] = []
-
-    async def take(name: str) -> None:
-        ok, got = await acquire(slot, asyncio.Event())
-        assert ok
-        order.append(name)
-        await asyncio.sleep(0)  # (holds it over a loop iteration, as an append streaming its content)
-        slot.put_nowait(got)
-
-    waiters = [asyncio.create_task(take(f"waiter-{i}")) for i in range(3)]
+    waiters = [asyncio.create_task(take_in_turn(slot, f"waiter-{i}", order)) for i in range(3)]
     await wait_until(lambda: len(slot._getters) == 3, 5)
-    newcomer = asyncio.create_task(take("newcomer"))  # runs before the woken waiter does
+    newcomer = asyncio.create_task(take_in_turn(slot, "newcomer", order))  # runs before the woken waiter does
     slot.put_nowait(token)  # released: the first waiter's, though it has not run yet
     assert slot.empty()
     await asyncio.wait_for(asyncio.gather(*waiters, newcomer), 5)
@@ -72,23 +79,15 @@ async def test_a_double_release_is_refused() -> None:
 
 async def test_one_who_asked_first_goes_first_even_if_the_release_comes_before_it_waits() -> None:
     slot: Slot[str] = Slot()
-    slot.put_nowait("pipeline")
-    token = slot.get_nowait()
+    token = held_token(slot)
     order: list[str] = []
-
-    async def take(name: str) -> None:
-        ok, got = await acquire(slot, asyncio.Event())
-        assert ok
-        order.append(name)
-        await asyncio.sleep(0)
-        slot.put_nowait(got)
 
     async def release() -> None:
         slot.put_nowait(token)
 
-    first = asyncio.ensure_future(take("first"))  # asks, then...
+    first = asyncio.ensure_future(take_in_turn(slot, "first", order))  # asks, then...
     released = asyncio.ensure_future(release())  # ...the holder releases in the same loop iteration...
-    second = asyncio.ensure_future(take("second"))  # ...and another asks
+    second = asyncio.ensure_future(take_in_turn(slot, "second", order))  # ...and another asks
     await asyncio.wait_for(asyncio.gather(first, released, second), 5)
     assert order == ["first", "second"]
 
