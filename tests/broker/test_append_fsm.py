@@ -196,6 +196,29 @@ async def test_resolve(broker):
 # -- ACQUIRE_PIPELINE ------------------------------------------------------------------------------
 
 
+async def test_resolutions_are_shared_until_the_keyspace_changes(broker):
+    """A journal resolves once per State and revision (each append resolves it): the same Header until
+    etcd changes, then a new one; `advertised` says what comparing each assignment's route says; a
+    caller's claims are checked on every resolve, cached or not."""
+    from tidings.protocol.claims import Claims
+    from tidings.protocol.route import routes_equivalent
+
+    peer = await broker.add_peer("zone-b", "peer")
+    await broker.create_journal(J, [broker, peer], labels={"app": "a"})
+    resolver = broker.resolver
+    first, again = await resolver.resolve(J), await resolver.resolve(J)
+    assert again.header is first.header and again.replica is broker.replica(J)
+    for res in (first, again):
+        assert res.advertised == all(routes_equivalent(a.value, res.route) for a in res.assignments) is False
+    other = pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name="app", value="b")]))
+    hidden = await resolver.resolve(J, claims=Claims(cap=0, sel=other))
+    assert hidden.status == pb.JOURNAL_NOT_FOUND and hidden.route.primary == -1
+    await broker.create_journal("other/journal", [peer, broker])  # (any change under the root)
+    later = await resolver.resolve(J)
+    assert later.header is not first.header and later.header.etcd.revision > first.header.etcd.revision
+    assert routes_equivalent(later.route, first.route)
+
+
 async def test_acquire_pipeline(broker):
     """ACQUIRE_PIPELINE: one append at a time owns the pipeline's send side; waiting for it gives way to a
     route change, and a token taken as the route changed goes back (STYLE.md, *Ownership tokens*)."""

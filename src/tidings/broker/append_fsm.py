@@ -320,7 +320,7 @@ class AppendFSM:
         assert self.resolved is not None
         route = self.resolved.route
         pln = self.pipeline
-        if pln is not None and pln.usable and (pln.route is route or routes_equivalent(pln.route, route)):
+        if pln is not None and pln.usable and routes_equivalent(pln.route, route):
             self.registers = pb.LabelSet()
             self.registers.CopyFrom(pln.spool.registers)
             return S.UPDATE_ASSIGNMENTS

@@ -38,7 +38,9 @@ READ_THROUGH_TIMEOUT = 5.0
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Resolution:
-    """The outcome of resolving a journal: a status, and if OK, everything needed to serve it."""
+    """The outcome of resolving a journal: a status, and if OK, everything needed to serve it. Its header
+    (and route and spec) are shared with every other resolution at the same revision: read or copy them,
+    never change them in place."""
 
     status: pb.Status
     header: pb.Header
