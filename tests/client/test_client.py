@@ -266,7 +266,14 @@ async def test_reader_reads_persisted_fragments_straight_from_the_store(cluster)
     async with cluster.client(0) as c:
         for i in range(6):
             await c.append("cl/direct", bytes([65 + i]) * 700)  # each append past 1 KiB rolls the fragment
-        await wait_until(lambda: len(store_for(cluster.store_url).list("cl/direct")) >= 3, 20)
+
+        def served_from_the_store() -> bool:  # (listed, and every replica's index knows it: any may serve)
+            listed = store_for(cluster.store_url).list("cl/direct")
+            reps = [b.resolver.replicas["cl/direct"] for b in cluster.brokers if "cl/direct" in b.resolver.replicas]
+            found = [rep.index.query(f.begin) for rep in reps for f in listed]
+            return len(listed) >= 3 and all(e is not None and e[0].backing_store for e in found)
+
+        await wait_until(served_from_the_store, 20)
         reader = c.reader("cl/direct", 0, block=False, direct=True)
         data = b"".join([chunk.content async for chunk in reader])
         assert data == b"".join(bytes([65 + i]) * 700 for i in range(6))
