@@ -19,12 +19,10 @@ def held_token(slot: Slot[str]) -> str:
 
 
 async def take_in_turn(slot: Slot[str], name: str, order: list[str]) -> None:
-    """Acquire as an append does, note the turn, hold the token over a loop iteration (as an append
-    streaming its content), release."""
+    """Acquire as an append does, note the turn, release."""
     ok, got = await acquire(slot, asyncio.Event())
     assert ok
     order.append(name)
-    await asyncio.sleep(0)
     slot.put_nowait(got)
 
 
