@@ -90,10 +90,10 @@ class Resolver:
         # verifier's cache gives the same Claims object), so its appends check by identity, not by labels.
         self._covered: dict[str, tuple[pb.JournalSpec, Claims, bool]] = {}
         self.replicas: dict[str, Replica] = {}
-        # Per journal, its resolution at (State, revision): each append resolves its journal, and a Route,
-        # a Header and their comparisons built anew each time were ~15% of a primary's CPU per small append.
-        # Shared by the Resolutions given out: nobody mutates a Header or Route it is given.
-        self._resolved: dict[str, tuple[State, int, Resolution]] = {}
+        # Per journal, its resolution at a revision (cleared with each new State): each append resolves its
+        # journal, and a Route, a Header and their comparisons built anew each time were ~15% of a primary's
+        # CPU per small append. Shared by the Resolutions given out: nobody mutates a Header or Route.
+        self._resolved: dict[str, tuple[int, Resolution]] = {}
         self.state = State.from_keyspace(keyspace)
         self._closing: dict[str, asyncio.Task[None]] = {}  # replicas closing, by journal
         self._closed = False
@@ -159,14 +159,14 @@ class Resolver:
             return Resolution(pb.JOURNAL_NOT_FOUND, self.header(pb.Route(primary=-1)))
         revision = self.keyspace.revision
         cached = self._resolved.get(journal)
-        if cached is None or cached[0] is not state or cached[1] != revision:
+        if cached is None or cached[0] != revision:
             route = state.route(journal)
             status = pb.SUSPENDED if item.spec.suspend.level == pb.JournalSpec.Suspend.FULL else pb.OK
             assigned = tuple(state.assignments.get(journal, ()))
             advertised = bool(assigned) and all(routes_equivalent(a.value, route) for a in assigned)
-            cached = (state, revision, Resolution(status, self.header(route), item.spec, None, assigned, advertised))
+            cached = (revision, Resolution(status, self.header(route), item.spec, None, assigned, advertised))
             self._resolved[journal] = cached
-        return dataclasses.replace(cached[2], replica=self.replicas.get(journal))
+        return dataclasses.replace(cached[1], replica=self.replicas.get(journal))
 
     def covers(self, claims: Claims, journal: str, spec: pb.JournalSpec) -> bool:
         """Whether `claims` reach the journal with `spec` (its labels and meta-labels)."""
