@@ -196,8 +196,15 @@ def _no_password() -> str:
     raise _EncryptedKey
 
 
+# gRPC gives each connection attempt its min_reconnect_backoff (20 s by default) before it tries again:
+# one attempt never answered (a lost SYN; a handshake stalled on a loaded or still-settling host) held
+# every call, and a process's start, for 20 s. Two seconds is ample for a TLS handshake under load.
+CONNECT_ATTEMPT_OPTIONS = [("grpc.min_reconnect_backoff_ms", 2000)]
+
+
 def channel(endpoint: str, tls: TLS | None, options: Any = None) -> grpc.aio.Channel:
     """A grpc.aio channel to `endpoint`: TLS when the process has TLS, else plaintext."""
+    options = [*CONNECT_ATTEMPT_OPTIONS, *(options or ())]
     if tls is None:
         return grpc.aio.insecure_channel(endpoint, options=options)
     return grpc.aio.secure_channel(endpoint, tls.channel_credentials(), options=options)

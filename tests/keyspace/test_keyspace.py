@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.tcp_gate import TcpGate
 from tidings.cluster.etcd import EtcdProcess, free_port
 from tidings.keyspace import (
     CompactedError,
@@ -59,6 +60,21 @@ async def test_connect_to_unreachable_endpoint_fails_naming_it() -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     with pytest.raises(TransportError, match=endpoint):
         await Etcd.connect(f"http://{endpoint}", timeout=0.3)
+
+
+async def test_a_connection_attempt_left_unanswered_is_retried_within_the_connect_timeout(etcd: EtcdProcess) -> None:
+    """A first attempt that is never answered (a lost SYN, a stalled handshake) must not use up the
+    connect timeout: gRPC's own default gives each attempt 20 s before trying again."""
+    gate = await TcpGate(etcd.endpoint, silent=1).open()
+    try:
+        c = await Etcd.connect(gate.endpoint)
+        try:
+            await c.get("/tidings-test/none")
+        finally:
+            await c.aclose()
+        assert gate.silent == 0 and gate.connections == 1  # (the second attempt went through)
+    finally:
+        await gate.shut()
 
 
 async def test_kv_reads_writes_and_header_revisions(client: Etcd, etcd_root: str, monkeypatch) -> None:

@@ -1,5 +1,7 @@
 """A TCP forwarder on a loopback port of its own that a test can shut (every connection cut, new ones
-refused) and open again on the same port: a real outage of the server behind it, for one client."""
+refused) and open again on the same port: a real outage of the server behind it, for one client. With
+`silent`, it accepts that many connections first and never answers them: a lost SYN, or a handshake
+stalled by a loaded or still-settling host."""
 
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ import contextlib
 
 
 class TcpGate:
-    def __init__(self, target: str = "") -> None:
+    def __init__(self, target: str = "", silent: int = 0) -> None:
         self._target = ("", 0)
+        self.silent = silent  # connections still to accept and leave unanswered
         if target:
             self.aim(target)
         self._server: asyncio.Server | None = None
@@ -42,6 +45,10 @@ class TcpGate:
         self._writers.clear()
 
     async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.silent > 0:
+            self.silent -= 1
+            self._writers.add(writer)  # (cut by `shut`, answered never)
+            return
         try:
             up_reader, up_writer = await asyncio.open_connection(*self._target)
         except OSError:

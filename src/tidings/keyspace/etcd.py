@@ -43,7 +43,7 @@ import grpc
 from aetcd import rpc
 
 from tidings.protocol.status import TidingsError, TransportError, UsageError, map_grpc_error
-from tidings.tls import TLS
+from tidings.tls import CONNECT_ATTEMPT_OPTIONS, TLS
 
 __all__ = [
     "KV",
@@ -361,6 +361,7 @@ class Etcd:
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF[0]),
             ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF[1]),
+            *CONNECT_ATTEMPT_OPTIONS,
         ]
         token = _EtcdToken(endpoint, user, password) if user else None
         target = f"{host}:{port}"
