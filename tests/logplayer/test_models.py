@@ -9,7 +9,10 @@ fail. `python models/check.py --size large` runs larger bounds.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -26,9 +29,20 @@ def test_spin_and_gcc_are_installed() -> None:
     assert check.tools_missing() == [], "run `make install` (it installs Debian's spin)"
 
 
+@pytest.fixture(scope="module")
+def verified() -> Iterator[dict[str, Future]]:
+    """Every check's verifier, started at once on a core each (they are independent CPU-bound processes:
+    one at a time left a core idle for a minute and a half)."""
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        futures = {case.name: pool.submit(check.run, case) for case in check.SMALL}
+        yield futures
+        for f in futures.values():
+            f.cancel()  # (a test failed before its own: the rest need not run)
+
+
 @pytest.mark.parametrize("case", check.SMALL, ids=lambda c: c.name)
-def test_model(case) -> None:
-    result = check.run(case)
+def test_model(case, verified: dict[str, Future]) -> None:
+    result = verified[case.name].result()
     assert "max search depth too small" not in result.output
     assert result.states > 0
     if not case.violation:

@@ -5,7 +5,7 @@ abandoned attempts and rolled-back transactions (the producers of tests/message/
 killed at planned points). The sink journal, read committed, must hold every committed input
 message exactly once, and nothing of an abandoned attempt.
 
-TIDINGS_SPARK_KILLS sets how many times the driver is killed at random (default 2, besides the two
+TIDINGS_SPARK_KILLS sets how many times the driver is killed at random (default 1, besides the two
 planned deaths; each restart costs a Spark driver's start, ~30 s here); TIDINGS_EO_TXNS the
 transactions per producer.
 """
@@ -32,7 +32,7 @@ from tidings.client import Client
 from tidings.cluster import LocalCluster
 from tidings.message import read_committed
 
-KILLS = int(os.environ.get("TIDINGS_SPARK_KILLS", "2"))
+KILLS = int(os.environ.get("TIDINGS_SPARK_KILLS", "1"))
 DIE_AFTER_ACKS = "4,9"  # batches after whose ACKs the job kills itself, before Spark's commit log
 ROOT = Path(__file__).resolve().parents[2]
 SINK = "spark/eo-sink"

@@ -375,6 +375,8 @@ class Spool:
 
 def apply_registers(current: pb.LabelSet, union: pb.LabelSet, subtract: pb.LabelSet) -> pb.LabelSet:
     """Registers after an append: `subtract` then `union` (Gazette's order and semantics)."""
+    if not union.labels and not subtract.labels:
+        return current  # (most appends change no register: rebuilding the set cost each one)
     return labels.union(labels.subtract(current, subtract), union)
 
 
