@@ -17,6 +17,10 @@ CPU per append of the server process (`server_cpu_us`, /proc utime+stime) and of
   bench/append.py --tls --replicas 3 --no-floor --big-mib 64   # the same on plaintext and mutual TLS + tokens
   bench/append.py --tls-slices 10                               # what TLS and tokens cost, interleaved (~3 min)
 
+`--transport tidings grpc` runs the cluster's measurements once per client transport on the same cluster
+(the native data port, then gRPC), each line naming its `transport`; the default is the clients'
+default (TIDINGS_TRANSPORT, else tidings).
+
 With `--tls` the cluster's measurements run twice in one run, on a plaintext cluster and then on one
 serving mutual TLS (gRPC and the replication port; a CA and certificates made for the run with
 trustme) whose brokers verify capability tokens, and the last lines give what TLS + tokens cost
@@ -57,10 +61,16 @@ from tidings.tls import TLS, load
 KiB, MiB, MB = 1024, 1024 * 1024, 1_000_000
 CLIENT_TLS: TLS | None = None  # the run's client TLS (--tls, the second pass)
 CLIENT_AUTH: KeyedAuthorizer | None = None  # and its tokens, signed with the brokers' keys
+CLIENT_TRANSPORT = "tidings"  # the pass's client transport (--transport)
 
 
 def client(endpoint: str) -> AsyncClient:
-    return AsyncClient(endpoint, tls=CLIENT_TLS, auth=CLIENT_AUTH)
+    return AsyncClient(endpoint, tls=CLIENT_TLS, auth=CLIENT_AUTH, transport=CLIENT_TRANSPORT)
+
+
+def journal(name: str) -> str:
+    """A measurement's journal, one per client transport (each pass starts on a journal of its own)."""
+    return name if CLIENT_TRANSPORT == "tidings" else f"{name}-{CLIENT_TRANSPORT}"
 
 
 async def sequential_loop(c: AsyncClient, name: str, body: bytes, count: int) -> list[float]:
@@ -105,7 +115,7 @@ def latency_fields(lat: list[float]) -> dict:
 
 
 async def sequential(lc, r: int, size: int, count: int) -> dict:
-    name = f"bench/seq-r{r}-{size}"
+    name = journal(f"bench/seq-r{r}-{size}")
     async with client(lc.endpoints[0]) as c0:
         await create_journal(c0, lc, name, r)
         ep = await primary_endpoint(c0, name)
@@ -117,6 +127,7 @@ async def sequential(lc, r: int, size: int, count: int) -> dict:
         {
             "replicas": r,
             "test": "append_sync",
+            "transport": CLIENT_TRANSPORT,
             "payload_bytes": size,
             **latency_fields(lat),
             "msgs_per_s": round(len(lat) / sum(lat)),
@@ -151,7 +162,7 @@ async def pipelined_loop(
 
 
 async def pipelined(lc, r: int, size: int, seconds: float, window: int) -> dict:
-    name = f"bench/pipe-r{r}-{size}"
+    name = journal(f"bench/pipe-r{r}-{size}")
     async with client(lc.endpoints[0]) as c0:
         await create_journal(c0, lc, name, r)
         ep = await primary_endpoint(c0, name)
@@ -163,6 +174,7 @@ async def pipelined(lc, r: int, size: int, seconds: float, window: int) -> dict:
         {
             "replicas": r,
             "test": "append_pipelined",
+            "transport": CLIENT_TRANSPORT,
             "payload_bytes": size,
             **latency_fields(lat),
             "msgs_per_s": round(done / elapsed),
@@ -235,7 +247,7 @@ async def floor(seconds: float, count: int) -> list[dict]:
 
 async def big_append(lc, r: int, mib: int) -> dict:
     """One append of `mib` MiB streamed in 256 KiB chunks; sample every broker's RSS meanwhile."""
-    name = f"bench/big-r{r}"
+    name = journal(f"bench/big-r{r}")
     async with client(lc.endpoints[0]) as c0:
         await create_journal(c0, lc, name, r)
         ep = await primary_endpoint(c0, name)
@@ -268,6 +280,7 @@ async def big_append(lc, r: int, mib: int) -> dict:
         {
             "replicas": r,
             "test": "append_single_large",
+            "transport": CLIENT_TRANSPORT,
             "payload_bytes": res.end - res.begin,
             "mb_per_s": round((res.end - res.begin) / elapsed / MB, 1),
             "seconds": round(elapsed, 2),
@@ -278,10 +291,12 @@ async def big_append(lc, r: int, mib: int) -> dict:
 
 
 def table(recs: list[dict]) -> None:
-    print(f"\n{'R':>2} {'tls':>3} {'test':<22} {'payload':>9} {'median_us':>10} {'p99_us':>8} {'msg/s':>8} {'MB/s':>7}")
+    head = f"{'R':>2} {'tls':>3} {'client':>7} {'test':<22} {'payload':>9} {'median_us':>10} {'p99_us':>8}"
+    print(f"\n{head} {'msg/s':>8} {'MB/s':>7}")
     for x in recs:
         print(
-            f"{x['replicas']:>2} {'yes' if x.get('tls') else '':>3} {x['test']:<22} {x['payload_bytes']:>9} "
+            f"{x['replicas']:>2} {'yes' if x.get('tls') else '':>3} {x.get('transport', ''):>7} {x['test']:<22} "
+            f"{x['payload_bytes']:>9} "
             f"{x.get('median_us', ''):>10} "
             f"{x.get('p99_us', ''):>8} {x.get('msgs_per_s', ''):>8} {x.get('mb_per_s', ''):>7}"
         )
@@ -290,7 +305,7 @@ def table(recs: list[dict]) -> None:
 async def cluster_runs(args, tls_files: dict[str, str] | None) -> list[dict]:
     """The cluster's measurements, on a plaintext cluster or (`tls_files`) one serving mutual TLS whose
     brokers verify tokens (a client signing its own, as a long-running service does)."""
-    global CLIENT_TLS, CLIENT_AUTH
+    global CLIENT_TLS, CLIENT_AUTH, CLIENT_TRANSPORT
     recs: list[dict] = []
     keys = generate_key() if tls_files else ""
     CLIENT_AUTH = KeyedAuthorizer(KeySet.parse(keys), sub="bench") if keys else None
@@ -301,12 +316,14 @@ async def cluster_runs(args, tls_files: dict[str, str] | None) -> list[dict]:
             lc.extra += [arg for flag, path in tls_files.items() for arg in (flag, path)]
         CLIENT_TLS = load(*tls_files.values(), "bench", server=False) if tls_files else None
         with lc:
-            for r in args.replicas:
-                recs.append(await sequential(lc, r, KiB, args.count))
-                for size in (KiB, 64 * KiB, MiB):
-                    window = 64 if size <= 64 * KiB else 16
-                    recs.append(await pipelined(lc, r, size, args.seconds, window))
-                recs.append(await big_append(lc, r, args.big_mib))
+            for transport in args.transport:
+                CLIENT_TRANSPORT = transport
+                for r in args.replicas:
+                    recs.append(await sequential(lc, r, KiB, args.count))
+                    for size in (KiB, 64 * KiB, MiB):
+                        window = 64 if size <= 64 * KiB else 16
+                        recs.append(await pipelined(lc, r, size, args.seconds, window))
+                    recs.append(await big_append(lc, r, args.big_mib))
     for rec in recs:
         rec["tls"] = tls_files is not None
     return recs
@@ -329,7 +346,8 @@ def tls_costs(plain: list[dict], tls: list[dict]) -> dict:
     processes per R=3 64 KiB append (less at the mercy of the two cores' scheduling than MB/s)."""
 
     def pick(recs: list[dict], test: str, size: int, key: str = "") -> Any:
-        rec = next((x for x in recs if x["replicas"] == 3 and x["test"] == test and x["payload_bytes"] == size), None)
+        rec = next((x for x in recs if x["replicas"] == 3 and x["test"] == test and x["payload_bytes"] == size
+                    and x["transport"] == recs[0]["transport"]), None)  # fmt: skip
         return rec if rec is None or not key else rec.get(key)
 
     p64, t64 = pick(plain, "append_pipelined", 64 * KiB), pick(tls, "append_pipelined", 64 * KiB)
@@ -459,6 +477,13 @@ def main() -> None:
     p.add_argument("--no-floor", action="store_true", help="skip the no-op server measurements")
     p.add_argument("--only-floor", action="store_true", help="only the no-op server measurements (no cluster)")
     p.add_argument("--tls", action="store_true", help="the cluster's measurements again over mutual TLS, and the cost")
+    p.add_argument(
+        "--transport",
+        nargs="+",
+        choices=["tidings", "grpc"],
+        default=[os.environ.get("TIDINGS_TRANSPORT") or "tidings"],
+        help="the client transports to measure, in turn, on the same cluster",
+    )
     p.add_argument(
         "--tls-slices", type=int, default=0, help="TLS and tokens' cost, four clusters measured in turn N times"
     )
