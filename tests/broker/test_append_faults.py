@@ -64,13 +64,13 @@ class _Load:
 def _cancel_at(fsm: AppendFSM, state: AppendState) -> None:
     original = fsm._handlers[state]
 
-    async def cancelling() -> AppendState:
+    async def cancelling(f: AppendFSM) -> AppendState:
         task = asyncio.current_task()
         assert task is not None
         task.cancel()
-        return await original()
+        return await original(f)
 
-    fsm._handlers[state] = cancelling
+    fsm._handlers = {**fsm._handlers, state: cancelling}  # (this instance's table alone)
 
 
 @pytest.mark.parametrize(

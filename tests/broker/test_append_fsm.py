@@ -52,7 +52,7 @@ async def step(fsm: AppendFSM, state: S) -> S:
     """Call the handler of `state` (the FSM must be in it) and move to the state it returns, as `run_to`
     does, which also gives the pipeline back at a terminal state."""
     assert fsm.state is state, f"the FSM is in {fsm.state}, not {state}"
-    fsm.state = await fsm._handlers[state]()
+    fsm.state = await fsm._handlers[state](fsm)
     if fsm.state in TERMINAL:
         await fsm.run_to()
     return fsm.state

@@ -42,7 +42,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import grpc
 
@@ -103,6 +103,8 @@ class AppendFSM:
     """Drives one AppendRequest (the first message of an Append RPC) through the states, for the holder of
     `claims` (a journal outside their selector resolves as missing; None: the broker's own appends)."""
 
+    _handlers: ClassVar[dict[AppendState, Callable[[AppendFSM], Awaitable[AppendState]]]]
+
     def __init__(self, broker: Host, req: pb.AppendRequest, pulse: bool = False, claims: Claims | None = None) -> None:
         self.broker = broker
         self.req = req
@@ -139,18 +141,6 @@ class AppendFSM:
         self._final_sent = False  # our commit (or roll-back) proposal is out to every peer
         self._held: bytes | None = None  # the latest chunk, forwarded with the next message
         self._acks: asyncio.Future[Acknowledgements] | None = None
-        self._handlers: dict[AppendState, Callable[[], Awaitable[AppendState]]] = {
-            S.RESOLVE: self._on_resolve,
-            S.ACQUIRE_PIPELINE: self._on_acquire_pipeline,
-            S.START_PIPELINE: self._on_start_pipeline,
-            S.SEND_PIPELINE_SYNC: self._on_send_pipeline_sync,
-            S.RECV_PIPELINE_SYNC: self._on_recv_pipeline_sync,
-            S.UPDATE_ASSIGNMENTS: self._on_update_assignments,
-            S.AWAIT_DESIRED_REPLICAS: self._on_await_desired_replicas,
-            S.VALIDATE_PRECONDITIONS: self._on_validate_preconditions,
-            S.UPDATE_SUSPEND: self._on_update_suspend,
-            S.READ_ACKNOWLEDGEMENTS: self._on_read_acknowledgements,
-        }
 
     # -- driver ----------------------------------------------------------------------------
 
@@ -160,7 +150,7 @@ class AppendFSM:
         try:
             while self.state not in stops:
                 before = self.state
-                self.state = await self._handlers[self.state]()
+                self.state = await self._handlers[self.state](self)
                 log.debug("append %s: %s -> %s", self.journal, before.value, self.state.value)
         except BaseException:
             self.abort()
@@ -320,7 +310,7 @@ class AppendFSM:
         assert self.resolved is not None
         route = self.resolved.route
         pln = self.pipeline
-        if pln is not None and pln.usable and routes_equivalent(pln.route, route):
+        if pln is not None and pln.usable and pln.serves(route):
             self.registers = pb.LabelSet()
             self.registers.CopyFrom(pln.spool.registers)
             return S.UPDATE_ASSIGNMENTS
@@ -792,3 +782,19 @@ class AppendFSM:
                 self._count_commit()
 
         acks.add_done_callback(counted)
+
+
+# One method per state: the driver's table, built once rather than per append (a test may give an
+# instance a table of its own).
+AppendFSM._handlers = {
+    S.RESOLVE: AppendFSM._on_resolve,
+    S.ACQUIRE_PIPELINE: AppendFSM._on_acquire_pipeline,
+    S.START_PIPELINE: AppendFSM._on_start_pipeline,
+    S.SEND_PIPELINE_SYNC: AppendFSM._on_send_pipeline_sync,
+    S.RECV_PIPELINE_SYNC: AppendFSM._on_recv_pipeline_sync,
+    S.UPDATE_ASSIGNMENTS: AppendFSM._on_update_assignments,
+    S.AWAIT_DESIRED_REPLICAS: AppendFSM._on_await_desired_replicas,
+    S.VALIDATE_PRECONDITIONS: AppendFSM._on_validate_preconditions,
+    S.UPDATE_SUSPEND: AppendFSM._on_update_suspend,
+    S.READ_ACKNOWLEDGEMENTS: AppendFSM._on_read_acknowledgements,
+}

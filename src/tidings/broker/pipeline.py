@@ -34,6 +34,7 @@ from tidings.broker.frames import StreamError
 from tidings.broker.transport import ReplicaStream
 from tidings.fragment.spool import Spool
 from tidings.protocol import protocol_pb2 as pb
+from tidings.protocol.route import routes_equivalent
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class Pipeline:
     ) -> None:
         self.header = header
         self.route = header.route
+        self._serves: pb.Route | None = None  # the last route found equivalent to ours (`serves`)
         self.spool = spool
         self.streams = streams
         self.synchronized = False  # set by the FSM once every peer agreed to a sync proposal
@@ -90,6 +92,17 @@ class Pipeline:
     @property
     def usable(self) -> bool:
         return self.synchronized and self.broken is None and not self._closing
+
+    def serves(self, route: pb.Route) -> bool:
+        """Whether this pipeline was built for `route`'s members and primary (endpoints aside). The last
+        route found so is remembered: resolutions are shared until the keyspace changes, so an append
+        usually asks about the very object the last one did (Routes are never changed in place)."""
+        if route is self._serves:
+            return True
+        if routes_equivalent(self.route, route):
+            self._serves = route
+            return True
+        return False
 
     def send_error(self) -> str | None:
         """The first send failure to any peer, if any."""

@@ -192,8 +192,8 @@ class RouteCache:
         """Learn `journal`'s Route from a response Header, unless a newer one is already known."""
         rev = header.etcd.revision
         known = self._routes.get(journal)
-        if known is not None and known[0] > rev:
-            return
+        if known is not None and known[0] >= rev:
+            return  # (a newer one; or this one: a Route at a revision is the keyspace's at that revision)
         route = header.route
         self.endpoints.update(dict.fromkeys(ep for ep in route.endpoints if ep))
         for ep, data, member in zip(route.endpoints, route.data_endpoints, route.members, strict=False):
