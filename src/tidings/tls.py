@@ -198,7 +198,8 @@ def _no_password() -> str:
 
 # gRPC gives each connection attempt its min_reconnect_backoff (20 s by default) before it tries again:
 # one attempt never answered (a lost SYN; a handshake stalled on a loaded or still-settling host) held
-# every call, and a process's start, for 20 s. Two seconds is ample for a TLS handshake under load.
+# every call, and a process's start, for 20 s. Two seconds is ample for a TLS handshake under load, and
+# the limit grows with the backoff (x1.6 per attempt, gRPC's default, up to 120 s) if a peer needs more.
 CONNECT_ATTEMPT_OPTIONS = [("grpc.min_reconnect_backoff_ms", 2000)]
 
 

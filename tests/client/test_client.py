@@ -61,6 +61,21 @@ def test_route_cache_prefers_primary_for_appends_and_own_zone_for_reads() -> Non
     assert cache.read_endpoint("j") == "default:1"
 
 
+def test_a_forgotten_data_port_is_learnt_again_from_a_route_at_a_known_revision() -> None:
+    """A data port dropped after a failure comes back with the next answer naming it, even one at the
+    revision the client already holds (a quiet cluster may see no newer one for hours)."""
+    cache = RouteCache("a:1")
+    route = pb.Route(members=[pb.ProcessId(zone="a", suffix="x")], primary=0, endpoints=["a:1"],
+                     data_endpoints=["a:2"])  # fmt: skip
+    header = pb.Header(route=route, etcd=pb.Header.Etcd(revision=10))
+    cache.update("j", header)
+    assert cache.data_endpoints == {"a:1": "a:2"}
+    cache.forget_data_port("a:1")
+    assert cache.data_endpoints == {}
+    cache.update("j", header)
+    assert cache.data_endpoints == {"a:1": "a:2"}
+
+
 async def test_appends_go_to_the_primary_once_the_route_is_known(cluster) -> None:
     await cluster.create_journal("cl/route", 3)
     route = cluster.route("cl/route")

@@ -241,7 +241,7 @@ class AsyncClient:
         elif isinstance(err, TransportError) and err.code == grpc.StatusCode.UNAVAILABLE:
             self._down[endpoint] = time.monotonic() + DOWN_FOR
             # (its data port too: a restarted broker listens on another; gRPC until a Route names it again)
-            self.routes.data_endpoints.pop(endpoint, None)
+            self.routes.forget_data_port(endpoint)
             if self.fail_fast and err.unreachable and not self._answered:
                 # (a TLS mismatch gRPC does not name: the probe does, in the CLI's last act, blocking)
                 why = probe(endpoint, self.tls) if "Socket closed" in str(err) else ""

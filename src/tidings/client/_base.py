@@ -183,7 +183,8 @@ class RouteCache:
     def __init__(self, default: str, zone: str | None = None) -> None:
         self.default = default
         self.zone = zone
-        self._routes: dict[str, tuple[int, pb.Route]] = {}
+        self._routes: dict[str, tuple[int, pb.Route, int]] = {}  # (revision, Route, `_forgotten` then)
+        self._forgotten = 0  # data ports forgotten so far: a Route learnt before then is learnt again
         self.endpoints: dict[str, None] = {default: None}  # every broker heard of, in order: fallbacks
         self.data_endpoints: dict[str, str] = {}  # a broker's data port, by its gRPC endpoint (Routes say)
         self.data_members: dict[str, str] = {}  # the broker ("zone/suffix") a data port belongs to, by the port
@@ -192,7 +193,7 @@ class RouteCache:
         """Learn `journal`'s Route from a response Header, unless a newer one is already known."""
         rev = header.etcd.revision
         known = self._routes.get(journal)
-        if known is not None and known[0] >= rev:
+        if known is not None and (known[0] > rev or (known[0] == rev and known[2] == self._forgotten)):
             return  # (a newer one; or this one: a Route at a revision is the keyspace's at that revision)
         route = header.route
         self.endpoints.update(dict.fromkeys(ep for ep in route.endpoints if ep))
@@ -201,9 +202,15 @@ class RouteCache:
                 self.data_endpoints[ep] = data
                 self.data_members[data] = f"{member.zone}/{member.suffix}"
         if route.members and all(route.endpoints):
-            self._routes[journal] = (rev, route)
+            self._routes[journal] = (rev, route, self._forgotten)
         else:
             self._routes.pop(journal, None)
+
+    def forget_data_port(self, endpoint: str) -> None:
+        """Call `endpoint` over gRPC until a Route names its data port again (a restarted broker listens
+        on another): the next answer naming it, even at a revision already known."""
+        if self.data_endpoints.pop(endpoint, None) is not None:
+            self._forgotten += 1
 
     def invalidate(self, journal: str) -> None:
         self._routes.pop(journal, None)

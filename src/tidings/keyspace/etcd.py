@@ -43,7 +43,7 @@ import grpc
 from aetcd import rpc
 
 from tidings.protocol.status import TidingsError, TransportError, UsageError, map_grpc_error
-from tidings.tls import CONNECT_ATTEMPT_OPTIONS, TLS
+from tidings.tls import TLS
 
 __all__ = [
     "KV",
@@ -69,6 +69,11 @@ CONNECT_TIMEOUT = 5.0  # seconds to wait for an unreachable endpoint before fail
 RPC_TIMEOUT = 10.0  # deadline of each unary call
 PAGE_SIZE = 1000  # keys per Range page in get_prefix
 RECONNECT_BACKOFF = (100, 1000)  # ms: first and largest wait between connection attempts to etcd
+# Each attempt's own limit (gRPC's min_reconnect_backoff: connect, TLS handshake, HTTP/2 settings). With
+# backoff capped at 1 s it never grows, so it is longer than other channels' (tls.CONNECT_ATTEMPT_OPTIONS):
+# an overloaded etcd's slow handshakes still get through, and an attempt never answered (a lost SYN) is
+# retried within CONNECT_TIMEOUT rather than after gRPC's default 20 s.
+CONNECT_ATTEMPT_MS = 3000
 KEEPALIVE_MAX_INTERVAL = 1.0  # seconds between lease refreshes at most (else TTL/3)
 KEEPALIVE_RETRY = 0.2  # seconds between attempts to reopen a failed keep-alive stream
 
@@ -361,7 +366,7 @@ class Etcd:
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF[0]),
             ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF[1]),
-            *CONNECT_ATTEMPT_OPTIONS,
+            ("grpc.min_reconnect_backoff_ms", CONNECT_ATTEMPT_MS),
         ]
         token = _EtcdToken(endpoint, user, password) if user else None
         target = f"{host}:{port}"
