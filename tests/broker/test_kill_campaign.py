@@ -16,7 +16,7 @@ It runs twice: plaintext, and secured as a production cluster is (mutual TLS on 
 replication port, capability tokens on every call: brokers sign their own for proxying, replication
 and recovery checks), where a restart must find its peers and clients through the same checks.
 
-`TIDINGS_CAMPAIGN_SECONDS` sets how long the chaos runs (default 30; an hour:
+`TIDINGS_CAMPAIGN_SECONDS` sets how long the chaos runs (default 20, each; an hour:
 ``TIDINGS_CAMPAIGN_SECONDS=3600 .venv/bin/pytest tests/broker/test_kill_campaign.py``).
 `TIDINGS_CAMPAIGN_SEED` replays a run's choices.
 """
@@ -50,7 +50,7 @@ from tidings.protocol.specs import spec_from_dict
 from tidings.protocol.status import IndexHasGreaterOffsetError, StatusError, TransportError
 from tidings.tls import TLS, channel
 
-SECONDS = float(os.environ.get("TIDINGS_CAMPAIGN_SECONDS", "30"))
+SECONDS = float(os.environ.get("TIDINGS_CAMPAIGN_SECONDS", "20"))
 SEED = int(os.environ.get("TIDINGS_CAMPAIGN_SEED", str(random.randrange(1 << 30))))
 BUSY = [f"campaign/j{i}" for i in range(3)]
 IDLE = "campaign/idle"  # an append now and then: it changes hands while idle
