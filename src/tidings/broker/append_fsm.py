@@ -311,8 +311,7 @@ class AppendFSM:
         route = self.resolved.route
         pln = self.pipeline
         if pln is not None and pln.usable and pln.serves(route):
-            self.registers = pb.LabelSet()
-            self.registers.CopyFrom(pln.spool.registers)
+            self.registers = pln.spool.registers  # (shared, not copied: neither side changes a LabelSet in place)
             return S.UPDATE_ASSIGNMENTS
         self._shut_down_pipeline()
         missing = [
