@@ -197,7 +197,7 @@ async def test_resolve(broker):
 
 
 async def test_resolutions_are_shared_until_the_keyspace_changes(broker):
-    """A journal resolves once per State and revision (each append resolves it): the same Header until
+    """A journal resolves once per revision (each append resolves it): the same Header until
     etcd changes, then a new one; `advertised` says what comparing each assignment's route says; a
     caller's claims are checked on every resolve, cached or not."""
     from tidings.protocol.claims import Claims
