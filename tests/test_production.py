@@ -10,6 +10,7 @@ host of its own, deliver exactly once across them."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,13 +43,13 @@ def secure_hosts(request: pytest.FixtureRequest, tmp_path: Path, certs: Certs) -
 
 async def test_a_tls_and_token_cluster_on_separate_hosts_serves_and_survives_a_kill(secure_hosts: Hosts) -> None:
     hs = secure_hosts.start(4)  # (a spare for R=3)
-    addresses = {hs.address(h) for h in hs.net.hosts.values()}
+    addresses = {ipaddress.ip_address(hs.address(h)) for h in hs.net.hosts.values()}
     spec = spec_from_dict({"name": "prod/j", "replication": 3, "fragment": {"length": "64KiB", "stores": [hs.store]}})
     async with hs.client() as c:
         await c.apply([pb.ApplyRequest.Change(upsert=spec)])
         for m in (await c.members()).members:  # every endpoint on its own host's address
             for endpoint in (m.spec.endpoint, m.spec.replication_endpoint):
-                assert endpoint.rsplit(":", 1)[0].strip("[]") in addresses, m.spec
+                assert ipaddress.ip_address(endpoint.rsplit(":", 1)[0].strip("[]")) in addresses, m.spec
 
         async def routed() -> bool:
             route = next(j.route for j in (await c.list()).journals if j.spec.name == "prod/j")

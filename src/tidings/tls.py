@@ -16,6 +16,7 @@ says "Socket closed".
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import re
@@ -203,9 +204,23 @@ def _no_password() -> str:
 CONNECT_ATTEMPT_OPTIONS = [("grpc.min_reconnect_backoff_ms", 2000)]
 
 
+def canonical_endpoint(endpoint: str) -> str:
+    """`endpoint` (HOST:PORT) with an IPv6 literal in its shortest form (`[fd7d:0f65::11]` ->
+    `[fd7d:f65::11]`): gRPC matches a certificate's IP address against the host it dials as text, printing
+    the address short, so any other spelling of the very address the certificate names fails the check."""
+    if not endpoint.startswith("["):
+        return endpoint
+    literal, _, rest = endpoint[1:].partition("]")
+    try:
+        return f"[{ipaddress.IPv6Address(literal).compressed}]{rest}"
+    except ValueError:
+        return endpoint  # (not an address: dialing it says what is wrong)
+
+
 def channel(endpoint: str, tls: TLS | None, options: Any = None) -> grpc.aio.Channel:
     """A grpc.aio channel to `endpoint`: TLS when the process has TLS, else plaintext."""
     options = [*CONNECT_ATTEMPT_OPTIONS, *(options or ())]
+    endpoint = canonical_endpoint(endpoint)
     if tls is None:
         return grpc.aio.insecure_channel(endpoint, options=options)
     return grpc.aio.secure_channel(endpoint, tls.channel_credentials(), options=options)

@@ -63,6 +63,25 @@ async def test_a_client_with_the_ca_and_a_certificate_uses_a_tls_etcd(tls_etcd: 
         await etcd.aclose()
 
 
+async def test_an_ipv6_endpoint_written_in_full_reaches_a_tls_etcd(certs: Certs, tmp_path: Path) -> None:
+    """gRPC checks a certificate's IP address against the endpoint's host as text, in its shortest form:
+    `[0:0:0:0:0:0:0:1]` (or `[fd7d:0f65::11]`) is the address the certificate names, and must work."""
+    cert, key = certs.issue("etcd6", "::1")
+    proc = EtcdProcess(tmp_path / "etcd", host="::1", tls=load(cert, key, certs.ca_file, "etcd", server=True)).start()
+    try:
+        cert, key = certs.issue("etcd-client")
+        port = proc.endpoint.rpartition(":")[2]
+        etcd = await Etcd.connect(
+            f"[0:0:0:0:0:0:0:1]:{port}", tls=load(cert, key, certs.ca_file, "tidings", server=False)
+        )
+        try:
+            await _works(etcd)
+        finally:
+            await etcd.aclose()
+    finally:
+        proc.stop()
+
+
 @pytest.mark.parametrize("client", ["plaintext", "wrong-ca", "no-certificate"])
 async def test_a_client_etcd_would_refuse_fails_in_one_line(tls_etcd: EtcdProcess, certs: Certs, client: str) -> None:
     cert, key = certs.issue("etcd-client", by_other=client == "wrong-ca")

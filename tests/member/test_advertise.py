@@ -1,6 +1,7 @@
 """Addresses for real networks (member/serving.py `advertised`): a process announces the address other
 hosts dial (--advertise, or its --listen address), never a wildcard nobody can dial (refused in one
-line), for its gRPC service, its replication port and its metrics alike; IPv6 literals in brackets.
+line), for its gRPC service, its replication port and its metrics alike; IPv6 literals in brackets,
+announced in their shortest form (certificates are checked against it).
 Real etcd and brokers."""
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from tidings.protocol.status import UsageError
         ("[::]:8080", "[fd00::5]", "[fd00::5]:8080"),
         ("[::]:8080", "[fd00::5]:9", "[fd00::5]:9"),
         ("[::1]:8080", "", "[::1]:8080"),
+        ("[0:0:0:0:0:0:0:1]:8080", "", "[::1]:8080"),  # (in its shortest form: what certificates are checked as)
+        ("[::]:8080", "[fd7d:0f65::11]", "[fd7d:f65::11]:8080"),
     ],
 )
 def test_the_announced_address(bound: str, advertise: str, announced: str) -> None:
@@ -37,6 +40,8 @@ def test_the_announced_address(bound: str, advertise: str, announced: str) -> No
         ("0.0.0.0:8080", "host:", "'host:' is not HOST"),
         ("0.0.0.0:8080", "0.0.0.0", "--advertise 0.0.0.0 is not an address others can dial"),
         ("[::]:8080", "[::]:9090", "--advertise [::]:9090 is not an address others can dial"),
+        ("[0:0::0]:8080", "", "listens on [::]:8080 but would announce an address nobody can dial"),
+        ("[::]:8080", "[0::0]", "--advertise [0::0] is not an address others can dial"),
         ("0.0.0.0:8080", "10.0.0.5:0", "--advertise 10.0.0.5:0 is not an address others can dial"),
         ("0.0.0.0:8080", "[fd00::5", "'[fd00::5' is not HOST, HOST:PORT or [IPv6]:PORT"),
         ("0.0.0.0:8080", "[nothex]:80", "'[nothex]:80' is not HOST, HOST:PORT or [IPv6]:PORT"),

@@ -2,13 +2,15 @@
 through 127.0.0.1 (docs/design/production.md §3.15).
 
 `Net()` makes a bridge `tdb<run>` in the root namespace with address `.1` of a free 10.2xx.y.0/24
-(and `fd7d:<run>::1/64`), so the test process itself is a client on the network; `net.host(name)`
-adds a namespace `td-<run>-<name>` joined to the bridge by a veth pair (`eth0` inside, `lo` up),
-with the next address. `host.wrap` is the argv prefix that runs a command there (`ip netns exec`);
-`host.popen` starts one and records its PID. `close()` (also after a failure) stops every PID it
-started (SIGTERM, then SIGKILL), kills what is left inside its own namespaces (`ip netns pids`),
-then deletes the namespaces and the bridge. A registry file per Net (`/run/tidings-netns/<run>`:
-owner PID and its start time, the names made) lets the next Net sweep what a killed pytest left.
+(and `fd7d:0<run>::1/64`: with a leading zero, a spelling other than the address's shortest, which
+every hosts test then dials, announces and has certificates for), so the test process itself is a
+client on the network; `net.host(name)` adds a namespace `td-<run>-<name>` joined to the bridge by a
+veth pair (`eth0` inside, `lo` up), with the next address. `host.wrap` is the argv prefix that runs a
+command there (`ip netns exec`); `host.popen` starts one and records its PID. `close()` (also after a
+failure) stops every PID it started (SIGTERM, then SIGKILL), kills what is left inside its own
+namespaces (`ip netns pids`), then deletes the namespaces and the bridge. A registry file per Net
+(`/run/tidings-netns/<run>`: owner PID and its start time, the names made) lets the next Net sweep
+what a killed pytest left.
 
 Needs root with CAP_NET_ADMIN and `ip` (make installs iproute2): `require()` fails the test saying
 so otherwise (the suite runs as root; a hosts test that did not run proves nothing).
@@ -156,6 +158,7 @@ class Net:
         _sweep()
         self.run = f"{random.randrange(16**6):06x}"
         self.bridge = f"tdb{self.run}"
+        self.v6 = f"0{self.run[:3]}"  # (the /64's fourth group of hex digits)
         self.prefix = self._free_subnet()
         self.hosts: dict[str, Host] = {}
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -165,11 +168,11 @@ class Net:
             # heard a port's MLD report would not forward it there: the first dials over IPv6 time out)
             _ip("link", "add", self.bridge, "type", "bridge", "mcast_snooping", "0")
             _ip("addr", "add", f"{self.prefix}.1/24", "dev", self.bridge)
-            _ip("-6", "addr", "add", f"fd7d:{self.run[:4]}::1/64", "dev", self.bridge, "nodad")
+            _ip("-6", "addr", "add", f"fd7d:{self.v6}::1/64", "dev", self.bridge, "nodad")
             _ip("link", "set", self.bridge, "up")
             # (a listening socket on each of the bridge's addresses: every new host must reach both before
             # it is handed out; the kernel completes the handshakes, `_drain` accepts and closes them)
-            self._beacons = [_listen(f"{self.prefix}.1"), _listen(f"fd7d:{self.run[:4]}::1")]
+            self._beacons = [_listen(f"{self.prefix}.1"), _listen(f"fd7d:{self.v6}::1")]
         except BaseException:
             self.close()
             raise
@@ -203,7 +206,7 @@ class Net:
         _ip("netns", "add", ns)
         _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
         _ip("link", "set", veth, "master", self.bridge, "up")
-        h = Host(name, ns, f"{self.prefix}.{i}", f"fd7d:{self.run[:4]}::{i}", self)
+        h = Host(name, ns, f"{self.prefix}.{i}", f"fd7d:{self.v6}::{i}", self)
         for args in (
             ("addr", "add", f"{h.ip}/24", "dev", "eth0"),
             ("-6", "addr", "add", f"{h.ip6}/64", "dev", "eth0", "nodad"),

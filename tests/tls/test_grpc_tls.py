@@ -37,6 +37,26 @@ async def test_a_tls_cluster_serves_appends_and_reads_through_every_broker(broke
             await plain.list()
 
 
+@pytest.mark.parametrize("transport", ["tidings", "grpc"])
+async def test_an_ipv6_address_written_in_full_names_a_tls_broker(brokers, certs: Certs, transport: str) -> None:
+    """An IPv6 address has many spellings (`0:0:0:0:0:0:0:1` is `::1`, `fd7d:0f65::11` is `fd7d:f65::11`);
+    gRPC checks a certificate's address against the host as text in its shortest form. Brokers listening
+    at a long spelling announce the short one, and a client dialing a long one gets through."""
+    tls = certs.tls("wide")  # (127.0.0.1, ::1 and localhost)
+    bs = await brokers(tls=tls)
+    for zone in ("zone-a", "zone-b"):
+        b = await bs.add_broker(zone, listen="[0:0:0:0:0:0:0:1]:0")
+        assert b.endpoint.startswith("[::1]:"), b.endpoint
+    await bs.create_journal("tls/v6", 2)  # (replicated, and proxied from the non-primary, between them)
+    written = b""
+    for b in bs.brokers:
+        port = b.endpoint.rpartition(":")[2]
+        async with AsyncClient(f"[0:0:0:0:0:0:0:1]:{port}", tls=tls, transport=transport, retries=0) as c:
+            await c.append("tls/v6", b"<%s>" % port.encode())
+            written += b"<%s>" % port.encode()
+            assert await c.read_all("tls/v6") == written
+
+
 def _one_line(r) -> str:
     text = r.stderr.decode()
     assert r.returncode != 0 and "Traceback" not in text and text.count("\n") == 1, text

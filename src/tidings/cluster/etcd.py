@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tidings.protocol.status import TidingsError, UsageError
+from tidings.tls import canonical_endpoint
 
 if TYPE_CHECKING:  # (annotations only: tidings.tls imports grpc)
     from tidings.tls import TLS
@@ -45,9 +46,9 @@ def last_line(path: Path) -> str:
 
 
 def endpoint_of(host: str, port: int) -> str:
-    """HOST:PORT, an IPv6 literal in brackets (`[::1]:8080`)."""
+    """HOST:PORT, an IPv6 literal in brackets and in its shortest form (`[::1]:8080`)."""
     bare = host.strip("[]")
-    return f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
+    return canonical_endpoint(f"[{bare}]:{port}") if ":" in bare else f"{bare}:{port}"
 
 
 def _family(host: str) -> socket.AddressFamily:

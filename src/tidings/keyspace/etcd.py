@@ -43,7 +43,7 @@ import grpc
 from aetcd import rpc
 
 from tidings.protocol.status import TidingsError, TransportError, UsageError, map_grpc_error
-from tidings.tls import TLS
+from tidings.tls import TLS, canonical_endpoint
 
 __all__ = [
     "KV",
@@ -369,7 +369,7 @@ class Etcd:
             ("grpc.min_reconnect_backoff_ms", CONNECT_ATTEMPT_MS),
         ]
         token = _EtcdToken(endpoint, user, password) if user else None
-        target = f"{host}:{port}"
+        target = canonical_endpoint(f"{host}:{port}")
         interceptors = token.interceptors() if token is not None else None
         channel = (
             grpc.aio.secure_channel(target, tls.channel_credentials(), options, interceptors=interceptors)

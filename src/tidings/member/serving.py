@@ -20,7 +20,7 @@ from prometheus_client import Counter
 
 from tidings.protocol import protocol_pb2 as pb
 from tidings.protocol.status import UsageError
-from tidings.tls import TLS, RefusalLog, server_port, why_refused
+from tidings.tls import TLS, RefusalLog, canonical_endpoint, server_port, why_refused
 
 __all__ = [
     "advertised",
@@ -63,17 +63,20 @@ def listen_grpc(server: grpc.aio.Server, listen: str, who: str, tls: TLS | None 
 
 def advertised(bound: str, advertise: str, who: str, flag: str = "--advertise") -> str:
     """The endpoint other hosts dial for a service bound at `bound` (HOST:PORT): `advertise` (HOST or
-    HOST:PORT; an IPv6 literal in brackets) with the bound port unless it gives one, else `bound`
-    itself; a wildcard `bound` host without `advertise` is a UsageError (nobody could dial it)."""
+    HOST:PORT; an IPv6 literal in brackets, announced in its shortest form) with the bound port unless it
+    gives one, else `bound` itself; a wildcard `bound` host without `advertise` is a UsageError (nobody
+    could dial it)."""
     port = bound.rpartition(":")[2]
     if advertise:
         host, given = _host_port(advertise, who, flag)
+        host = host_of(canonical_endpoint(f"{host}:"))
         if host.strip("[]") in WILDCARDS or given == "0":
             raise UsageError(
                 f"{who}: {flag} {advertise} is not an address others can dial: give this host's name or address"
                 " (and the port they reach it at, if not the one it listens on)"
             )
         return f"{host}:{given or port}"
+    bound = canonical_endpoint(bound)
     if host_of(bound) in WILDCARDS:
         raise UsageError(
             f"{who} listens on {bound} but would announce an address nobody can dial: pass {flag} HOST[:PORT] "
