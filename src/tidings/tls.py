@@ -30,7 +30,7 @@ from typing import Any
 
 import grpc
 
-from tidings.protocol.status import UsageError
+from tidings.protocol.status import UsageError, name_hint, verify_hint
 
 __all__ = ["TLS", "RefusalLog", "channel", "check_own", "load", "probe", "server_port", "why_refused"]
 
@@ -281,6 +281,23 @@ def probe(endpoint: str, tls: TLS | None, timeout: float = 2.0) -> str:
     if closed:
         return f"TLS: {endpoint} refused our client certificate (not signed by its CA, or expired)"
     return ""
+
+
+def verify_failure(endpoint: str, tls: TLS, timeout: float = 1.0) -> str:
+    """Why `endpoint`'s certificate fails our verification (its CA, its expiry, the host dialed), in one
+    line; "" when it passes or no handshake happens."""
+    host, _, port = endpoint.rpartition(":")
+    ctx = tls.client_context()
+    ctx.set_alpn_protocols(["h2"])
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as raw:
+            with ctx.wrap_socket(raw, server_hostname=host.strip("[]")):
+                return ""
+    except ssl.SSLCertVerificationError as err:
+        why = err.verify_message or str(err)
+        return name_hint(endpoint) if "mismatch" in why else verify_hint(endpoint, why)
+    except (ssl.SSLError, OSError, ValueError):
+        return ""
 
 
 def _closed_after_handshake(s: ssl.SSLSocket) -> bool:

@@ -40,7 +40,7 @@ def test_cluster_up_with_tls_serves_brokers_and_etcd_over_mutual_tls(tmp_path: P
         assert r.returncode == 0, r.stderr
         r = tidings("journals", "list", broker=broker)
         assert r.returncode == 1 and b"speaks TLS: pass --tls-ca" in r.stderr and r.stderr.count(b"\n") == 1
-        with pytest.raises(TransportError, match="not reachable"):
+        with pytest.raises(TransportError, match="speaks TLS: pass --etcd-tls-ca"):
             asyncio.run(Etcd.connect(etcd, timeout=2))
         scraped = [line.split("metrics=")[1] for line in lines if line.startswith("broker") and "metrics=" in line]
         assert len(scraped) == 2 and all(url.startswith("https://") for url in scraped), lines

@@ -42,8 +42,8 @@ from typing import Any, Literal, TypeAlias
 import grpc
 from aetcd import rpc
 
-from tidings.protocol.status import TidingsError, TransportError, UsageError, map_grpc_error
-from tidings.tls import TLS, canonical_endpoint
+from tidings.protocol.status import TidingsError, TransportError, UsageError, map_grpc_error, tls_hint
+from tidings.tls import TLS, canonical_endpoint, probe, verify_failure
 
 __all__ = [
     "KV",
@@ -218,6 +218,24 @@ def _parse_endpoint(endpoint: str) -> tuple[str, int, bool]:
     return host, int(port), https
 
 
+async def _handshake_failure(channel: grpc.aio.Channel, endpoint: str, tls: TLS | None) -> str:
+    """Why a channel to a reachable etcd never became ready, in one line ("": no TLS mismatch found). A
+    call that does not wait for the channel fails at once with its last handshake's error (if the channel
+    is not between attempts); a handshake of our own verifies etcd's certificate; a server that refuses
+    our certificate, or speaks TLS to a plaintext client, says so only to the probe."""
+    why = ""
+    if tls is not None:
+        try:
+            await rpc.KVStub(channel).Range(rpc.RangeRequest(key=b"\0"), timeout=1.0, wait_for_ready=False)
+        except grpc.RpcError as err:
+            why = tls_hint(err.details() or "", endpoint)
+    if not why and tls is not None:
+        why = await asyncio.to_thread(verify_failure, endpoint, tls)
+    if not why:
+        why = await asyncio.to_thread(probe, endpoint, tls, 1.0)
+    return why.replace("--tls-", "--etcd-tls-")  # (etcd's flags)
+
+
 _AUTHENTICATE = "/etcdserverpb.Auth/Authenticate"
 STREAM_TOKEN_AGE = 1.0  # seconds: a stream opens with a token at most this old (its failure comes later)
 TOKEN_REFRESH = 60.0  # seconds: a unary call authenticates again first if the token is older
@@ -383,13 +401,15 @@ class Etcd:
                 await token.authenticate(0.0)
                 token.started = True
         except (TimeoutError, grpc.RpcError) as err:
+            why = await _handshake_failure(channel, target, tls)
             await channel.close()
             how = " over TLS (check --etcd-tls-ca and that etcd serves TLS)" if tls is not None else ""
+            why = why or (
+                f"not reachable{how} within {timeout:g}s ({type(err).__name__}); is etcd running there? "
+                "(pass --etcd or set TIDINGS_ETCD)"
+            )
             raise TransportError(
-                f"UNAVAILABLE from etcd {endpoint}: not reachable{how} within {timeout:g}s ({type(err).__name__}); "
-                "is etcd running there? (pass --etcd or set TIDINGS_ETCD)",
-                grpc.StatusCode.UNAVAILABLE,
-                retriable=True,
+                f"UNAVAILABLE from etcd {endpoint}: {why}", grpc.StatusCode.UNAVAILABLE, retriable=True
             ) from err
         except BaseException:
             await channel.close()

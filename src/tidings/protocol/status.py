@@ -210,22 +210,30 @@ _ADVICE = {
 }
 
 
-def _tls_hint(details: str, endpoint: str) -> str:
+def tls_hint(details: str, endpoint: str) -> str:
     """A one-line cause for a TLS failure in gRPC's error `details`, "" when it names none."""
     if "WRONG_VERSION_NUMBER" in details:
         return f"TLS: {endpoint} does not speak TLS (a plaintext server): drop --tls-* or dial its TLS port"
     if _VERIFY in details:
-        reason = details.split(_VERIFY, 1)[1].split(":", 1)[0].strip()
-        return f"TLS: {endpoint}'s certificate failed verification ({reason}): " + _ADVICE.get(
-            reason, "check --tls-ca and the server's certificate"
-        )
+        return verify_hint(endpoint, details.split(_VERIFY, 1)[1].split(":", 1)[0].strip())
     if "Hostname Verification Check failed" in details:
-        host = endpoint.rpartition(":")[0]
-        return (
-            f"TLS: {endpoint}'s certificate is not valid for {host}: dial a name or address its certificate "
-            "names, or reissue it with this one"
-        )
+        return name_hint(endpoint)
     return ""
+
+
+def verify_hint(endpoint: str, reason: str) -> str:
+    """One line: `endpoint`'s certificate failed verification for `reason` (OpenSSL's), and what to do."""
+    advice = _ADVICE.get(reason, "check --tls-ca and the server's certificate")
+    return f"TLS: {endpoint}'s certificate failed verification ({reason}): {advice}"
+
+
+def name_hint(endpoint: str) -> str:
+    """One line: `endpoint`'s certificate does not name the host dialed, and what to do."""
+    host = endpoint.rpartition(":")[0]
+    return (
+        f"TLS: {endpoint}'s certificate is not valid for {host}: dial a name or address its certificate names, "
+        "or reissue it with this one"
+    )
 
 
 def map_grpc_error(err: grpc.RpcError, target: str = "", role: str = "broker") -> TransportError:
@@ -242,7 +250,7 @@ def map_grpc_error(err: grpc.RpcError, target: str = "", role: str = "broker") -
         service = details.rsplit("tidings.protocol.", 1)[1].strip()
         role = _SERVICE_ROLES.get(service, f"{service} server")
         hint = f"{target or 'it'} is not a tidings {role} (an etcd endpoint?): give a {role}'s HOST:PORT"
-    elif name == "UNAVAILABLE" and (tls := _tls_hint(details, target or "the server")):
+    elif name == "UNAVAILABLE" and (tls := tls_hint(details, target or "the server")):
         hint = tls
     elif "Failed parsing HTTP/2" in details:
         hint = f"{target or 'it'} does not speak gRPC (a web or /metrics port?): give a tidings server's HOST:PORT"
