@@ -40,6 +40,7 @@ import signal
 import statistics
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,6 +52,7 @@ from _relay import Part
 
 from tidings.client import AppendService, AsyncClient
 from tidings.cluster import LocalCluster
+from tidings.cluster.etcd import free_port
 from tidings.logplayer.wal import Target, Targets, WalMutation, WalWriter
 from tidings.message import Publisher
 
@@ -69,6 +71,33 @@ def percentiles(values: list[float]) -> dict[str, float]:
     }
 
 
+def send_delay(url: str) -> dict[str, float]:
+    """The LogPlayer's own share of its delay (dispatch to the batch written to the target's connection,
+    every batch of the run, warm-up included): median and p99 in ms, interpolated in its histogram's
+    buckets (tidings_logplayer_send_delay_seconds, from its /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    buckets = [
+        (float(s.labels["le"]), s.value)
+        for family in text_string_to_metric_families(text)
+        if family.name == "tidings_logplayer_send_delay_seconds"
+        for s in family.samples
+        if s.name.endswith("_bucket")
+    ]
+    total = max((n for _, n in buckets), default=0)
+    out: dict[str, float] = {}
+    for name, q in (("sent_median_ms", 0.5), ("sent_p99_ms", 0.99)):
+        below, lower = 0.0, 0.0
+        for le, n in sorted(buckets):
+            if total and n >= q * total:
+                share = (q * total - below) / (n - below) if n > below and le != float("inf") else 1.0
+                out[name] = round(1e3 * (lower + share * ((le if le != float("inf") else lower) - lower)), 3)
+                break
+            below, lower = n, le
+    return out
+
+
 def applied(db: Path) -> list[tuple[int, int, int, int, int]]:
     """A target's apply log: (index, mutations, committed_ns, dispatched_ns, received_ns) in apply order."""
     if not db.exists():
@@ -85,27 +114,31 @@ def applied(db: Path) -> list[tuple[int, int, int, int, int]]:
 
 
 @contextlib.contextmanager
-def logplayer_design(broker: str, wal: str, ids: list[str], work: Path) -> Iterator[tuple[Targets, list[int], int]]:
-    """T target processes and a LogPlayer process; yields the targets, their PIDs and the player's."""
+def logplayer_design(
+    broker: str, wal: str, ids: list[str], work: Path
+) -> Iterator[tuple[Targets, list[int], int, str]]:
+    """T target processes and a LogPlayer process; yields the targets, their PIDs, the player's and its
+    /metrics URL."""
     cli = ["-m", "tidings.cli"]
     serve = [[*cli, "target", "serve", "--id", t, "--db", str(work / f"{t}.sqlite"), "--listen", "127.0.0.1:0",
               "--log-applied", *QUIET] for t in ids]  # fmt: skip
     with child_processes(serve, "target", sigterm=True) as started:
         targets = Targets(Target(id=t, endpoint=line.split()[1]) for t, (line, _) in zip(ids, started, strict=True))
+        metrics = f"127.0.0.1:{free_port()}"
         path = work / "targets.yaml"
         path.write_text(json.dumps({"targets": [{"id": t.id, "endpoint": t.endpoint} for t in targets.targets]}))
         player = [*cli, "logplayer", "run", "--wal", wal, "--targets", str(path), "--broker", broker,
-                  "--state", str(work / "player.state"), "--progress", "0", *QUIET]  # fmt: skip
+                  "--state", str(work / "player.state"), "--progress", "0", "--metrics", metrics, *QUIET]  # fmt: skip
         with child_processes([player], "logplayer", sigterm=True) as [(_, pid)]:
-            yield targets, [p for _, p in started], pid
+            yield targets, [p for _, p in started], pid, f"http://{metrics}/metrics"
 
 
 @contextlib.contextmanager
 def shard_design(
     broker: str, wal: str, ids: list[str], work: Path, journals: dict[str, str], relay: bool
-) -> Iterator[tuple[Targets, list[int], int]]:
+) -> Iterator[tuple[Targets, list[int], int, str]]:
     """T storage-shard processes on per-target journals, and (`relay`) a relay shard process on the WAL;
-    yields the targets, the storage shards' PIDs and the relay's (0: none)."""
+    yields the targets, the storage shards' PIDs, the relay's (0: none) and "" (no LogPlayer metrics)."""
     script = str(HERE / "_relay.py")
     prefix = journals[ids[0]].rsplit("/", 1)[0]
     shards = [[script, "apply", "--broker", broker, "--source", journals[t], "--db", str(work / f"{t}.sqlite")]
@@ -113,12 +146,12 @@ def shard_design(
     targets = Targets(Target(id=t, endpoint="127.0.0.1:1") for t in ids)  # (ids only: the key mapping)
     with child_processes(shards, "storage shard") as started:
         if not relay:
-            yield targets, [p for _, p in started], 0
+            yield targets, [p for _, p in started], 0, ""
             return
         argv = [script, "relay", "--broker", broker, "--source", wal, "--db", str(work / "relay.sqlite"),
                 "--prefix", prefix]  # fmt: skip
         with child_processes([argv], "relay shard") as [(_, pid)]:
-            yield targets, [p for _, p in started], pid
+            yield targets, [p for _, p in started], pid, ""
 
 
 def transaction(targets: Targets, kb: int, rng: random.Random) -> tuple[list[dict], dict[str, int]]:
@@ -214,7 +247,7 @@ async def one(
             setup = logplayer_design(broker, f"{name}/wal", ids, work)
         else:
             setup = shard_design(broker, f"{name}/wal", ids, work, journals, relay=design == "relay")
-        with setup as (targets, target_pids, player_pid):
+        with setup as (targets, target_pids, player_pid, metrics_url):
             pids = [p for p in (player_pid, *target_pids) if p]
             cpu0, t0 = [cpu_seconds(p) for p in pids], time.monotonic()
             if design == "direct":
@@ -228,6 +261,7 @@ async def one(
                     break
                 await asyncio.sleep(0.1)  # (polling the targets' files for their apply logs)
             cpu = [cpu_seconds(p) - before for p, before in zip(pids, cpu0, strict=True)]
+            sent = await asyncio.to_thread(send_delay, metrics_url) if metrics_url else {}
             took = time.monotonic() - t0
     # Once every process stopped, the apply logs are final: each part once, in order, whole.
     logs = {t: applied(work / f"{t}.sqlite") for t in ids}
@@ -254,7 +288,7 @@ async def one(
            "targets_cpu_pct": round(100 * sum(cpu[1 if player_pid else 0:]) / took, 1)}  # fmt: skip
     per_txn = {f"txn_{k}": v for k, v in whole.items()}
     return [
-        emit({"test": "logplayer_delay", **common, **percentiles([r[4] - r[3] for r in rows]), **fan}),
+        emit({"test": "logplayer_delay", **common, **percentiles([r[4] - r[3] for r in rows]), **fan, **sent}),
         emit({"test": "apply_delay", **common, **percentiles([r[4] - r[2] for r in rows]), **per_txn}),
         emit({"test": "cpu", **common, **use}),
     ]

@@ -130,12 +130,19 @@ def txn(i: int, n: int = 4) -> list[dict]:
 
 
 async def test_every_target_applies_its_entries_once_in_order(rig: Rig) -> None:
+    from prometheus_client import REGISTRY
+
+    def sends() -> float:  # (batches written, by tidings_logplayer_send_delay_seconds: the LogPlayer's own delay)
+        return REGISTRY.get_sample_value("tidings_logplayer_send_delay_seconds_count", {"wal": WAL}) or 0.0
+
     await rig.start_targets()
+    before = sends()
     rig.start_player()
     indices = await rig.append(range(50))
     assert indices == sorted(indices) and len(set(indices)) == 50
     expected = await rig.wait_delivered()
     assert sum(map(len, expected.values())) >= 50
+    assert 0 < sends() - before <= sum(map(len, expected.values()))  # (a batch may carry several entries)
     # The key-value default applied the values.
     db = apsw.Connection(str(rig.db(rig.targets.target_of("k3-1"))))
     assert msgspec.json.decode(db.execute("SELECT value FROM kv WHERE key = 'k3-1'").fetchone()[0]) == {"i": 3, "j": 1}

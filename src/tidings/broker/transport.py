@@ -266,6 +266,11 @@ class _Connection(asyncio.Protocol):
         else:  # large content: no copy into a joined buffer
             self.transport.writelines([HEADER.pack(len(payload), sid, kind), payload])
 
+    @property
+    def flowing(self) -> bool:
+        """Open and under its send buffer's high-water mark: `drain` would return at once (a caller may skip it)."""
+        return not self._paused and self.closed is None
+
     async def drain(self) -> None:
         while self._paused and self.closed is None:
             fut = self._loop.create_future()

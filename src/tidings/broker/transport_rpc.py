@@ -205,7 +205,8 @@ class RpcStream(Inbound[Message]):
         payload = message.SerializeToString()
         self.credit.left -= len(payload)
         self.conn.write(self.sid, RESPONSE, payload)
-        await self.conn.drain()
+        if not self.conn.flowing:
+            await self.conn.drain()
 
     def end(self, payload: bytes = b"") -> None:
         if self.ended:

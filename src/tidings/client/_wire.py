@@ -347,7 +347,7 @@ class _Call(Inbox):
         payload = msg.SerializeToString()
         self._credit.left -= len(payload)
         self._send(REQUEST, payload)
-        if self._conn is not None:
+        if self._conn is not None and not self._conn.flowing:  # (no coroutine and timer per request otherwise)
             with contextlib.suppress(StreamError):  # (a broken connection ends the call: _next says how)
                 await self._waiting(self._conn.drain())
 
