@@ -12,6 +12,9 @@ in `content`. Prints one JSON line per measurement, then a table. MB = 10^6 payl
   replicate_pipelined  both peers, WINDOW requests in flight (16 for 1 MiB, as bench/append.py):
                        messages/s and MB/s for 1 KiB, 64 KiB and 1 MiB; median / p99 from a
                        request's write to its last answer
+  client_call          a client's unary call at a time (ListFragments of the Journal service, answered
+                       empty by a no-op servicer: no broker behind it): the floor every client call pays,
+                       grpc.aio against the data port's framing (`transport_rpc.py`, `client/_wire.py`)
   pingpong_idle        tidings only: pingpong on a connection that also carries 1000 idle streams
                        (each opened and answered once), against the same connection without them;
                        also the time to open them and the peer's RSS growth
@@ -52,6 +55,7 @@ from _common import CLK_TCK, child_processes, cpu_seconds, emit, rss_kib, run
 
 from tidings.broker.service import PEER_CHANNEL_OPTIONS, SERVER_OPTIONS
 from tidings.broker.transport import Dialer, MuxReplicaStream, PeerStream, ReplicationServer, StreamError
+from tidings.client._wire import WireChannel, WireStub
 from tidings.protocol import protocol_pb2 as pb
 from tidings.tls import TLS, load
 
@@ -77,6 +81,13 @@ async def tidings_replicate(stream: PeerStream) -> None:
             await stream.send(ACK)
 
 
+class NoopJournal:
+    """A Journal servicer with one no-op method: what a client call costs with no broker behind it."""
+
+    async def ListFragments(self, request: pb.FragmentsRequest, context: object) -> pb.FragmentsResponse:
+        return pb.FragmentsResponse(status=pb.OK)
+
+
 async def peer_main(kind: str) -> None:
     """Serve on 127.0.0.1, print the endpoint, and run until SIGTERM or the parent closes our stdin."""
     loop = asyncio.get_running_loop()
@@ -96,7 +107,15 @@ async def peer_main(kind: str) -> None:
             request_deserializer=pb.ReplicateRequest.FromString,
             response_serializer=pb.ReplicateResponse.SerializeToString,
         )
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {METHOD: handler}),))
+        noop = grpc.unary_unary_rpc_method_handler(
+            NoopJournal().ListFragments,
+            request_deserializer=pb.FragmentsRequest.FromString,
+            response_serializer=pb.FragmentsResponse.SerializeToString,
+        )
+        server.add_generic_rpc_handlers((
+            grpc.method_handlers_generic_handler(SERVICE, {METHOD: handler}),
+            grpc.method_handlers_generic_handler("tidings.protocol.Journal", {"ListFragments": noop}),
+        ))  # fmt: skip
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
@@ -105,9 +124,8 @@ async def peer_main(kind: str) -> None:
         finally:
             await server.stop(0)
     else:
-        rs = await ReplicationServer(tidings_replicate, tls=_tls() if kind == "tidings-tls" else None).start(
-            "127.0.0.1:0"
-        )
+        tls = _tls() if kind == "tidings-tls" else None
+        rs = await ReplicationServer(tidings_replicate, tls=tls, servicer=NoopJournal()).start("127.0.0.1:0")
         try:
             print(rs.endpoint, flush=True)
             await stop.wait()
@@ -375,6 +393,50 @@ async def pipelined(t: Transport, peers: list[tuple[str, int]], size: int, secon
     }
 
 
+async def client_call(kind: str, peer: tuple[str, int], count: int, warmup: int) -> dict:
+    """Unary no-op calls one at a time from a client: a grpc.aio channel, or the data port's WireChannel."""
+    endpoint, pid = peer
+    req = pb.FragmentsRequest(journal="bench/noop")
+    if kind == "grpc":
+        channel = grpc.aio.insecure_channel(endpoint)
+        call = channel.unary_unary(
+            "/tidings.protocol.Journal/ListFragments",
+            request_serializer=pb.FragmentsRequest.SerializeToString,
+            response_deserializer=pb.FragmentsResponse.FromString,
+        )
+        close = channel.close
+    else:
+        wire = WireChannel(endpoint, _tls() if kind == "tidings-tls" else None)
+        call, close = WireStub(wire).ListFragments, wire.close
+
+    async def calls(n: int) -> list[float]:
+        lat = []
+        for _ in range(n):
+            t = time.perf_counter()
+            if (await call(req)).status != pb.OK:
+                raise RuntimeError("the no-op servicer answered an error")
+            lat.append(time.perf_counter() - t)
+        return lat
+
+    try:
+        await calls(warmup)
+        cpu, peer_cpu = time.process_time(), cpu_seconds(pid)
+        lat = await calls(count)
+        cpu, peer_cpu = time.process_time() - cpu, cpu_seconds(pid) - peer_cpu
+    finally:
+        await close()
+    return {
+        "test": "client_call",
+        "peers": 1,
+        "payload_bytes": 0,
+        **quantiles(lat),
+        "msgs_per_s": round(count / sum(lat)),
+        "sender_cpu_us": round(cpu / count * 1e6, 1),
+        "peer_cpu_us": per_message_us(peer_cpu, count),
+        "count": count,
+    }
+
+
 async def pingpong_idle(t: TidingsTransport, peer: tuple[str, int], idle: int, count: int, warmup: int) -> dict:
     """Pingpong on one connection, then again with `idle` more streams open on it (each answered once)."""
     endpoint, pid = peer
@@ -428,6 +490,8 @@ async def bench(kind: str, peers: list[tuple[str, int]], args: argparse.Namespac
             out(await sequential(t, peers[:1], KiB, args.count, args.warmup))
         async with asyncio.timeout(MEASURE_TIMEOUT):
             out(await sequential(t, peers, KiB, args.count, args.warmup))
+        async with asyncio.timeout(MEASURE_TIMEOUT):
+            out(await client_call(kind, peers[0], args.count, args.warmup))
         for size in (KiB, 64 * KiB, MiB):
             async with asyncio.timeout(MEASURE_TIMEOUT):
                 out(await pipelined(t, peers, size, args.seconds, args.window if size < MiB else min(args.window, 16)))
