@@ -196,15 +196,20 @@ class RpcStream(Inbound[Message]):
         while (msg := await self._next_request()) is not None:
             yield msg
 
-    async def respond(self, message: Message) -> None:
-        """Send a response once the client's window has room (and then its socket buffer)."""
+    async def respond(self, message: Message, last: bool = False) -> None:
+        """Send a response once the client's window has room (and then its socket buffer); `last`: the
+        call's only or last one, sent with the call's END (OK) in one write."""
         while not self.ended and self.credit.left <= 0:
             await self.credit.wait()
         if self.ended:
             raise asyncio.CancelledError()  # (the call is gone: as grpc.aio's write to a cancelled call)
         payload = message.SerializeToString()
         self.credit.left -= len(payload)
-        self.conn.write(self.sid, RESPONSE, payload)
+        if last:
+            self.ended = True
+            self.conn.write_last(self.sid, RESPONSE, payload, b"")
+        else:
+            self.conn.write(self.sid, RESPONSE, payload)
         if not self.conn.flowing:
             await self.conn.drain()
 
@@ -232,7 +237,7 @@ async def serve(servicer: Servicer, call: RpcStream, first: Message, ctx: Contex
             else:
                 result = await handler(first, ctx)
             if not method.server_streaming and result is not None:
-                await call.respond(result)
+                await call.respond(result, last=True)  # (with its END: one write)
         call.end()
     except grpc.aio.AbortError:
         call.end(end_payload(ctx.code() or grpc.StatusCode.UNKNOWN, ctx.details))
