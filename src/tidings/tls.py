@@ -16,7 +16,6 @@ says "Socket closed".
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import re
@@ -205,16 +204,19 @@ CONNECT_ATTEMPT_OPTIONS = [("grpc.min_reconnect_backoff_ms", 2000)]
 
 
 def canonical_endpoint(endpoint: str) -> str:
-    """`endpoint` (HOST:PORT) with an IPv6 literal in its shortest form (`[fd7d:0f65::11]` ->
-    `[fd7d:f65::11]`): gRPC matches a certificate's IP address against the host it dials as text, printing
-    the address short, so any other spelling of the very address the certificate names fails the check."""
+    """`endpoint` (HOST:PORT) with an IPv6 literal in the form gRPC prints addresses in (inet_ntop: the
+    shortest, `[fd7d:0f65::11]` -> `[fd7d:f65::11]`, an IPv4-mapped one as `::ffff:10.0.0.5`): gRPC matches a
+    certificate's IP address against the host it dials as text, so any other spelling of the very address
+    the certificate names fails the check."""
     if not endpoint.startswith("["):
         return endpoint
     literal, _, rest = endpoint[1:].partition("]")
+    address, scoped, scope = literal.partition("%")
     try:
-        return f"[{ipaddress.IPv6Address(literal).compressed}]{rest}"
-    except ValueError:
+        short = socket.inet_ntop(socket.AF_INET6, socket.inet_pton(socket.AF_INET6, address))
+    except (OSError, ValueError):
         return endpoint  # (not an address: dialing it says what is wrong)
+    return f"[{short}{scoped}{scope}]{rest}"
 
 
 def channel(endpoint: str, tls: TLS | None, options: Any = None) -> grpc.aio.Channel:

@@ -108,10 +108,11 @@ async def test_a_client_etcd_would_refuse_fails_in_one_line_naming_why(
     endpoint = tls_etcd.endpoint
     if client == "wrong-name":  # (its certificate names 127.0.0.1 alone)
         endpoint = f"localhost:{endpoint.rpartition(':')[2]}"
-    with pytest.raises(TransportError) as refused:
-        await Etcd.connect(endpoint, timeout=2, tls=tls)
-    assert f"etcd {endpoint}" in str(refused.value) and says in str(refused.value), refused.value
-    assert "\n" not in str(refused.value)
+    for user in ("", "tidings"):  # (and as an etcd user: its calls authenticate first)
+        with pytest.raises(TransportError) as refused:
+            await Etcd.connect(endpoint, timeout=2, tls=tls, user=user, password="s3cret")
+        assert f"etcd {endpoint}" in str(refused.value) and says in str(refused.value), (user, refused.value)
+        assert "\n" not in str(refused.value)
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from tidings.protocol.status import UsageError
         ("[::1]:8080", "", "[::1]:8080"),
         ("[0:0:0:0:0:0:0:1]:8080", "", "[::1]:8080"),  # (in its shortest form: what certificates are checked as)
         ("[::]:8080", "[fd7d:0f65::11]", "[fd7d:f65::11]:8080"),
+        ("[::]:8080", "[::ffff:a00:5]", "[::ffff:10.0.0.5]:8080"),  # (IPv4-mapped: as gRPC prints it)
     ],
 )
 def test_the_announced_address(bound: str, advertise: str, announced: str) -> None:

@@ -218,22 +218,30 @@ def _parse_endpoint(endpoint: str) -> tuple[str, int, bool]:
     return host, int(port), https
 
 
-async def _handshake_failure(channel: grpc.aio.Channel, endpoint: str, tls: TLS | None) -> str:
-    """Why a channel to a reachable etcd never became ready, in one line ("": no TLS mismatch found). A
-    call that does not wait for the channel fails at once with its last handshake's error (if the channel
-    is not between attempts); a handshake of our own verifies etcd's certificate; a server that refuses
-    our certificate, or speaks TLS to a plaintext client, says so only to the probe."""
+async def _handshake_failure(channel: grpc.aio.Channel | None, endpoint: str, tls: TLS | None) -> str:
+    """Why a channel to a reachable etcd never became ready, in one line ("": no TLS mismatch found, or
+    no answer within HINT_TIMEOUT). A call that does not wait for `channel` (None: one with an etcd user's
+    interceptor, which would authenticate first) fails at once with its last handshake's error; a handshake
+    of our own verifies etcd's certificate; a server that refuses our certificate, or speaks TLS to a
+    plaintext client, says so only to the probe."""
     why = ""
-    if tls is not None:
-        try:
-            await rpc.KVStub(channel).Range(rpc.RangeRequest(key=b"\0"), timeout=1.0, wait_for_ready=False)
-        except grpc.RpcError as err:
-            why = tls_hint(err.details() or "", endpoint)
-    if not why and tls is not None:
-        why = await asyncio.to_thread(verify_failure, endpoint, tls)
-    if not why:
-        why = await asyncio.to_thread(probe, endpoint, tls, 1.0)
+    try:
+        async with asyncio.timeout(HINT_TIMEOUT):
+            if tls is not None and channel is not None:
+                try:
+                    await rpc.KVStub(channel).Range(rpc.RangeRequest(key=b"\0"), timeout=1.0, wait_for_ready=False)
+                except grpc.RpcError as err:
+                    why = tls_hint(err.details() or "", endpoint)
+            if not why and tls is not None:
+                why = await asyncio.to_thread(verify_failure, endpoint, tls)
+            if not why:
+                why = await asyncio.to_thread(probe, endpoint, tls, 1.0)
+    except TimeoutError:
+        return ""
     return why.replace("--tls-", "--etcd-tls-")  # (etcd's flags)
+
+
+HINT_TIMEOUT = 3.0  # seconds the reason for a failed connection is looked for at most
 
 
 _AUTHENTICATE = "/etcdserverpb.Auth/Authenticate"
@@ -401,8 +409,10 @@ class Etcd:
                 await token.authenticate(0.0)
                 token.started = True
         except (TimeoutError, grpc.RpcError) as err:
-            why = await _handshake_failure(channel, target, tls)
-            await channel.close()
+            try:
+                why = await _handshake_failure(channel if token is None else None, target, tls)
+            finally:
+                await channel.close()
             how = " over TLS (check --etcd-tls-ca and that etcd serves TLS)" if tls is not None else ""
             why = why or (
                 f"not reachable{how} within {timeout:g}s ({type(err).__name__}); is etcd running there? "

@@ -275,8 +275,10 @@ class TargetLink:
                 await call.write(req)
             except asyncio.InvalidStateError:  # (the target ended the stream: say why, as the reader would)
                 raise LinkFailed(f"{(await call.code()).name}: {await call.details()}") from None
-            if batch[-1].dispatched_ns:
-                self._send_delay.observe((time.time_ns() - batch[-1].dispatched_ns) / 1e9)
+            now = time.time_ns()
+            for e in batch:  # (each entry's wait: a batch's oldest waited longest)
+                if e.dispatched_ns:  # (a dummy entry has none)
+                    self._send_delay.observe((now - e.dispatched_ns) / 1e9)
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         queue, acknowledged = self.queue, self.dispatcher.acknowledged

@@ -77,14 +77,6 @@ ENTRIES = Counter("tidings_target_entries_applied_total", "WAL entries applied (
 BATCHES = Counter("tidings_target_batches_total", "Deliver batches by outcome", ["target", "status"])
 LAST_APPLIED = Gauge("tidings_target_last_applied", "The index of the last applied WAL entry", ["target"])
 
-# With the built-in apply (apply_key_values), a batch this small is applied on the event loop, blocking it
-# for one SQLite transaction and its fsync (~0.25 ms here): handing it to a worker thread and back cost the
-# target more CPU than the apply itself (two thread wake-ups per batch; -42% of the targets' CPU in
-# bench/logplayer.py), CPU that other targets and the LogPlayer wait for on a shared host. The loop has
-# nothing else to do meanwhile: the stream's next batch waits for this one anyway. A larger batch, and any
-# batch for a user's apply function (it may take any time), goes to a thread: the loop keeps serving.
-INLINE_APPLY_BYTES = 64 * 1024
-
 KV_TABLE = "CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY NOT NULL, value BLOB NOT NULL)"
 APPLIED_TABLE = (  # the apply log (--log-applied): what bench/logplayer.py measures
     "CREATE TABLE IF NOT EXISTS applied (seq INTEGER PRIMARY KEY, idx INTEGER NOT NULL, "
@@ -202,7 +194,6 @@ class TargetService(pb_grpc.TargetServicer):
         self.data_port = 0  # (GetLastAck names it: TargetServer sets it once its data port listens)
         self.verifier: Verifier | NoVerifier = verifier if verifier is not None else NoVerifier()
         self._labels = target_labels(target)
-        self._inline = store.apply_fn is apply_key_values  # (small batches applied on the loop)
         self._applying = asyncio.Lock()  # one apply at a time; an Open waits for the one in progress
         self._holder: tuple[object, tuple[int, int]] | None = None  # the stream that may apply, its (epoch, nonce)
         # (each batch counts: the metric children bound once, not looked up per batch)
@@ -280,12 +271,9 @@ class TargetService(pb_grpc.TargetServicer):
                     refusal = (pb.TARGET_FENCED, f"a newer LogPlayer (epoch {key[0]}) holds the target")
                 else:
                     try:
-                        if self._inline and req.ByteSize() <= INLINE_APPLY_BYTES:  # (see INLINE_APPLY_BYTES)
-                            last = self.store.apply(req.prev_index, req.entries, received)
-                        else:
-                            last = await to_the_end(
-                                asyncio.to_thread(self.store.apply, req.prev_index, req.entries, received)
-                            )
+                        last = await to_the_end(
+                            asyncio.to_thread(self.store.apply, req.prev_index, req.entries, received)
+                        )
                     except WrongIndex as exc:
                         refusal = (pb.WRONG_TARGET_INDEX, str(exc))
                     except Exception as exc:  # the user's apply function failed: nothing of the batch applied
