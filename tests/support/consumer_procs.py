@@ -17,11 +17,15 @@ REPO = Path(__file__).resolve().parent.parent.parent
 
 
 class ConsumerProcs:
-    """`tidings consumer` children serving `app` (module:factory), by id; `env` adds to their environment."""
+    """`tidings consumer` children serving `app` (module:factory), by id; `env` adds to their environment;
+    `exit_timeout` is their --exit-timeout (how long a SIGTERM waits for its shards to move away)."""
 
-    def __init__(self, cluster, root: str, data_dir: Path, app: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, cluster, root: str, data_dir: Path, app: str, env: dict[str, str] | None = None, exit_timeout: float = 20
+    ) -> None:
         self.cluster, self.root, self.data_dir, self.app = cluster, root, data_dir, app
         self.env = env or {}
+        self.exit_timeout = exit_timeout
         self.procs: dict[str, subprocess.Popen] = {}
         self.endpoints: dict[str, str] = {}
 
@@ -34,7 +38,8 @@ class ConsumerProcs:
         cmd = [sys.executable, "-m", "tidings.cli", "consumer", "--app", self.app,
                "--etcd", self.cluster.etcd_endpoint, "--broker", self.broker,
                "--root", self.root, "--data-dir", str(self.data_dir / "shards"), "--id", suffix, "--zone", zone,
-               "--listen", "127.0.0.1:0", "--metrics", "", "--lease-ttl", "2", "--exit-timeout", "20"]  # fmt: skip
+               "--listen", "127.0.0.1:0", "--metrics", "", "--lease-ttl", "2",
+               "--exit-timeout", f"{self.exit_timeout:g}"]  # fmt: skip
         environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]), **self.env,
                    **(env or {})}  # fmt: skip
         self.data_dir.mkdir(parents=True, exist_ok=True)
