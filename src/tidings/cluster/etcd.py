@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tidings.protocol.status import TidingsError, UsageError
-from tidings.tls import canonical_endpoint
 
 if TYPE_CHECKING:  # (annotations only: tidings.tls imports grpc)
     from tidings.tls import TLS
@@ -47,6 +46,8 @@ def last_line(path: Path) -> str:
 
 def endpoint_of(host: str, port: int) -> str:
     """HOST:PORT, an IPv6 literal in brackets and in its shortest form (`[::1]:8080`)."""
+    from tidings.tls import canonical_endpoint  # (here: tidings.tls imports grpc, which this module does not need)
+
     bare = host.strip("[]")
     return canonical_endpoint(f"[{bare}]:{port}") if ":" in bare else f"{bare}:{port}"
 
