@@ -72,9 +72,9 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 def send_delay(url: str) -> dict[str, float]:
-    """The LogPlayer's own share of its delay (dispatch to the batch written to the target's connection,
-    every batch of the run, warm-up included): median and p99 in ms, interpolated in its histogram's
-    buckets (tidings_logplayer_send_delay_seconds, from its /metrics)."""
+    """The LogPlayer's own share of its delay (a batch's oldest entry's dispatch to the batch written to the
+    target's connection, every batch of the run, warm-up included): median and p99 in ms, interpolated in
+    its histogram's buckets (tidings_logplayer_send_delay_seconds, from its /metrics)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(url, timeout=10).read().decode()

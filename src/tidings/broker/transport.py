@@ -254,30 +254,22 @@ class _Connection(asyncio.Protocol):
 
     # -- for the streams -------------------------------------------------------------------
 
-    def write(self, sid: int, kind: int, payload: bytes = b"") -> None:
-        """Write one frame now (whole: no await between its parts). Coalescing the small frames of a
-        loop iteration into one system call was tried and measured no faster (bench/README.md)."""
+    def write(self, sid: int, kind: int, payload: bytes = b"", end: bytes | None = None) -> None:
+        """Write one frame now (whole: no await between its parts); with `end`, the stream's END frame (that
+        payload) in the same write: a unary answer then costs one system call, one TLS record and one wake-up
+        of its reader, not two. Coalescing the small frames of a loop iteration into one system call was
+        tried and measured no faster (bench/README.md)."""
         if self.closed is not None:
             raise StreamError(f"{self.name}: {self.closed}")
         if self.transport is None:
             raise StreamError(f"{self.name}: not connected")
+        parts = [HEADER.pack(len(payload), sid, kind), payload]
+        if end is not None:
+            parts.append(HEADER.pack(len(end), sid, END) + end)
         if len(payload) < 65536:
-            self.transport.write(HEADER.pack(len(payload), sid, kind) + payload)
+            self.transport.write(b"".join(parts))
         else:  # large content: no copy into a joined buffer
-            self.transport.writelines([HEADER.pack(len(payload), sid, kind), payload])
-
-    def write_last(self, sid: int, kind: int, payload: bytes, end: bytes) -> None:
-        """Write a stream's last message and its END frame (`end`'s payload) in one system call (one TLS
-        record): a unary answer would otherwise cost two, and wake its reader twice."""
-        if self.closed is not None:
-            raise StreamError(f"{self.name}: {self.closed}")
-        if self.transport is None:
-            raise StreamError(f"{self.name}: not connected")
-        frames = [HEADER.pack(len(payload), sid, kind), payload, HEADER.pack(len(end), sid, END), end]
-        if len(payload) < 65536:
-            self.transport.write(b"".join(frames))
-        else:  # large content: no copy into a joined buffer
-            self.transport.writelines(frames)
+            self.transport.writelines(parts)
 
     @property
     def flowing(self) -> bool:

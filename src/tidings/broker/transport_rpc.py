@@ -207,7 +207,7 @@ class RpcStream(Inbound[Message]):
         self.credit.left -= len(payload)
         if last:
             self.ended = True
-            self.conn.write_last(self.sid, RESPONSE, payload, b"")
+            self.conn.write(self.sid, RESPONSE, payload, end=b"")
         else:
             self.conn.write(self.sid, RESPONSE, payload)
         if not self.conn.flowing:
