@@ -16,6 +16,7 @@ says "Socket closed".
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -23,6 +24,7 @@ import socket
 import ssl
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -236,18 +238,25 @@ def server_port(server: grpc.aio.Server, listen: str, tls: TLS | None) -> int:
     return port
 
 
+@contextlib.contextmanager
+def _handshake(endpoint: str, ctx: ssl.SSLContext, timeout: float) -> Iterator[ssl.SSLSocket]:
+    """A stdlib TLS connection to `endpoint` (HOST:PORT), its handshake done with `ctx` for that host."""
+    host = endpoint.rpartition(":")[0].strip("[]")
+    with socket.create_connection((host, int(endpoint.rpartition(":")[2])), timeout=timeout) as raw:
+        with ctx.wrap_socket(raw, server_hostname=host) as s:
+            yield s
+
+
 def check_own(endpoint: str, tls: TLS, who: str, timeout: float = 5.0, alpn: str = "h2") -> None:
     """Handshake with ourselves at the `endpoint` we announce, as a peer would (verifying with our CA
     for the host name announced: a process without --tls-ca skips it): an expired certificate or one not
     valid for that address is a UsageError of one line before anyone is told to dial it. Not reaching
     ourselves (an address only others route) is only logged."""
-    host, _, port = endpoint.rpartition(":")
     ctx = tls.client_context()
     ctx.set_alpn_protocols([alpn])
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as raw:
-            with ctx.wrap_socket(raw, server_hostname=host.strip("[]")):
-                pass
+        with _handshake(endpoint, ctx, timeout):
+            pass
     except ssl.SSLCertVerificationError as err:
         why = err.verify_message or str(err)
         advice = {
@@ -263,17 +272,15 @@ def check_own(endpoint: str, tls: TLS, who: str, timeout: float = 5.0, alpn: str
 def probe(endpoint: str, tls: TLS | None, timeout: float = 2.0) -> str:
     """Why a connection to `endpoint` closed during its handshake ("Socket closed" is all gRPC says):
     one stdlib TLS handshake to it, unverified, says whether it speaks TLS and whether it took us."""
-    host, _, port = endpoint.rpartition(":")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
     ctx.set_alpn_protocols(["h2"])
     if tls is not None and tls.cert is not None and tls.key is not None:
         _load_chain(ctx, tls.cert, tls.key)
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as raw:
-            with ctx.wrap_socket(raw, server_hostname=host.strip("[]")) as s:
-                s.settimeout(timeout)
-                closed = _closed_after_handshake(s)
+        with _handshake(endpoint, ctx, timeout) as s:
+            s.settimeout(timeout)
+            closed = _closed_after_handshake(s)
     except (ssl.SSLError, OSError, ValueError):
         return ""
     if tls is None:
@@ -288,13 +295,11 @@ def probe(endpoint: str, tls: TLS | None, timeout: float = 2.0) -> str:
 def verify_failure(endpoint: str, tls: TLS, timeout: float = 1.0) -> str:
     """Why `endpoint`'s certificate fails our verification (its CA, its expiry, the host dialed), in one
     line; "" when it passes or no handshake happens."""
-    host, _, port = endpoint.rpartition(":")
     ctx = tls.client_context()
     ctx.set_alpn_protocols(["h2"])
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as raw:
-            with ctx.wrap_socket(raw, server_hostname=host.strip("[]")):
-                return ""
+        with _handshake(endpoint, ctx, timeout):
+            return ""
     except ssl.SSLCertVerificationError as err:
         why = err.verify_message or str(err)
         return name_hint(endpoint) if "mismatch" in why else verify_hint(endpoint, why)
