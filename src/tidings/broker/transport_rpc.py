@@ -205,11 +205,13 @@ class RpcStream(Inbound[Message]):
             raise asyncio.CancelledError()  # (the call is gone: as grpc.aio's write to a cancelled call)
         payload = message.SerializeToString()
         self.credit.left -= len(payload)
-        if last:
+        if last:  # (no drain: the call is over, and its END has reached the client before its task ends, so
+            # its slot must be free at once; waiting in `calls` for a paused connection made a client that
+            # reopened at MAX_CALLS look broken)
             self.ended = True
             self.conn.write(self.sid, RESPONSE, payload, end=b"")
-        else:
-            self.conn.write(self.sid, RESPONSE, payload)
+            return
+        self.conn.write(self.sid, RESPONSE, payload)
         if not self.conn.flowing:
             await self.conn.drain()
 
